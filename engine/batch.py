@@ -1,0 +1,124 @@
+"""A ragged batch for one forward pass, as device tensors.
+
+Each sequence in the batch brings some new tokens (a whole prompt, a prefill chunk, or one
+decode token) and some tokens already in paged KV storage. All new tokens are concatenated
+into one flat row dimension ``T``; the per-sequence metadata says where each sequence's rows
+start, how long its context is and which pages hold it.
+
+    sequence b: [ cached tokens (num_cached[b]) | new tokens (q_len[b]) ]  -> seq_len[b]
+    token t of sequence b sits at position num_cached[b] + i and is written to slot
+    block_table[b][pos // page_size] * page_size + pos % page_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    """One sequence's part of a forward pass (host values)."""
+
+    token_ids: Sequence[int]  # the new tokens computed in this pass
+    num_cached: int  # tokens of this sequence already in KV storage (their positions come first)
+    pages: Sequence[int]  # page ids holding positions [0, num_cached + len(token_ids))
+    want_logits: bool = True  # logits for the last new token (prefill chunks mid-prompt: False)
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) == 0:
+            raise ValueError("a sequence in a forward batch needs at least one new token")
+        if self.num_cached < 0:
+            raise ValueError(f"num_cached must be >= 0, got {self.num_cached}")
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Device tensors for one forward over a ragged batch.
+
+    Shapes: T = total new tokens, B = sequences, P = max pages per sequence.
+    """
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    query_start_loc: torch.Tensor  # [B + 1] int32: row offsets of each sequence
+    seq_lens: torch.Tensor  # [B] int32: context length after this pass (cached + new)
+    block_tables: torch.Tensor  # [B, P] int32, padded with 0 (masked by seq_lens)
+    logits_indices: torch.Tensor  # [N] long: rows whose logits the caller wants
+    # Host copies: the attention paths need these sizes without a device sync.
+    q_lens: tuple[int, ...] = ()
+    seq_lens_host: tuple[int, ...] = ()
+    page_size: int = 16
+    # Per-forward scratch shared by all layers (e.g. masks of the torch attention reference).
+    scratch: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host)
+
+
+def build_forward_batch(
+    seqs: Sequence[SequenceInput], page_size: int, device: torch.device | str = "cpu"
+) -> ForwardBatch:
+    """Flatten sequences into one ragged batch; validates that the pages cover every position."""
+    if not seqs:
+        raise ValueError("a forward batch needs at least one sequence")
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    logits_rows: list[int] = []
+    for seq in seqs:
+        _check_pages(seq, page_size)
+        for i, token in enumerate(seq.token_ids):
+            pos = seq.num_cached + i
+            input_ids.append(int(token))
+            positions.append(pos)
+            slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
+        starts.append(len(input_ids))
+        if seq.want_logits:
+            logits_rows.append(len(input_ids) - 1)
+    q_lens = tuple(len(s.token_ids) for s in seqs)
+    seq_lens = tuple(s.num_cached + len(s.token_ids) for s in seqs)
+    max_pages = max(len(s.pages) for s in seqs)
+    table = [list(s.pages) + [0] * (max_pages - len(s.pages)) for s in seqs]
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=tensor(input_ids, torch.long),
+        positions=tensor(positions, torch.long),
+        slot_mapping=tensor(slots, torch.long),
+        query_start_loc=tensor(starts, torch.int32),
+        seq_lens=tensor(list(seq_lens), torch.int32),
+        block_tables=tensor(table, torch.int32),
+        logits_indices=tensor(logits_rows, torch.long),
+        q_lens=q_lens,
+        seq_lens_host=seq_lens,
+        page_size=page_size,
+    )
+
+
+def _check_pages(seq: SequenceInput, page_size: int) -> None:
+    needed = -(-(seq.num_cached + len(seq.token_ids)) // page_size)
+    if len(seq.pages) < needed:
+        raise ValueError(
+            f"sequence of {seq.num_cached + len(seq.token_ids)} tokens needs {needed} pages "
+            f"of {page_size}, got {len(seq.pages)}"
+        )

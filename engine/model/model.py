@@ -1,0 +1,123 @@
+"""``Model``: load a Hugging Face Llama-family folder and run ragged, paged forwards."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
+from engine.cache.kv_cache import KVPages, allocate_kv_pages
+from engine.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.model.weights import load_weights
+from engine.ops import OpSet, select_ops
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """float16 on CUDA and float32 on CPU unless asked otherwise."""
+    if dtype is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class Model:
+    """A loaded decoder: config, weights on a device, and the op set that runs it."""
+
+    def __init__(self, config: ModelConfig, network: LlamaForCausalLM, path: Path | None = None):
+        self.config = config
+        self.network = network
+        self.path = path
+        self.device = network.embed.device
+        self.dtype = network.embed.dtype
+        self.ops: OpSet = select_ops(self.device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> Model:
+        """Load ``config.json`` + safetensors weights (bf16/fp16/fp32 on disk, any run dtype)."""
+        folder = Path(path)
+        config = ModelConfig.from_pretrained(folder)
+        dev = resolve_device(device)
+        run_dtype = resolve_dtype(dtype, dev)
+        network = LlamaForCausalLM(config, run_dtype, dev)
+        ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
+        load_weights(network.weight_targets(), folder, ignore=ignore)
+        network.eval()
+        logger.info(
+            "loaded %s model from %s (%.1fM parameters, %s on %s)",
+            config.architecture,
+            folder,
+            sum(p.numel() for p in network.parameters()) / 1e6,
+            run_dtype,
+            dev,
+        )
+        return cls(config, network, folder)
+
+    def allocate_kv(self, num_pages: int, page_size: int = 16) -> KVPages:
+        """Paged K/V storage for this model on its device, in its dtype."""
+        return allocate_kv_pages(self.config, num_pages, page_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pages: KVPages) -> torch.Tensor:
+        """Run one ragged batch; writes its K/V into ``kv_pages``; returns float32 logits
+        [len(batch.logits_indices), vocab]."""
+        return self.network(batch, kv_pages, self.ops)
+
+    def forward_sequences(
+        self, seqs: Sequence[SequenceInput], kv_pages: KVPages, page_size: int
+    ) -> torch.Tensor:
+        """Convenience: build the batch from host values, then ``forward``."""
+        return self.forward(build_forward_batch(seqs, page_size, self.device), kv_pages)
+
+    def logits(self, input_ids: torch.Tensor | Sequence[int], page_size: int = 16) -> torch.Tensor:
+        """Float32 logits [n, vocab] of every position of one sequence (no cache kept)."""
+        ids = _flat_ids(input_ids)
+        num_pages = -(-len(ids) // page_size)
+        kv = self.allocate_kv(num_pages, page_size)
+        batch = build_forward_batch(
+            [SequenceInput(ids, num_cached=0, pages=range(num_pages))], page_size, self.device
+        )
+        batch.logits_indices = torch.arange(len(ids), device=self.device)
+        return self.forward(batch, kv)
+
+
+def _flat_ids(input_ids: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"logits() takes one sequence, got shape {tuple(input_ids.shape)}")
+        ids = input_ids.reshape(-1).tolist()
+    else:
+        ids = [int(t) for t in input_ids]
+    if not ids:
+        raise ValueError("logits() needs at least one token")
+    return ids
