@@ -1,0 +1,184 @@
+"""The page table: which KV pages are free, referenced by running jobs, or cached for reuse.
+
+Pure Python (no torch): the scheduler and the tests drive it without a device.
+
+Every page is in exactly one state:
+
+    free        ref_count == 0, no hash              (ready to hand out)
+    referenced  ref_count >= 1, hash or not          (a running job reads or writes it)
+    cached      ref_count == 0, hash                 (content kept for prefix reuse, LRU order)
+
+    allocate():  free -> referenced, else evict the least recently used cached page
+    acquire():   cached/referenced -> referenced (a prefix hit)
+    release():   referenced -> cached (hashed) or free (unhashed) when the last ref goes
+    register():  a referenced full page gets its chained hash, so later jobs can find it
+
+INVARIANT: free + referenced + cached == num_pages, and a hash maps to at most one page.
+Only full, hashed pages are ever shared, and a job only writes to pages it holds alone, so no
+copy-on-write is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.cache.prefix_hash import PageHash
+
+
+@dataclass(slots=True)
+class Page:
+    index: int
+    ref_count: int = 0
+    hash: PageHash | None = None
+
+
+class PageTable:
+    """Reference-counted pages with a hash index and LRU eviction of unreferenced ones."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.pages = [Page(i) for i in range(num_pages)]
+        self._free: deque[int] = deque(range(num_pages))
+        # unreferenced hashed pages, least recently used first
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[PageHash, int] = {}
+        self.evictions = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_pages - self.num_free - self.num_cached
+
+    @property
+    def num_available(self) -> int:
+        """Pages ``allocate`` can hand out now (free ones plus evictable cached ones)."""
+        return self.num_free + self.num_cached
+
+    def match_prefix(self, hashes: Sequence[PageHash]) -> list[int]:
+        """Page ids holding the longest leading run of ``hashes`` (no references taken)."""
+        found: list[int] = []
+        for h in hashes:
+            index = self._by_hash.get(h)
+            if index is None:
+                break
+            found.append(index)
+        return found
+
+    def lookup(self, page_hash: PageHash) -> int | None:
+        return self._by_hash.get(page_hash)
+
+    def cached_hashes(self) -> Iterable[PageHash]:
+        """Every hash the table can currently serve (referenced or cached pages)."""
+        return self._by_hash.keys()
+
+    # -- state changes ---------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh, unhashed pages with one reference each, or None (and no change) if
+        fewer than ``n`` are free or evictable."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > self.num_available:
+            return None
+        taken = []
+        for _ in range(n):
+            index = self._free.popleft() if self._free else self._evict_one()
+            self.pages[index].ref_count = 1
+            taken.append(index)
+        return taken
+
+    def acquire(self, indices: Iterable[int]) -> None:
+        """Take one more reference on each page (prefix hits on cached or shared pages)."""
+        for index in indices:
+            page = self.pages[index]
+            if page.ref_count == 0:
+                if page.hash is None:
+                    raise ValueError(f"page {index} is free; only hashed pages can be acquired")
+                del self._cached[index]
+            page.ref_count += 1
+
+    def release(self, indices: Iterable[int]) -> None:
+        """Drop one reference on each page. Pass a sequence's pages tail first: the tail then
+        sits nearer the LRU end and is evicted before the prefix that other jobs may share."""
+        for index in indices:
+            page = self.pages[index]
+            if page.ref_count <= 0:
+                raise ValueError(f"page {index} released more often than referenced")
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                if page.hash is None:
+                    self._free.append(index)
+                else:
+                    self._cached[index] = None
+
+    def register(self, index: int, page_hash: PageHash) -> int:
+        """Give a full, referenced page its hash; returns the page the caller should keep.
+
+        If another page already holds this hash (two jobs computed the same content), the
+        caller's reference moves to that page and ``index`` is released, so identical
+        prefixes converge on one page.
+        """
+        page = self.pages[index]
+        if page.ref_count <= 0:
+            raise ValueError(f"page {index} is not referenced; only held pages are registered")
+        if page.hash == page_hash:
+            return index
+        if page.hash is not None:
+            raise ValueError(f"page {index} already has a different hash")
+        existing = self._by_hash.get(page_hash)
+        if existing is not None:
+            self.acquire([existing])
+            self.release([index])
+            return existing
+        page.hash = page_hash
+        self._by_hash[page_hash] = index
+        return index
+
+    def clear_cache(self) -> int:
+        """Forget every unreferenced cached page; returns how many were freed."""
+        count = 0
+        while self._cached:
+            self._free.append(self._evict_one())
+            count += 1
+        return count
+
+    def _evict_one(self) -> int:
+        index, _ = self._cached.popitem(last=False)
+        page = self.pages[index]
+        del self._by_hash[page.hash]
+        page.hash = None
+        self.evictions += 1
+        return index
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free), "a page is free twice"
+        assert not free & cached, "a page is both free and cached"
+        for page in self.pages:
+            assert page.ref_count >= 0, f"page {page.index} has ref_count {page.ref_count}"
+            in_use = page.ref_count > 0
+            assert in_use + (page.index in free) + (page.index in cached) == 1, (
+                f"page {page.index} is in more or fewer than one state"
+            )
+            assert page.index not in cached or page.hash is not None
+            assert page.index not in free or page.hash is None
+            if page.hash is not None:
+                assert self._by_hash.get(page.hash) == page.index, "hash index out of sync"
+        assert len(self._by_hash) == sum(p.hash is not None for p in self.pages)
