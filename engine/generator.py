@@ -1,0 +1,273 @@
+"""DynamicGenerator: continuous batching over a paged, prefix-caching KV cache.
+
+    generator.enqueue(job)           # validate, then queue
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():   # one forward over a ragged batch per call
+            ...
+
+Each ``iterate()`` asks the scheduler for a plan (decode tokens + prefill chunks under a token
+budget), runs ONE model forward, samples every row that reached the end of its tokens on the
+device, and turns the tokens into per-job results (see DESIGN.md section 5 for the keys).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.batch import SequenceInput, build_forward_batch
+from engine.cache.kv_cache import PagedCache
+from engine.job import DynamicJob
+from engine.sampling import SamplerSettings, sample
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+logger = logging.getLogger(__name__)
+
+MAX_DERIVED_BATCH_SIZE = 256
+
+
+class DynamicGenerator:
+    def __init__(
+        self,
+        model,
+        cache: PagedCache,
+        tokenizer,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        max_chunk_size: int = 2048,
+        max_q_size: int = 1,
+        max_skips: int = 4,
+    ):
+        if cache.model is not model:
+            raise ValueError("the cache was built for a different model")
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        if max_batch_size is None:
+            max_batch_size = max(1, min(MAX_DERIVED_BATCH_SIZE, cache.num_pages // 2))
+        self.max_seq_len = _resolve_max_seq_len(max_seq_len, model, cache)
+        config = SchedulerConfig(max_batch_size, max_chunk_size, max_q_size, max_skips)
+        self.scheduler = Scheduler(config, cache.page_table)
+        self.default_stop_tokens = frozenset(tokenizer.eos_token_ids) | frozenset(
+            model.config.eos_token_ids
+        )
+        self._next_serial = 0
+        self._jobs: dict[int, DynamicJob] = {}  # serial -> active job (waiting or running)
+        self._undelivered: list[dict[str, Any]] = []  # results produced outside iterate()
+        self._prompt_tokens_total = 0
+        self._cached_tokens_total = 0
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.config.max_batch_size
+
+    @property
+    def max_chunk_size(self) -> int:
+        return self.scheduler.config.max_chunk_size
+
+    # -- job API ---------------------------------------------------------------------------
+
+    def enqueue(self, job: DynamicJob) -> int:
+        """Validate and queue a job; returns its serial number."""
+        self.check_job(job)
+        serial = self._next_serial
+        job.bind(serial, self.tokenizer, self.default_stop_tokens)
+        self._next_serial += 1
+        self._jobs[serial] = job
+        self.scheduler.add(job.seq)
+        return serial
+
+    def check_job(self, job: DynamicJob) -> None:
+        """Raise ValueError if ``job`` can never run here (read-only; safe from any thread)."""
+        if not isinstance(job, DynamicJob):
+            raise ValueError(f"enqueue takes a DynamicJob, got {type(job).__name__}")
+        total = job.prompt_tokens + job.max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({job.prompt_tokens} tokens) + max_new_tokens ({job.max_new_tokens}) = "
+                f"{total} exceeds max_seq_len {self.max_seq_len}"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in job.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        if job.serial is not None:
+            raise ValueError(f"job {job.identifier!r} was already enqueued (serial {job.serial})")
+
+    def num_remaining_jobs(self) -> int:
+        """Jobs not finished yet, plus finished ones whose last result is still undelivered."""
+        return len(self._jobs) + sum(1 for r in self._undelivered if r["eos"])
+
+    def cancel(self, job: DynamicJob, emit_result: bool = True) -> bool:
+        """Stop a job now and free its pages; its final result (eos_reason "cancelled") comes
+        from the next ``iterate()``. False if the job was not active."""
+        if self._jobs.get(job.serial) is not job:
+            return False
+        self._retire(job)
+        if emit_result:
+            self._undelivered.append(job.cancel_result())
+        return True
+
+    def take_undelivered(self) -> list[dict[str, Any]]:
+        """Results produced outside ``iterate()`` (cancellations), handed over once."""
+        results, self._undelivered = self._undelivered, []
+        return results
+
+    def iterate(self) -> list[dict[str, Any]]:
+        """One scheduling step and one forward; returns the results it produced."""
+        return self.take_undelivered() + self._step()
+
+    def _step(self) -> list[dict[str, Any]]:
+        if not self._jobs:
+            return []
+        plan = self.scheduler.schedule()
+        results = [self._start(seq.owner) for seq in plan.admitted]
+        if not plan.entries:
+            return results
+        logits = self._forward(plan)
+        prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
+        self.scheduler.commit(plan)
+        results += [job.prefill_result() for job in prefilling]
+        results += self._sample(plan, logits)
+        return results
+
+    def _start(self, job: DynamicJob) -> dict[str, Any]:
+        job.mark_started()
+        self._prompt_tokens_total += job.prompt_tokens
+        self._cached_tokens_total += job.seq.cached_tokens
+        return job.started_result()
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        inputs = [
+            SequenceInput(
+                token_ids=e.seq.tokens[e.start : e.start + e.num_tokens],
+                num_cached=e.start,
+                pages=e.seq.pages,
+                want_logits=e.samples,
+            )
+            for e in plan.entries
+        ]
+        batch = build_forward_batch(inputs, self.cache.page_size, self.model.device)
+        return self.model.forward(batch, self.cache.kv)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[dict[str, Any]]:
+        jobs = [e.seq.owner for e in plan.entries if e.samples]
+        if not jobs:
+            return []
+        out = sample(logits, [job.sample_request() for job in jobs], self.tokenizer.vocab_size)
+        results = []
+        for i, job in enumerate(jobs):
+            result = job.receive_token(
+                out.tokens[i],
+                prob=out.probs[i] if job.return_probs else None,
+                top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
+                top_probs=out.top_probs[i] if job.return_top_tokens else None,
+                logits=logits[i].cpu() if job.return_logits else None,
+            )
+            if result["eos"]:
+                self._retire(job)
+            results.append(result)
+        return results
+
+    def _retire(self, job: DynamicJob) -> None:
+        self.scheduler.remove(job.seq)
+        del self._jobs[job.serial]
+
+    # -- convenience -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        seed: int | None = None,
+        gen_settings: SamplerSettings | Sequence[SamplerSettings] | None = None,
+        stop_conditions: Sequence[int | str] | None = None,
+        add_bos: bool = False,
+        encode_special_tokens: bool = False,
+        decode_special_tokens: bool = False,
+        completion_only: bool = False,
+        return_last_results: bool = False,
+    ):
+        """Run prompts to completion and return their text (a list for a list of prompts).
+
+        Drives only its own jobs: results of jobs enqueued by others are kept and returned
+        by the caller's next ``iterate()``.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        settings = _per_prompt_settings(gen_settings, len(prompts))
+        jobs = []
+        for i, text in enumerate(prompts):
+            ids = self.tokenizer.encode(
+                text, add_bos=add_bos, encode_special_tokens=encode_special_tokens
+            )
+            job = DynamicJob(
+                ids,
+                max_new_tokens,
+                min_new_tokens=min_new_tokens,
+                stop_conditions=stop_conditions,
+                gen_settings=settings[i],
+                seed=None if seed is None else seed + i,
+                decode_special_tokens=decode_special_tokens,
+            )
+            self.enqueue(job)
+            jobs.append(job)
+        last = self._drive(jobs)
+        texts = [
+            job.full_completion if completion_only else prompts[i] + job.full_completion
+            for i, job in enumerate(jobs)
+        ]
+        if isinstance(prompt, str):
+            texts, last = texts[0], last[0]
+        return (texts, last) if return_last_results else texts
+
+    def _drive(self, jobs: list[DynamicJob]) -> list[dict[str, Any]]:
+        mine = {id(job) for job in jobs}
+        last: dict[int, dict[str, Any]] = {}
+        while len(last) < len(jobs):
+            for result in self._step():
+                if id(result["job"]) in mine:
+                    if result["eos"]:
+                        last[id(result["job"])] = result
+                else:
+                    self._undelivered.append(result)
+        return [last[id(job)] for job in jobs]
+
+    def stats(self) -> dict[str, int]:
+        table = self.cache.page_table
+        return {
+            "pages_total": table.num_pages,
+            "pages_in_use": table.num_referenced,
+            "pages_cached": table.num_cached,
+            "pages_free": table.num_free,
+            "page_size": table.page_size,
+            "jobs_running": len(self.scheduler.running),
+            "jobs_waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.preemptions,
+            "evictions": table.evictions,
+            "cached_tokens_total": self._cached_tokens_total,
+            "prompt_tokens_total": self._prompt_tokens_total,
+        }
+
+
+def _resolve_max_seq_len(max_seq_len: int | None, model, cache: PagedCache) -> int:
+    limit = min(model.config.max_position_embeddings, cache.max_num_tokens)
+    if max_seq_len is None:
+        return limit
+    if not 1 <= max_seq_len <= cache.max_num_tokens:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} must be in [1, cache size {cache.max_num_tokens}]"
+        )
+    return max_seq_len
+
+
+def _per_prompt_settings(gen_settings, count: int) -> list[SamplerSettings | None]:
+    if gen_settings is None or isinstance(gen_settings, SamplerSettings):
+        return [gen_settings] * count
+    settings = list(gen_settings)
+    if len(settings) != count:
+        raise ValueError(f"{len(settings)} gen_settings for {count} prompts")
+    return settings

@@ -1,0 +1,179 @@
+"""asyncio wrapper: DynamicGeneratorAsync and DynamicJobAsync.
+
+One dedicated step thread owns the synchronous generator and calls ``iterate()``; the event
+loop never blocks on a forward. Requests (enqueue, cancel, close) reach the thread through an
+inbox drained between steps, so the generator is only ever touched by that thread. Results go
+back to each job's asyncio queue with ``loop.call_soon_threadsafe``, so jobs may be created
+from any task (or any loop).
+
+Failure: if a step raises, the jobs that were running in it get the exception and are removed
+(their pages freed); waiting jobs are untouched and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.generator import DynamicGenerator
+from engine.job import DynamicJob
+
+logger = logging.getLogger(__name__)
+
+
+class GeneratorClosedError(RuntimeError):
+    """The async generator was closed; no new jobs are accepted."""
+
+
+class DynamicGeneratorAsync:
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.generator = DynamicGenerator(*args, **kwargs)
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Condition()
+        self._jobs: dict[int, DynamicJobAsync] = {}  # serial -> async job (step thread only)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="generator-step", daemon=True)
+        self._thread.start()
+
+    # -- called from any thread / task ---------------------------------------------------------
+
+    def enqueue(self, job: DynamicJobAsync) -> None:
+        if self._closed:
+            raise GeneratorClosedError("the generator is closed")
+        self.generator.check_job(job.job)  # read-only: raises ValueError in the caller
+        self._post("enqueue", job)
+
+    async def cancel(self, job: DynamicJobAsync) -> None:
+        """Cancel a job; returns once its pages are freed (no-op if it already finished)."""
+        done = job.loop.create_future()
+        self._post("cancel", (job, done))
+        await done
+
+    async def close(self) -> None:
+        """Cancel every job (each gets its "cancelled" result) and stop the step thread."""
+        if not self._closed:
+            self._closed = True
+            self._post("close", None)
+        await asyncio.to_thread(self._thread.join)
+
+    def stats(self) -> dict[str, int]:
+        return self.generator.stats()
+
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._wake:
+            self._inbox.append((kind, payload))
+            self._wake.notify()
+
+    # -- the step thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if not self._drain_inbox():
+                return
+            if self.generator.num_remaining_jobs() == 0:
+                with self._wake:
+                    self._wake.wait_for(lambda: bool(self._inbox))
+                continue
+            self._step()
+
+    def _step(self) -> None:
+        before = self._running_jobs()
+        try:
+            results = self.generator.iterate()
+        except Exception as error:  # any engine failure fails its jobs only
+            touched = before + self._running_jobs()
+            logger.exception("generator step failed; failing %d running jobs", len(touched))
+            self._fail(touched, error)
+            return
+        self._deliver(results)
+
+    def _running_jobs(self) -> list[DynamicJob]:
+        return [seq.owner for seq in self.generator.scheduler.running]
+
+    def _deliver(self, results: list[dict[str, Any]]) -> None:
+        for result in results:
+            async_job = self._jobs.get(result["serial"])
+            if async_job is None:
+                continue
+            if result["eos"]:
+                del self._jobs[result["serial"]]
+            async_job.deliver(result)
+
+    def _fail(self, jobs: list[DynamicJob], error: Exception) -> None:
+        for job in {id(j): j for j in jobs}.values():
+            self.generator.cancel(job, emit_result=False)  # frees its pages
+            async_job = self._jobs.pop(job.serial, None)
+            if async_job is not None:
+                async_job.deliver(error)
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued requests; False once the generator is closing."""
+        while True:
+            with self._wake:
+                if not self._inbox:
+                    return True
+                kind, payload = self._inbox.popleft()
+            if kind == "close":
+                self._cancel_all()
+                return False
+            handler: Callable[[Any], None] = getattr(self, f"_on_{kind}")
+            handler(payload)
+
+    def _on_enqueue(self, job: DynamicJobAsync) -> None:
+        try:
+            self.generator.enqueue(job.job)
+        except Exception as error:  # reported to the job's consumer
+            job.deliver(error)
+            return
+        self._jobs[job.job.serial] = job
+
+    def _on_cancel(self, payload: tuple[DynamicJobAsync, asyncio.Future]) -> None:
+        job, done = payload
+        self.generator.cancel(job.job)
+        self._deliver(self.generator.take_undelivered())
+        job.loop.call_soon_threadsafe(_resolve, done)
+
+    def _cancel_all(self) -> None:
+        for async_job in list(self._jobs.values()):
+            self.generator.cancel(async_job.job)
+        self._deliver(self.generator.take_undelivered())
+        self._jobs.clear()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class DynamicJobAsync:
+    """``async for result in DynamicJobAsync(generator, input_ids=..., ...)``: enqueues itself
+    at once and yields the job's results until the final one."""
+
+    def __init__(self, generator: DynamicGeneratorAsync, *args: Any, **kwargs: Any):
+        self.generator = generator
+        self.job = DynamicJob(*args, **kwargs)
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[dict[str, Any] | Exception] = asyncio.Queue()
+        self.finished = False
+        generator.enqueue(self)
+
+    def deliver(self, item: dict[str, Any] | Exception) -> None:
+        """Called from the step thread: hand a result (or an error) to the consumer."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                self.finished = True
+                raise item
+            if item["eos"]:
+                self.finished = True
+            yield item
+
+    async def cancel(self) -> None:
+        await self.generator.cancel(self)

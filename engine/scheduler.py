@@ -1,0 +1,264 @@
+"""Token-budget scheduler: which sequences compute how many tokens in the next forward.
+
+Pure Python (no torch). Each step plans ONE forward over a ragged batch:
+
+1. every running sequence that is decoding contributes its pending token(s);
+2. running sequences still prefilling contribute chunks from what budget is left;
+3. waiting sequences are admitted FIFO (bounded skipping) with their cached prefix reused.
+
+Pages are taken on demand as sequences grow. When a decoding sequence needs a page and none
+can be had, the newest running sequence is preempted: its pages go back to the table (full,
+hashed ones stay cached) and it waits at the head of the queue to resume, so no job is lost
+and no step can deadlock.
+
+A sequence's tokens: [0, num_computed) have K/V in its pages; [num_computed, len) are pending.
+A forward that reaches the end of the tokens yields logits to sample the next token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.cache.page_table import PageTable
+from engine.cache.prefix_hash import PageHash, page_hash, prefix_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int  # sequences running at once
+    max_chunk_size: int = 2048  # token budget of one forward (decode + prefill tokens)
+    max_q_size: int = 1  # pending tokens a decoding sequence may compute per step
+    max_skips: int = 4  # how often the queue head may be passed over before admission stops
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_chunk_size", "max_q_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_skips < 0:
+            raise ValueError(f"max_skips must be >= 0, got {self.max_skips}")
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """The scheduler's view of one job: tokens, progress and the pages that hold them."""
+
+    tokens: list[int]
+    owner: Any = None  # the job this sequence belongs to (opaque to the scheduler)
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    page_hashes: list[PageHash] = field(default_factory=list)  # of the leading full pages
+    skips: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    cached_pages: int = 0
+    admitted: bool = False  # admitted at least once (preempted sequences resume)
+    preemptions: int = 0
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    seq: Sequence
+    start: int  # first position computed in this step (== seq.num_computed before it)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the tokens, so its logits are sampled."""
+        return self.start + self.num_tokens == len(self.seq.tokens)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    entries: list[StepEntry] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # first admissions only
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set, and page allocation through the table."""
+
+    def __init__(self, config: SchedulerConfig, table: PageTable):
+        self.config = config
+        self.table = table
+        self.page_size = table.page_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    # -- queue management --------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or cancelled) and return its pages at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release_pages(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_chunk_size
+        budget = self._schedule_decodes(plan, budget)
+        budget = self._schedule_prefills(plan, budget)
+        self._admit(plan, budget)
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        decoding = [s for s in self.running if s.num_pending <= self.config.max_q_size]
+        for seq in decoding:
+            if seq not in self.running:  # preempted below to make room for an older one
+                continue
+            n = min(seq.num_pending, budget)
+            if n == 0:
+                break
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                plan.entries.append(StepEntry(seq, seq.num_computed, n))
+                budget -= n
+        return budget
+
+    def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
+        scheduled = {id(e.seq) for e in plan.entries}
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if id(seq) in scheduled or seq not in self.running:
+                continue
+            n = min(seq.num_pending, budget, self._room(seq))
+            if n == 0 and seq is self.running[0]:
+                n = self._make_room_for_oldest(seq, plan, budget)
+            if n == 0:
+                continue
+            self._grow(seq, n)
+            plan.entries.append(StepEntry(seq, seq.num_computed, n))
+            budget -= n
+        return budget
+
+    def _make_room_for_oldest(self, seq: Sequence, plan: StepPlan, budget: int) -> int:
+        """The oldest sequence must always progress: preempt newer ones until it can."""
+        while len(self.running) > 1:
+            self._preempt(self.running[-1], plan)
+            n = min(seq.num_pending, budget, self._room(seq))
+            if n:
+                return n
+        return 0
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        head_starved = False
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_batch_size or head_starved:
+                break
+            n = self._try_admit(seq, budget)
+            if n == 0:
+                seq.skips += 1
+                head_starved = seq.skips > self.config.max_skips
+                continue
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            if not seq.admitted:
+                seq.admitted = True
+                plan.admitted.append(seq)
+            plan.entries.append(StepEntry(seq, seq.num_computed, n))
+            budget -= n
+
+    def _try_admit(self, seq: Sequence, budget: int) -> int:
+        """Attach the cached prefix and pages for a first chunk; 0 (no change) if it can't."""
+        hashes = self._matchable_hashes(seq)
+        hits = self.table.match_prefix(hashes)
+        remaining_pages = -(-len(seq.tokens) // self.page_size) - len(hits)
+        # Keep one page in reserve per running sequence so admission does not immediately
+        # force preemptions of the jobs that are decoding.
+        if remaining_pages > self.table.num_available - len(self.running):
+            return 0
+        self.table.acquire(hits)
+        seq.pages = list(hits)
+        seq.page_hashes = list(hashes[: len(hits)])
+        seq.num_computed = len(hits) * self.page_size
+        if not seq.admitted:
+            seq.cached_pages = len(hits)
+            seq.cached_tokens = seq.num_computed
+        n = min(seq.num_pending, budget, self._room(seq))
+        if n == 0 or not self._grow(seq, n):
+            self._release_pages(seq)
+            return 0
+        seq.skips = 0
+        return n
+
+    def _matchable_hashes(self, seq: Sequence) -> list[PageHash]:
+        # At least one token must be computed to produce logits, so the last token's page
+        # is never taken from the cache.
+        full_pages = (len(seq.tokens) - 1) // self.page_size
+        return prefix_hashes(seq.tokens[: full_pages * self.page_size], self.page_size)
+
+    # -- pages -------------------------------------------------------------------------------
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens ``seq`` could add now: slack in its pages plus every available page."""
+        slack = len(seq.pages) * self.page_size - seq.num_computed
+        return slack + self.table.num_available * self.page_size
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Make the pages cover ``n`` more tokens; False (no change) if the table can't."""
+        need = -(-(seq.num_computed + n) // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        fresh = self.table.allocate(need)
+        if fresh is None:
+            return False
+        seq.pages.extend(fresh)
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        plan.entries = [e for e in plan.entries if e.seq is not seq]
+        self._release_pages(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)  # resumes first; its full pages are still cached
+        plan.preempted.append(seq)
+
+    def _release_pages(self, seq: Sequence) -> None:
+        self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
+        seq.pages = []
+        seq.page_hashes = []
+        seq.num_computed = 0
+
+    # -- after the forward -------------------------------------------------------------------
+
+    def commit(self, plan: StepPlan) -> None:
+        """Advance each scheduled sequence and register the pages it has now filled."""
+        for entry in plan.entries:
+            seq = entry.seq
+            seq.num_computed = entry.start + entry.num_tokens
+            self._register_full_pages(seq)
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        ps = self.page_size
+        while len(seq.page_hashes) < seq.num_computed // ps:
+            i = len(seq.page_hashes)
+            parent = seq.page_hashes[-1] if seq.page_hashes else None
+            h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps])
+            seq.pages[i] = self.table.register(seq.pages[i], h)
+            seq.page_hashes.append(h)

@@ -1,0 +1,37 @@
+"""Stop strings matched across token boundaries.
+
+Text arrives in arbitrary pieces; a stop string may start in one piece and end several pieces
+later. The job keeps the unreleased tail ("held" text) and asks two questions of it: is there a
+full match (stop there), and where does the longest suffix that could still grow into a match
+begin (hold from there, release what comes before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStringMatcher:
+    def __init__(self, stop_strings: Sequence[str]):
+        self.stop_strings = tuple(stop_strings)
+
+    def find(self, text: str) -> tuple[int, str] | None:
+        """The earliest full match in ``text`` as (index, stop string), or None."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop_strings:
+            index = text.find(stop)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def partial_suffix_start(self, text: str) -> int:
+        """Index where the earliest suffix of ``text`` that is a proper prefix of a stop string
+        begins; ``len(text)`` when no suffix could grow into a match."""
+        start = len(text)
+        for stop in self.stop_strings:
+            # only suffixes shorter than the stop string can still be completed by more text
+            for length in range(min(len(stop) - 1, len(text)), 0, -1):
+                if stop.startswith(text[-length:]):
+                    start = min(start, len(text) - length)
+                    break
+        return start
