@@ -1,0 +1,51 @@
+"""A tiny random-weight model with a real byte-level BPE tokenizer, shared by engine tests."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+import pytest
+
+from engine import DynamicGenerator, Model, PagedCache, Tokenizer
+from tests.hf_models import build_model, reference_model
+from tests.tokenizer_builders import build_byte_level_bpe
+
+
+@dataclass
+class Tiny:
+    model: Model
+    tokenizer: Tokenizer
+    folder: object
+
+    def generator(self, max_num_tokens: int = 4096, page_size: int = 4, **kwargs):
+        cache = PagedCache(self.model, max_num_tokens, page_size=page_size)
+        return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
+
+    def reference(self):
+        return reference_model(self.folder)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    tok_dir = build_byte_level_bpe(tmp_path_factory.mktemp("tok"), vocab_size=600)
+    tokenizer = Tokenizer.from_pretrained(tok_dir)
+    folder = tmp_path_factory.mktemp("tiny")
+    build_model(
+        folder,
+        "llama_gqa",
+        vocab_size=tokenizer.vocab_size,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        num_hidden_layers=3,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, folder / name)
+    return Tiny(Model.from_pretrained(folder), Tokenizer.from_pretrained(folder), folder)
+
+
+def assert_no_pages_in_use(generator: DynamicGenerator) -> None:
+    stats = generator.stats()
+    assert stats["pages_in_use"] == 0, stats
+    assert stats["jobs_running"] == stats["jobs_waiting"] == 0, stats
+    generator.cache.page_table.check_invariants()

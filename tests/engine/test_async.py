@@ -1,0 +1,146 @@
+"""DynamicGeneratorAsync: a step thread off the event loop, cancellation, failures, close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine import DynamicGeneratorAsync, DynamicJob, DynamicJobAsync, PagedCache, SamplerSettings
+from tests.engine.test_generator import GREEDY, _prompts, _run
+
+
+def _async_generator(tiny, **kwargs) -> DynamicGeneratorAsync:
+    cache = PagedCache(tiny.model, kwargs.pop("max_num_tokens", 4096), page_size=4)
+    return DynamicGeneratorAsync(tiny.model, cache, tiny.tokenizer, **kwargs)
+
+
+async def _collect(job: DynamicJobAsync) -> list[dict]:
+    return [r async for r in job]
+
+
+def test_64_concurrent_async_jobs_match_sync(tiny):
+    prompts = _prompts(tiny.tokenizer, count=64, seed=20)
+    sync = [r["job"].new_token_ids for r in _run(tiny.generator(max_chunk_size=64), prompts, 8)]
+
+    async def main():
+        gen = _async_generator(tiny, max_chunk_size=64)
+
+        async def one(ids):
+            job = DynamicJobAsync(gen, ids, 8, gen_settings=GREEDY, stop_conditions=[])
+            results = await _collect(job)
+            assert results[-1]["eos"] and results[-1]["eos_reason"] == "max_new_tokens"
+            text = "".join(r.get("text", "") for r in results)
+            assert text == results[-1]["full_completion"]
+            return job.job.new_token_ids
+
+        # jobs are created from many tasks at once
+        out = await asyncio.gather(*(one(ids) for ids in prompts))
+        assert gen.stats()["pages_in_use"] == 0
+        await gen.close()
+        return out
+
+    assert asyncio.run(main()) == sync
+
+
+def test_iterate_runs_off_the_event_loop(tiny):
+    async def main():
+        gen = _async_generator(tiny)
+        loop_thread = threading.get_ident()
+        seen = []
+        original = gen.generator.iterate
+
+        def spy():
+            seen.append(threading.get_ident())
+            return original()
+
+        gen.generator.iterate = spy
+        await _collect(DynamicJobAsync(gen, [5, 6, 7], 4, stop_conditions=[]))
+        await gen.close()
+        assert seen and loop_thread not in seen
+
+    asyncio.run(main())
+
+
+def test_cancel_from_another_task_wakes_the_consumer(tiny):
+    async def main():
+        gen = _async_generator(tiny)
+        job = DynamicJobAsync(gen, [5, 6, 7, 8], 480, stop_conditions=[])
+        consumer = asyncio.create_task(_collect(job))
+        while gen.stats()["jobs_running"] == 0:
+            await asyncio.sleep(0.01)
+        await job.cancel()
+        assert gen.stats()["pages_in_use"] == 0  # freed by the time cancel returns
+        results = await asyncio.wait_for(consumer, 10)
+        assert results[-1]["eos_reason"] == "cancelled"
+        await job.cancel()  # cancelling a finished job is harmless
+        await gen.close()
+
+    asyncio.run(main())
+
+
+def test_engine_error_fails_running_jobs_and_keeps_serving(tiny):
+    async def main():
+        gen = _async_generator(tiny)
+        original = gen.generator.model.forward
+        calls = {"n": 0}
+
+        def flaky(batch, kv):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("boom")
+            return original(batch, kv)
+
+        gen.generator.model.forward = flaky
+        try:
+            doomed = DynamicJobAsync(gen, [5, 6, 7, 8, 9], 50, stop_conditions=[])
+            with pytest.raises(RuntimeError, match="boom"):
+                await _collect(doomed)
+            assert gen.stats()["pages_in_use"] == 0
+            healthy = DynamicJobAsync(gen, [5, 6, 7], 4, stop_conditions=[])
+            results = await _collect(healthy)
+            assert results[-1]["eos_reason"] == "max_new_tokens"
+        finally:
+            gen.generator.model.forward = original
+            await gen.close()
+
+    asyncio.run(main())
+
+
+def test_invalid_job_raises_in_the_caller(tiny):
+    async def main():
+        gen = _async_generator(tiny, max_num_tokens=64)
+        with pytest.raises(ValueError, match="exceeds max_seq_len"):
+            DynamicJobAsync(gen, [1] * 60, 10)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            DynamicJobAsync(gen, [1], -3)
+        ok = await _collect(DynamicJobAsync(gen, [1, 2], 2, stop_conditions=[]))
+        assert ok[-1]["eos"]
+        await gen.close()
+
+    asyncio.run(main())
+
+
+def test_close_cancels_everything(tiny):
+    async def main():
+        gen = _async_generator(tiny)
+        jobs = [DynamicJobAsync(gen, [5, 6, i], 480, stop_conditions=[]) for i in range(3)]
+        consumers = [asyncio.create_task(_collect(j)) for j in jobs]
+        await asyncio.sleep(0.05)
+        await gen.close()
+        for consumer in consumers:
+            results = await asyncio.wait_for(consumer, 10)
+            assert results[-1]["eos_reason"] == "cancelled"
+        assert gen.stats()["pages_in_use"] == 0
+        with pytest.raises(RuntimeError, match="closed"):
+            DynamicJobAsync(gen, [1, 2], 2)
+
+    asyncio.run(main())
+
+
+def test_shared_settings_object_is_not_shared_state(tiny):
+    settings = SamplerSettings(temperature=0.7, token_bias={5: 1.0})
+    a, b = DynamicJob([1], 2, gen_settings=settings), DynamicJob([1], 2, gen_settings=settings)
+    a.gen_settings.token_bias[6] = 2.0
+    assert b.gen_settings.token_bias == {5: 1.0} and settings.token_bias == {5: 1.0}
