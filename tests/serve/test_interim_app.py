@@ -1,0 +1,185 @@
+"""End to end: the interim Serve app (Ingress + LLMServer) on a real local Ray cluster, driven
+with the ``openai`` client over HTTP. The demo model is built into a tmp dir."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def _post(url: str, data: bytes) -> tuple[int, str, list[str]]:
+    """POST raw bytes; (status, content type, non-empty body lines), errors included."""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers["Content-Type"], _lines(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], _lines(e.read())
+
+
+def _lines(body: bytes) -> list[str]:
+    return [line for line in body.decode().splitlines() if line]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("pagedserve-cache")
+
+
+@pytest.fixture(scope="module")
+def base_url(request: pytest.FixtureRequest, cache_dir) -> Iterator[str]:
+    # Set before Ray starts so the raylet, controller and replicas all inherit it.
+    env = pytest.MonkeyPatch()
+    env.setenv("PAGEDSERVE_CACHE", str(cache_dir))
+    env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+
+    def shutdown() -> None:
+        serve.shutdown()
+        ray.shutdown()
+        env.undo()
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PAGEDSERVE_CACHE": str(cache_dir)}},
+    )
+    request.addfinalizer(shutdown)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"config": "configs/demo.yaml"}), name="pagedserve", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _check_usage(usage, max_tokens: int) -> None:
+    assert usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= max_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_health_and_models(base_url: str, client: openai.OpenAI, cache_dir) -> None:
+    with urllib.request.urlopen(f"{base_url}/health", timeout=30) as r:
+        assert r.status == 200
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    assert any(cache_dir.iterdir()), "the demo model should be built under PAGEDSERVE_CACHE"
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="demo", prompt="Once upon", max_tokens=12, temperature=0)
+    choice = out.choices[0]
+    assert out.object == "text_completion"
+    assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
+    _check_usage(out.usage, 12)
+    # Greedy is deterministic; a stop string cuts the same text before its first occurrence.
+    again = client.completions.create(
+        model="demo", prompt="Once upon", max_tokens=12, temperature=0
+    )
+    assert again.choices[0].text == choice.text
+    if len(choice.text) >= 6 and choice.finish_reason == "length":
+        stop = choice.text[3:5]
+        cut = client.completions.create(
+            model="demo", prompt="Once upon", max_tokens=12, temperature=0, stop=[stop]
+        )
+        assert cut.choices[0].text == choice.text[: choice.text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(client: openai.OpenAI) -> None:
+    texts = {
+        client.completions.create(
+            model="demo", prompt="Hello", max_tokens=10, temperature=1.0, seed=42
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=8)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert isinstance(out.choices[0].message.content, str)
+    _check_usage(out.usage, 8)
+
+
+def test_streaming_chat_matches_non_streaming(client: openai.OpenAI) -> None:
+    kwargs = {"model": "demo", "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    full = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert text == full.choices[0].message.content
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_raw_sse_ends_with_done(base_url: str) -> None:
+    body = {"model": "demo", "prompt": "Hi", "max_tokens": 4, "stream": True}
+    status, content_type, events = _post(f"{base_url}/v1/completions", json.dumps(body).encode())
+    assert status == 200 and content_type.startswith("text/event-stream")
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_errors(base_url: str, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=4)
+    assert not_found.value.status_code == 404
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="demo", prompt="Hi", max_tokens=-1)
+    assert bad.value.status_code == 400
+    assert bad.value.body["param"] == "max_tokens"
+    for body, param in [
+        ({"prompt": "Hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "Hi", "stop": [1]}, "stop"),
+        ({"prompt": 5}, "prompt"),
+    ]:
+        status, _, lines = _post(f"{base_url}/v1/completions", json.dumps(body).encode())
+        assert (status, json.loads(lines[0])["error"]["param"]) == (400, param)
+    status, _, lines = _post(f"{base_url}/v1/chat/completions", b"{not json")
+    assert status == 400
+    assert set(json.loads(lines[0])["error"]) == {"message", "type", "param", "code"}
+    long_prompt = json.dumps({"prompt": "word " * 5000}).encode()
+    status, _, lines = _post(f"{base_url}/v1/completions", long_prompt)
+    assert status == 400
+    assert json.loads(lines[0])["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("args", [{}, {"config": "configs/demo.yaml", "extra": 1}])
+def test_build_app_rejects_bad_args(args: dict) -> None:
+    with pytest.raises(ValueError, match=r"config|extra"):
+        build_app(args)
