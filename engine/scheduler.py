@@ -54,6 +54,9 @@ class Sequence:
     cached_pages: int = 0
     admitted: bool = False  # admitted at least once (preempted sequences resume)
     preemptions: int = 0
+    # (token count, hashes of the full pages before the last token) so repeated admission
+    # attempts and in-flight checks do not rehash the prompt
+    hash_cache: tuple[int, list[PageHash]] | None = None
 
     @property
     def num_pending(self) -> int:
@@ -167,9 +170,12 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         head_starved = False
+        in_flight = self._in_flight_hashes()
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_batch_size or head_starved:
                 break
+            if self._next_page_in_flight(seq, in_flight):
+                continue  # another sequence is computing that page now; reuse it next step
             n = self._try_admit(seq, budget)
             if n == 0:
                 seq.skips += 1
@@ -177,6 +183,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.running.append(seq)
+            in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
             if not seq.admitted:
                 seq.admitted = True
                 plan.admitted.append(seq)
@@ -209,8 +216,28 @@ class Scheduler:
     def _matchable_hashes(self, seq: Sequence) -> list[PageHash]:
         # At least one token must be computed to produce logits, so the last token's page
         # is never taken from the cache.
-        full_pages = (len(seq.tokens) - 1) // self.page_size
-        return prefix_hashes(seq.tokens[: full_pages * self.page_size], self.page_size)
+        if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
+            full_pages = (len(seq.tokens) - 1) // self.page_size
+            hashes = prefix_hashes(seq.tokens[: full_pages * self.page_size], self.page_size)
+            seq.hash_cache = (len(seq.tokens), hashes)
+        return seq.hash_cache[1]
+
+    def _in_flight_hashes(self) -> set[PageHash]:
+        """Hashes of prompt pages that running sequences are still prefilling."""
+        in_flight: set[PageHash] = set()
+        for seq in self.running:
+            if seq.num_pending > self.config.max_q_size:
+                in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
+        return in_flight
+
+    def _next_page_in_flight(self, seq: Sequence, in_flight: set[PageHash]) -> bool:
+        """True when the first page ``seq`` would have to compute is being computed by
+        another sequence: waiting a step turns that work into a cache hit."""
+        if not in_flight:
+            return False
+        hashes = self._matchable_hashes(seq)
+        hits = len(self.table.match_prefix(hashes))
+        return hits < len(hashes) and hashes[hits] in in_flight
 
     # -- pages -------------------------------------------------------------------------------
 
