@@ -51,7 +51,8 @@ class SamplerSettings:
         _check(math.isfinite(self.presence_penalty), "presence_penalty", self)
         _check(self.penalty_range >= 0, "penalty_range", self)
         for token, bias in self.token_bias.items():
-            if not isinstance(token, int) or token < 0 or math.isnan(bias):
+            # -inf bans a token; +inf would turn the whole row into NaN after softmax
+            if not isinstance(token, int) or token < 0 or math.isnan(bias) or bias == math.inf:
                 raise ValueError(f"token_bias entry {token!r}: {bias!r} is not a valid bias")
 
     @classmethod
@@ -116,8 +117,9 @@ def sample(
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
     greedy_tokens = logits.argmax(-1)
     # Every row draws, greedy or not, so a job's random stream does not depend on its settings.
+    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
     uniforms = torch.tensor(
-        [r.rng.random() for r in requests], dtype=torch.float32, device=logits.device
+        [r.rng.random() for r in requests], dtype=torch.float64, device=logits.device
     )
     if all(r.settings.is_greedy for r in requests) and not _wants_extras(requests):
         return SampleOutput(tokens=greedy_tokens.tolist())
@@ -213,7 +215,8 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     keep_sorted = mass_before < top_p[:, None] * sorted_probs.sum(-1, keepdim=True)
     keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
-    return probs * keep
+    # rows that disabled top_p keep everything (float rounding of the cumsum must not cut)
+    return probs * (keep | (top_p >= 1.0)[:, None])
 
 
 def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -228,18 +231,19 @@ def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_p.cumsum(-1) - sorted_p
     keep_sorted = mass_before < mass[:, None]
     keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
-    return probs * keep
+    return probs * (keep | (mass >= 1.0)[:, None])
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    cdf = probs.cumsum(-1)
-    # Scale by the row total so float rounding of the cumsum never leaves u above the end.
+    """The first token whose cumulative probability exceeds u * total (u in [0, 1)).
+
+    In float64 and scaled by the row total, the target stays strictly below the last step of
+    the CDF, and the token found always has a non-zero probability (its CDF step is > 0).
+    """
+    cdf = probs.double().cumsum(-1)
     targets = uniforms[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    picked = picked.clamp(max=probs.shape[1] - 1)
-    # Never land on a zero-probability token (possible when u hits an exact boundary).
-    bad = probs.gather(1, picked[:, None]).squeeze(1) <= 0
-    return torch.where(bad, probs.argmax(-1), picked)
+    return picked.clamp(max=probs.shape[1] - 1)
 
 
 def _to_host(
