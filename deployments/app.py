@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
@@ -27,9 +28,26 @@ APP_ARGS = frozenset({"config"})
 # extends these sets rather than loosening the check.
 PRESET_SECTIONS: dict[str, frozenset[str]] = {
     "model": frozenset({"demo", "path", "dtype", "device"}),
-    "engine": frozenset({"max_num_tokens", "page_size", "max_chunk_size"}),
-    "serving": frozenset({"model_id", "torch_threads"}),
+    "engine": frozenset(
+        {"max_num_tokens", "page_size", "max_chunk_size", "max_batch_size", "cache_quant"}
+    ),
+    "serving": frozenset(
+        {
+            "model_id",
+            "torch_threads",
+            "stream_interval_s",
+            "router",
+            "router_kwargs",
+            "num_replicas",
+        }
+    ),
 }
+# serving.router: how the ingress's handle places requests on LLM replicas.
+ROUTERS = {
+    "prefix": "deployments.routing:PrefixAwareRouter",  # cached pages first, load second
+    "pow2": None,  # Ray Serve's default power-of-two-choices (for comparison)
+}
+ROUTING_STATS_PERIOD_S = 1.0
 REQUIRED_SECTIONS = ("model",)
 
 
@@ -89,4 +107,24 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         raise ValueError("app args need 'config': a preset YAML such as configs/demo.yaml")
     preset = load_preset(args["config"])
     logger.info("building app from preset %s", args["config"])
-    return Ingress.bind(LLMServer.bind(preset), preset)
+    return Ingress.bind(llm_deployment(preset).bind(preset), preset)
+
+
+def llm_deployment(preset: dict[str, dict[str, Any]]) -> serve.Deployment:
+    """``LLMServer`` with the request router that ``serving.router`` names."""
+    serving = preset.get("serving") or {}
+    router = serving.get("router", "prefix")
+    if router not in ROUTERS:
+        raise ValueError(f"serving.router {router!r} is not one of {sorted(ROUTERS)}")
+    kwargs = serving.get("router_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"serving.router_kwargs must be a mapping, got {kwargs!r}")
+    options: dict[str, Any] = {"num_replicas": int(serving.get("num_replicas", 1))}
+    if ROUTERS[router] is not None:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTERS[router],
+            request_router_kwargs=kwargs,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=ROUTING_STATS_PERIOD_S,
+        )
+    return LLMServer.options(**options)

@@ -61,7 +61,22 @@ class DynamicGeneratorAsync:
         await asyncio.to_thread(self._thread.join)
 
     def stats(self) -> dict[str, int]:
+        """A best-effort read from any thread; ``call`` gives a consistent snapshot."""
         return self.generator.stats()
+
+    async def call(self, fn: Callable[[DynamicGenerator], Any]) -> Any:
+        """Run ``fn(generator)`` on the step thread between two steps and return its value:
+        the way to read engine state (stats, cached hashes) consistently."""
+        if self._closed:
+            raise GeneratorClosedError("the generator is closed")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._post("call", (fn, loop, done))
+        return await done
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._wake:
@@ -137,6 +152,15 @@ class DynamicGeneratorAsync:
         self._deliver(self.generator.take_undelivered())
         job.loop.call_soon_threadsafe(_resolve, done)
 
+    def _on_call(self, payload: tuple[Callable, asyncio.AbstractEventLoop, asyncio.Future]) -> None:
+        fn, loop, done = payload
+        try:
+            value = fn(self.generator)
+        except Exception as error:  # returned to the caller, never kills the step thread
+            loop.call_soon_threadsafe(_settle, done, None, error)
+            return
+        loop.call_soon_threadsafe(_settle, done, value, None)
+
     def _cancel_all(self) -> None:
         for async_job in list(self._jobs.values()):
             self.generator.cancel(async_job.job)
@@ -147,6 +171,15 @@ class DynamicGeneratorAsync:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _settle(future: asyncio.Future, value: Any, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 class DynamicJobAsync:
@@ -174,6 +207,24 @@ class DynamicJobAsync:
             if item["eos"]:
                 self.finished = True
             yield item
+
+    async def batches(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """Like ``async for``, but yields every result that is already waiting as one list,
+        so a server can coalesce the tokens of several steps into one message."""
+        while not self.finished:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, Exception):
+                    self.finished = True
+                    raise item
+                batch.append(item)
+                if item["eos"]:
+                    self.finished = True
+                    break
+            yield batch
 
     async def cancel(self) -> None:
         await self.generator.cancel(self)

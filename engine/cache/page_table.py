@@ -83,9 +83,15 @@ class PageTable:
     def lookup(self, page_hash: PageHash) -> int | None:
         return self._by_hash.get(page_hash)
 
-    def cached_hashes(self) -> Iterable[PageHash]:
-        """Every hash the table can currently serve (referenced or cached pages)."""
-        return self._by_hash.keys()
+    def recent_hashes(self, limit: int) -> list[PageHash]:
+        """Up to ``limit`` hashes the table can serve now, most recently registered first
+        (a bounded summary for the router)."""
+        hashes = []
+        for h in reversed(self._by_hash):
+            if len(hashes) >= limit:
+                break
+            hashes.append(h)
+        return hashes
 
     # -- state changes ---------------------------------------------------------------------
 
