@@ -1,5 +1,6 @@
-"""End to end: the interim Serve app (Ingress + LLMServer) on a real local Ray cluster, driven
-with the ``openai`` client over HTTP. The demo model is built into a tmp dir."""
+"""End to end: the Serve app (Ingress + 2 LLMServer replicas behind the prefix-aware router) on
+a real local Ray cluster, driven with the ``openai`` client over HTTP. The demo model is built
+into a tmp dir."""
 
 from __future__ import annotations
 
@@ -155,6 +156,51 @@ def test_raw_sse_ends_with_done(base_url: str) -> None:
     assert events[-1] == "data: [DONE]"
 
 
+def test_n_choices(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="demo", prompt="The river", max_tokens=6, n=3, temperature=1.0, seed=7
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    # completion tokens add up over the choices; the prompt counts once
+    assert 3 <= out.usage.completion_tokens <= 18
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=5, n=2, stream=True, temperature=0
+    )
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1]  # greedy: both choices agree
+
+
+def test_cached_tokens_are_reported(client: openai.OpenAI) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    first = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens >= 0.8 * first.usage.prompt_tokens
+
+
+def test_token_id_prompt_logit_bias_and_ignore_eos(base_url: str) -> None:
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "logit_bias": {"42": 100}, "ignore_eos": True}
+    status, _, lines = _post(f"{base_url}/v1/completions", json.dumps(body).encode())
+    assert status == 200, lines
+    out = json.loads(lines[0])
+    assert out["usage"]["prompt_tokens"] == 4 and out["usage"]["completion_tokens"] == 5
+
+
+def test_stats_per_replica(base_url: str, client: openai.OpenAI) -> None:
+    client.completions.create(model="demo", prompt="Hi", max_tokens=2)
+    with urllib.request.urlopen(f"{base_url}/v1/stats", timeout=30) as r:
+        stats = json.loads(r.read())
+    replicas = stats["replicas"]
+    assert len(replicas) == 2
+    for replica in replicas:
+        assert {"pages_total", "pages_in_use", "requests_served", "jobs_running"} <= set(replica)
+    assert sum(r["requests_served"] for r in replicas) > 0
+
+
 def test_errors(base_url: str, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=4)
@@ -177,6 +223,34 @@ def test_errors(base_url: str, client: openai.OpenAI) -> None:
     status, _, lines = _post(f"{base_url}/v1/completions", long_prompt)
     assert status == 400
     assert json.loads(lines[0])["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("completions", {}, "prompt"),
+        ("completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
+        ("completions", {"prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
+        ("completions", {"prompt": "Hi", "n": 0}, "n"),
+        ("completions", {"prompt": "Hi", "top_p": 2}, "top_p"),
+        ("completions", {"prompt": "Hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("completions", {"prompt": "Hi", "seed": 1.5}, "seed"),
+        ("completions", {"prompt": [10**9]}, "prompt"),
+        ("chat/completions", {"messages": []}, "messages"),
+        ("chat/completions", {"messages": "hi"}, "messages"),
+        ("chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+        ("chat/completions", {"messages": MESSAGES, "presence_penalty": 9}, "presence_penalty"),
+    ],
+)
+def test_bad_input_gets_400_and_server_stays_healthy(
+    base_url: str, client: openai.OpenAI, route: str, body: dict, param: str
+) -> None:
+    status, _, lines = _post(f"{base_url}/v1/{route}", json.dumps(body).encode())
+    error = json.loads(lines[0])["error"]
+    assert (status, error["param"]) == (400, param), error
+    assert set(error) == {"message", "type", "param", "code"}
+    out = client.completions.create(model="demo", prompt="still fine", max_tokens=2)
+    assert out.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("args", [{}, {"config": "configs/demo.yaml", "extra": 1}])
