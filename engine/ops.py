@@ -15,9 +15,8 @@ import torch
 
 from engine.cuda.activation import silu_mul_reference
 from engine.cuda.attention import paged_attention_reference
-from engine.cuda.cache_write import cache_write_reference
 from engine.cuda.norm import add_rms_norm_reference, rms_norm_reference
-from engine.cuda.rotary import rotary_reference
+from engine.cuda.rotary import rotary_cache_write_reference
 
 OPS_ENV = "ENGINE_OPS"
 OPS_CHOICES = ("auto", "torch", "cuda")
@@ -30,8 +29,7 @@ class OpSet:
     name: str
     rms_norm: Any
     add_rms_norm: Any
-    rotary: Any
-    cache_write: Any
+    rotary_cache_write: Any
     paged_attention: Any
     silu_mul: Any
 
@@ -40,8 +38,7 @@ TORCH_OPS = OpSet(
     name="torch",
     rms_norm=rms_norm_reference,
     add_rms_norm=add_rms_norm_reference,
-    rotary=rotary_reference,
-    cache_write=cache_write_reference,
+    rotary_cache_write=rotary_cache_write_reference,
     paged_attention=paged_attention_reference,
     silu_mul=silu_mul_reference,
 )

@@ -1,9 +1,20 @@
-"""Shared test setup: GPU tests skip themselves on machines without CUDA."""
+"""Shared test setup.
+
+Without a CUDA device the Numba CUDA kernels run in the CUDA simulator; the switch must be set
+before numba is first imported, which is why it lives at the top of the root conftest.
+GPU tests (marked ``gpu``) skip themselves on machines without CUDA.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

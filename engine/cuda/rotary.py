@@ -1,11 +1,15 @@
-"""Rotary position embedding (rotate-half / NeoX layout, as HF Llama checkpoints use).
+"""Rotary position embedding (rotate-half / NeoX layout, as HF Llama checkpoints use), fused
+with the paged K/V cache write.
 
-Torch reference; the CUDA kernel (fused with the K/V cache write) lives beside it.
+Torch references; the CUDA kernel (one launch: rotate q and k, write k and v into their pages)
+lives beside them.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.cuda.cache_write import cache_write_reference
 
 
 def rotary_reference(
@@ -20,3 +24,20 @@ def rotary_reference(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_cache_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k, write rotated k and v into the pages at ``slot_mapping`` (negative
+    slots are padding: not written); returns the rotated q [T, H, D]."""
+    q, k = rotary_reference(q, k, cos, sin)
+    cache_write_reference(k, v, k_pages, v_pages, slot_mapping)
+    return q

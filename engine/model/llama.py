@@ -74,9 +74,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = ops.rotary(q, k, *rope)
         k_pages, v_pages = kv
-        ops.cache_write(k, v, k_pages, v_pages, batch.slot_mapping)
+        q = ops.rotary_cache_write(q, k, v, *rope, k_pages, v_pages, batch.slot_mapping)
         out = ops.paged_attention(q, k_pages, v_pages, batch, self.scale, self.sliding_window)
         return F.linear(out.reshape(num_tokens, cfg.q_size), self.o_weight, self.o_bias)
 
