@@ -143,7 +143,9 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) ->
     # Pad with an out-of-vocabulary slot that is dropped after counting.
     ids = torch.full((len(rows), width), vocab, dtype=torch.long)
     for j, ctx in enumerate(contexts):
-        ids[j, : len(ctx)] = torch.tensor(ctx, dtype=torch.long).clamp(0, vocab - 1)
+        row = torch.tensor(ctx, dtype=torch.long)
+        # ids outside the vocabulary count nowhere (like out-of-range bias and ban ids)
+        ids[j, : len(ctx)] = torch.where((row >= 0) & (row < vocab), row, vocab)
     ids = ids.to(logits.device)
     counts = torch.zeros(len(rows), vocab + 1, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))

@@ -129,9 +129,11 @@ class Scheduler:
         for seq in decoding:
             if seq not in self.running:  # preempted below to make room for an older one
                 continue
+            if budget == 0:
+                break
             n = min(seq.num_pending, budget)
             if n == 0:
-                break
+                continue
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -169,18 +171,23 @@ class Scheduler:
         return 0
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        head_starved = False
+        """FIFO admission; a job that cannot start yet may be passed over by at most
+        ``max_skips`` later jobs in total, then admission waits for it."""
+        passed_over: list[Sequence] = []
         in_flight = self._in_flight_hashes()
         for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_batch_size or head_starved:
+            if budget == 0 or len(self.running) >= self.config.max_batch_size:
                 break
             if self._next_page_in_flight(seq, in_flight):
                 continue  # another sequence is computing that page now; reuse it next step
+            if any(s.skips >= self.config.max_skips for s in passed_over):
+                break
             n = self._try_admit(seq, budget)
             if n == 0:
-                seq.skips += 1
-                head_starved = seq.skips > self.config.max_skips
+                passed_over.append(seq)
                 continue
+            for s in passed_over:
+                s.skips += 1
             self.waiting.remove(seq)
             self.running.append(seq)
             in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])

@@ -16,13 +16,18 @@ class StopStringMatcher:
         self.stop_strings = tuple(stop_strings)
 
     def find(self, text: str) -> tuple[int, str] | None:
-        """The earliest full match in ``text`` as (index, stop string), or None."""
-        best: tuple[int, str] | None = None
+        """The full match that *ends* first in ``text`` (then the one starting first), as
+        (index, stop string), or None. Ending first is what a stream sees first, so the result
+        does not depend on how the text was split into pieces."""
+        best: tuple[int, int, str] | None = None
         for stop in self.stop_strings:
             index = text.find(stop)
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
+            if index < 0:
+                continue
+            key = (index + len(stop), index, stop)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        return None if best is None else (best[1], best[2])
 
     def partial_suffix_start(self, text: str) -> int:
         """Index where the earliest suffix of ``text`` that is a proper prefix of a stop string

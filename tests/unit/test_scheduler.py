@@ -401,12 +401,6 @@ def test_head_lets_at_most_max_skips_jobs_pass(max_skips):
     assert all(order.index(h) < order.index(s) for s in small[max_skips:])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/scheduler.py _admit: skips counts failed admission *steps* of the head, "
-    "not jobs that pass it; in the step where the head first fails, every later job that "
-    "fits is admitted, so more than max_skips jobs overtake it",
-)
 def test_head_is_not_overtaken_by_a_burst():
     sim, _r, h = _blocked_head_setup(max_skips=1)
     small = [sim.add([60 + i, 1, 2], generate=1) for i in range(4)]
