@@ -3,14 +3,26 @@
 Torch reference: gathers each sequence's pages into a padded [B, max_kv] view and runs one
 masked scaled-dot-product attention. It is the spec the CUDA kernels are checked against and
 the CPU production path, so it avoids per-sequence Python loops.
+
+Numba CUDA kernel (``paged_attention_cuda``, below the reference): one kernel for decode and
+(chunked) prefill rows, GQA-grouped, online softmax over the pages, optional flash-decoding
+split of the key range with a small merge kernel. See the comment block above the kernel.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
+from engine.cuda._launch import SIMULATOR, arg, check_dtype, cuda, kernels_available, stream
+
+float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 
 
 def paged_attention_reference(
@@ -97,3 +109,450 @@ def _mask(batch: ForwardBatch, layout: dict, sliding_window: int | None) -> torc
     mask = mask[:, None]
     batch.scratch[key] = mask
     return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Numba CUDA kernel
+#
+# Work mapping: one block per (work item, KV head, split). A work item is a tile of up to QT
+# consecutive query tokens of one sequence (QT = 1 when every sequence brings one token, i.e.
+# a decode step). The block computes all G = H / KV query heads of its KV group for every
+# token of the tile -- R = QT * G query rows -- so each K/V byte of the group is read once per
+# tile, once per sequence in a decode step. Splits (flash-decoding) cut the tile's key range
+# into chunks of ``chunk`` keys; with more than one split the blocks write unnormalised
+# partials (row max, row sum, row output) to a scratch buffer and a second kernel merges them.
+#
+# Inside a block: NT threads form NG = NT / LT groups of LT lanes (LT = 16 or 32: a half or a
+# whole warp). Per step each group owns one key (key = lo + step * NG + group); each lane owns
+# DPL = D / LT head dims strided by LT (lane, lane + LT, ...), so a group's K or V row load is
+# one contiguous coalesced run. Each group keeps an online softmax (max m, sum l, output acc)
+# per query row in registers; the LT partial dot products of a row are summed by an xor
+# butterfly of warp shuffles (a shared-memory sum in the simulator, which has no shuffles).
+# At the end the NG group states are merged through shared memory, RB rows per round.
+#
+# All per-forward metadata (the work list, split count, chunk length, partial buffers) comes
+# from ``_plan``: computed once per forward with device-side torch ops, sized from the host
+# ints the batch carries, cached in ``batch.scratch`` and shared by every layer.
+# --------------------------------------------------------------------------------------------
+
+_NUM_WARPS = 2 if SIMULATOR else 4  # threads per attention block / 32
+_MERGE_THREADS = 32 if SIMULATOR else 128
+_ROWS_TARGET = 8  # query rows (tile tokens x group heads) per block for prefill tiles
+_MIN_SPLIT_KEYS = 256  # a split never gets fewer keys than this (unless asked explicitly)
+_MAX_SPLITS = 32
+_BLOCKS_PER_SM = 2  # automatic splitting stops once the grid has this many blocks per SM
+_FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
+_NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
+_MAX_HEAD_DIM = 256
+_MERGE_SMEM_BYTES = 16384  # shared memory for the end-of-block merge of the group outputs
+
+
+def _row_sum_impl(rows: int, lanes: int, threads: int):
+    """Device function summing ``part[r]`` over the ``lanes`` lanes of each key group, for
+    every row r, in place (every lane gets the sum)."""
+    if SIMULATOR:
+
+        def row_sum(part, sm_red, tid, parity):
+            # Two buffers alternating per step: one barrier per call. A thread can only come
+            # back to a buffer after the next call's barrier, which every reader has passed.
+            buf = parity * rows * threads
+            for r in range(rows):
+                sm_red[buf + r * threads + tid] = part[r]
+            cuda.syncthreads()
+            base = buf + tid - tid % lanes
+            for r in range(rows):
+                total = float32(0.0)
+                for k in range(lanes):
+                    total += sm_red[base + r * threads + k]
+                part[r] = total
+
+    else:
+
+        def row_sum(part, sm_red, tid, parity):
+            for r in range(rows):
+                v = part[r]
+                offset = lanes // 2
+                while offset > 0:
+                    v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                    offset //= 2
+                part[r] = v
+
+    return cuda.jit(device=True)(row_sum)
+
+
+@functools.cache
+def _attention_kernel(  # noqa: C901, PLR0915
+    head_dim: int, page_size: int, group: int, q_tile: int, lanes: int
+):
+    """The attention kernel specialised on its compile-time constants."""
+    D, PS, G, QT, LT = head_dim, page_size, group, q_tile, lanes
+    DPL = D // LT
+    NT = _NUM_WARPS * 32
+    NG = NT // LT
+    R = G * QT
+    QV = R * DPL
+    SM_ROWS = NG * R
+    # Rows merged per round: the largest divisor of R whose NG partial outputs fit the budget.
+    RB = max(d for d in range(1, R + 1) if R % d == 0 and d * NG * D * 4 <= _MERGE_SMEM_BYTES)
+    SM_ACC = RB * NG * D
+    SM_RED = 2 * R * NT if SIMULATOR else 1
+    NEG = _NEG
+    row_sum = _row_sum_impl(R, LT, NT)
+    options = {}
+    if not SIMULATOR and QV <= 32:
+        # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
+        # for D=128 with G=4/QT=1/LT=16, G=8/LT=32 and G=1/QT=8/LT=32; 133-167 without).
+        options["launch_bounds"] = (NT, 4)
+
+    @cuda.jit(fastmath=True, **options)
+    def attention(  # noqa: C901, PLR0915
+        q, k_pages, v_pages, out, part_ml, part_o, block_tables, seq_lens, query_start_loc,
+        work, scale, window, chunk, num_splits,
+    ):  # fmt: skip
+        sm_m = cuda.shared.array(SM_ROWS, float32)
+        sm_l = cuda.shared.array(SM_ROWS, float32)
+        sm_acc = cuda.shared.array(SM_ACC, float32)
+        sm_red = cuda.shared.array(SM_RED, float32)
+        qv = cuda.local.array(QV, float32)
+        acc = cuda.local.array(QV, float32)
+        m = cuda.local.array(R, float32)
+        l = cuda.local.array(R, float32)  # noqa: E741
+        s = cuda.local.array(R, float32)
+        kf = cuda.local.array(DPL, float32)
+        vf = cuda.local.array(DPL, float32)
+
+        item = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        z = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        grp = tid // LT
+        lane = tid % LT
+
+        # The tile: sequence b, query tokens [row0, row0 + n_q) at positions pos0 + i.
+        b = work[item, 0]
+        off = work[item, 1]
+        seq_start = query_start_loc[b]
+        q_len = query_start_loc[b + 1] - seq_start
+        row0 = seq_start + off
+        n_q = min(QT, q_len - off)
+        pos0 = seq_lens[b] - q_len + off
+        # Keys of the whole tile: [k_lo, pos0 + n_q); this split's chunk: [lo, hi).
+        k_lo = 0
+        if window > 0:
+            k_lo = max(0, pos0 - window + 1)
+        lo = k_lo + z * chunk
+        hi = min(pos0 + n_q, lo + chunk)
+
+        for r in range(R):
+            m[r] = NEG
+            l[r] = 0.0
+            for i in range(DPL):
+                acc[r * DPL + i] = 0.0
+                x = float32(0.0)
+                if r // G < n_q:
+                    x = float32(q[row0 + r // G, h * G + r % G, lane + LT * i]) * scale
+                qv[r * DPL + i] = x
+
+        n_steps = 0
+        if hi > lo:
+            n_steps = (hi - lo + NG - 1) // NG
+        for step in range(n_steps):
+            # Every lane runs every step (the shuffles need the whole warp): a group past the
+            # end loads the chunk's last key and masks the result.
+            j = lo + step * NG + grp
+            jc = min(j, hi - 1)
+            page = block_tables[b, jc // PS]
+            slot = jc % PS
+            for i in range(DPL):
+                kf[i] = float32(k_pages[page, slot, h, lane + LT * i])
+                vf[i] = float32(v_pages[page, slot, h, lane + LT * i])
+            for r in range(R):
+                dot = float32(0.0)
+                if r // G < n_q:
+                    for i in range(DPL):
+                        dot += qv[r * DPL + i] * kf[i]
+                s[r] = dot
+            row_sum(s, sm_red, tid, step & 1)
+            for r in range(R):
+                p = pos0 + r // G
+                if r // G < n_q and j < hi and j <= p and (window == 0 or j > p - window):
+                    sc = s[r]
+                    if sc > m[r]:
+                        c = math.exp(m[r] - sc)
+                        l[r] *= c
+                        for i in range(DPL):
+                            acc[r * DPL + i] *= c
+                        m[r] = sc
+                    e = math.exp(sc - m[r])
+                    l[r] += e
+                    for i in range(DPL):
+                        acc[r * DPL + i] += e * vf[i]
+
+        # Merge the NG group states through shared memory, RB rows per round.
+        if lane == 0:
+            for r in range(R):
+                sm_m[grp * R + r] = m[r]
+                sm_l[grp * R + r] = l[r]
+        cuda.syncthreads()
+        for rb in range(0, R, RB):
+            for rr in range(RB):
+                mx = NEG
+                for g in range(NG):
+                    mx = max(mx, sm_m[g * R + rb + rr])
+                w = math.exp(m[rb + rr] - mx)
+                for i in range(DPL):
+                    sm_acc[(rr * NG + grp) * D + lane + LT * i] = acc[(rb + rr) * DPL + i] * w
+            cuda.syncthreads()
+            for idx in range(tid, RB * D, NT):
+                r = rb + idx // D
+                d = idx % D
+                if r // G < n_q:
+                    mx = NEG
+                    for g in range(NG):
+                        mx = max(mx, sm_m[g * R + r])
+                    total = float32(0.0)
+                    o = float32(0.0)
+                    for g in range(NG):
+                        total += sm_l[g * R + r] * math.exp(sm_m[g * R + r] - mx)
+                        o += sm_acc[((idx // D) * NG + g) * D + d]
+                    row = row0 + r // G
+                    head = h * G + r % G
+                    if num_splits == 1:
+                        if total > 0.0:
+                            o = o / total
+                        out[row, head, d] = o
+                    else:
+                        part_o[z, row, head, d] = o
+                        if d == 0:
+                            part_ml[z, row, head, 0] = mx
+                            part_ml[z, row, head, 1] = total
+            cuda.syncthreads()
+
+    return attention
+
+
+@functools.cache
+def _merge_kernel(head_dim: int):
+    """out[t, h] = sum_z part_o[z, t, h] * exp(m_z - M) / sum_z l_z * exp(m_z - M)."""
+    D = head_dim
+    NT = _MERGE_THREADS
+    NEG = _NEG
+
+    @cuda.jit(fastmath=True)
+    def merge(part_ml, part_o, out, num_splits):
+        t = cuda.blockIdx.x
+        for idx in range(cuda.threadIdx.x, out.shape[1] * D, NT):
+            h = idx // D
+            d = idx % D
+            mx = NEG
+            for z in range(num_splits):
+                mx = max(mx, part_ml[z, t, h, 0])
+            total = float32(0.0)
+            o = float32(0.0)
+            for z in range(num_splits):
+                w = math.exp(part_ml[z, t, h, 0] - mx)
+                total += part_ml[z, t, h, 1] * w
+                o += part_o[z, t, h, d] * w
+            if total > 0.0:
+                o = o / total
+            out[t, h, d] = o
+
+    return merge
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Per-forward launch data of the CUDA attention, shared by every layer."""
+
+    q_tile: int  # query tokens per work item
+    lanes: int  # lanes per key group
+    num_items: int  # work items (grid x)
+    num_splits: int  # key-range splits (grid z)
+    chunk: int  # keys per split
+    work: torch.Tensor  # [num_items, 2] int32: (sequence, first query token within it)
+    part_ml: torch.Tensor  # [S, T, H, 2] float32 partial (max, sum); dummy when S == 1
+    part_o: torch.Tensor  # [S, T, H, D] float32 partial outputs; dummy when S == 1
+
+
+def _tile_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, int]:
+    """(query tokens per work item, lanes per key group)."""
+    q_tile = 1 if max_query_len == 1 else max(1, _ROWS_TARGET // group)
+    rows = group * q_tile
+    # Half-warp groups (2 keys per warp step) when each lane's registers allow it: per lane
+    # 2 * rows * head_dim / lanes floats of query + accumulator.
+    lanes = 32 if head_dim % 32 == 0 and rows * head_dim > 512 else 16
+    if _FORCE_LANES is not None:
+        lanes = _FORCE_LANES
+    return q_tile, lanes
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_splits(blocks: int, max_span: int, device: torch.device) -> int:
+    if SIMULATOR:
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    want = -(-_BLOCKS_PER_SM * _num_sms(index) // blocks)
+    return max(1, min(want, max_span // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+
+
+def _plan(
+    batch: ForwardBatch,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None,
+    num_splits: int | None,
+    device: torch.device,
+) -> _Plan:
+    key = ("paged_attention_cuda", num_heads, num_kv_heads, head_dim, sliding_window, num_splits)
+    plan = batch.scratch.get(key)
+    if plan is not None:
+        return plan
+    group = num_heads // num_kv_heads
+    q_tile, lanes = _tile_config(head_dim, group, batch.max_query_len)
+    num_items = sum(-(-n // q_tile) for n in batch.q_lens)  # host ints, once per forward
+
+    # Work list on the device from query_start_loc: no host copy, capturable.
+    qsl = batch.query_start_loc.to(device)
+    tiles = (qsl[1:] - qsl[:-1] + (q_tile - 1)) // q_tile  # [B]
+    seq = torch.repeat_interleave(
+        torch.arange(batch.num_seqs, device=device, dtype=torch.int32),
+        tiles,
+        output_size=num_items,
+    )
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    item = torch.arange(num_items, device=device, dtype=torch.int32)
+    offset = (item - first_tile[seq.long()]) * q_tile
+    work = torch.stack((seq, offset.to(torch.int32)), dim=1).contiguous()
+
+    # Longest key range of any tile, then the split of it.
+    max_span = batch.max_seq_len
+    if sliding_window is not None:
+        max_span = min(max_span, sliding_window + q_tile - 1)
+    groups_per_block = _NUM_WARPS * 32 // lanes
+    if num_splits is None:
+        splits = _auto_splits(num_items * num_kv_heads, max_span, device)
+    else:
+        splits = min(num_splits, max_span)
+    chunk = -(-max_span // splits)
+    chunk = -(-chunk // groups_per_block) * groups_per_block
+    splits = -(-max_span // chunk)
+    if splits > 1:
+        shape = (splits, batch.num_tokens, num_heads)
+        part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=device)
+        part_o = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+    else:
+        part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=device)
+        part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+    plan = _Plan(q_tile, lanes, num_items, splits, chunk, work, part_ml, part_o)
+    batch.scratch[key] = plan
+    return plan
+
+
+def _check_inputs(  # noqa: C901
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: ForwardBatch,
+    sliding_window: int | None,
+    num_splits: int | None,
+) -> None:
+    name = "paged_attention_cuda"
+    if not kernels_available():
+        raise ValueError(f"{name}: no CUDA device (and NUMBA_ENABLE_CUDASIM is not set)")
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [T, H, D], got shape {tuple(q.shape)}")
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"{name}: k_pages and v_pages must both be [num_pages, page_size, KV, D], got "
+            f"{tuple(k_pages.shape)} and {tuple(v_pages.shape)}"
+        )
+    check_dtype(name, q, k_pages, v_pages)
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(
+            f"{name}: q, k_pages and v_pages must share a dtype, got {q.dtype}, "
+            f"{k_pages.dtype} and {v_pages.dtype}"
+        )
+    tokens, heads, head_dim = q.shape
+    _, page_size, kv_heads, kv_dim = k_pages.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"{name}: q head_dim {head_dim} != K/V head_dim {kv_dim}")
+    if head_dim % 16 or not 16 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(
+            f"{name}: head_dim must be a multiple of 16 in [16, {_MAX_HEAD_DIM}], got {head_dim}"
+        )
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{name}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    if page_size != batch.page_size:
+        raise ValueError(f"{name}: pages hold {page_size} tokens, batch says {batch.page_size}")
+    if tokens != batch.num_tokens:
+        raise ValueError(f"{name}: q has {tokens} rows, batch has {batch.num_tokens} tokens")
+    for field_name in ("query_start_loc", "seq_lens", "block_tables"):
+        t = getattr(batch, field_name)
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: batch.{field_name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: batch.{field_name} is on {t.device}, q on {q.device}")
+    if k_pages.device != q.device or v_pages.device != q.device:
+        raise ValueError(f"{name}: q, k_pages and v_pages must be on one device")
+    if (q.device.type == "cuda") == SIMULATOR:
+        where = "CPU tensors in the simulator" if SIMULATOR else "CUDA tensors"
+        raise ValueError(f"{name}: needs {where}, got tensors on {q.device}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"{name}: sliding_window must be positive, got {sliding_window}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
+
+
+def paged_attention_cuda(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention_reference`` as Numba CUDA kernels; returns a new [T, H, D] tensor.
+
+    ``num_splits`` forces the flash-decoding split count (tests, benchmarks); by default it is
+    chosen per forward from the grid size and the longest context. Launches on torch's current
+    stream without a host sync.
+    """
+    _check_inputs(q, k_pages, v_pages, batch, sliding_window, num_splits)
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    plan = _plan(batch, heads, kv_heads, head_dim, sliding_window, num_splits, q.device)
+    kernel = _attention_kernel(
+        head_dim, batch.page_size, heads // kv_heads, plan.q_tile, plan.lanes
+    )
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if SIMULATOR and not q.is_contiguous():
+        q = q.contiguous()  # the simulator copies arrays in as single buffers; a GPU takes views
+    launch_stream = stream()
+    kernel[(plan.num_items, kv_heads, plan.num_splits), _NUM_WARPS * 32, launch_stream](
+        arg(q),
+        arg(k_pages),
+        arg(v_pages),
+        arg(out),
+        arg(plan.part_ml),
+        arg(plan.part_o),
+        arg(batch.block_tables),
+        arg(batch.seq_lens),
+        arg(batch.query_start_loc),
+        arg(plan.work),
+        np.float32(scale),
+        sliding_window or 0,
+        plan.chunk,
+        plan.num_splits,
+    )
+    if plan.num_splits > 1:
+        _merge_kernel(head_dim)[tokens, _MERGE_THREADS, launch_stream](
+            arg(plan.part_ml), arg(plan.part_o), arg(out), plan.num_splits
+        )
+    return out

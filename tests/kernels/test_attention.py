@@ -1,0 +1,337 @@
+"""paged_attention_cuda against the torch reference.
+
+Without a GPU the kernels run in the Numba CUDA simulator (see tests/conftest.py), which runs
+one Python thread per CUDA thread: shapes stay tiny (head_dim 16/32, page size 4, contexts of
+a few pages). On a GPU the same tests run on CUDA tensors, plus the ``gpu`` tests at real sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.batch import SequenceInput, build_forward_batch
+from engine.cuda import attention
+from engine.cuda._launch import SIMULATOR
+from engine.cuda.attention import paged_attention_cuda, paged_attention_reference
+
+DEVICE = "cpu" if SIMULATOR else "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_case(specs, heads, kv_heads, head_dim, dtype, page_size=4, seed=0, device=DEVICE):
+    """specs: [(num_cached, num_new)] per sequence. Pages are a shuffled subset of a larger
+    pool whose other pages hold random values, so reading a wrong page shows up."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(c + n) // page_size) for c, n in specs]
+    pool = sum(needed) + 5
+    ids = torch.randperm(pool, generator=gen).tolist()
+    seqs = []
+    for (cached, new), n_pages in zip(specs, needed, strict=True):
+        pages, ids = ids[:n_pages], ids[n_pages:]
+        seqs.append(SequenceInput(token_ids=[1] * new, num_cached=cached, pages=pages))
+    batch = build_forward_batch(seqs, page_size, device)
+    shape = (pool, page_size, kv_heads, head_dim)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
+    k = torch.randn(shape, generator=gen)
+    v = torch.randn(shape, generator=gen)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), batch
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def check(specs, heads, kv_heads, head_dim, dtype, window=None, num_splits=None, **kw):
+    q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, dtype, **kw)
+    scale = head_dim**-0.5
+    out = paged_attention_cuda(q, k, v, batch, scale, window, num_splits=num_splits)
+    # The spec in fp32 math: the reference on fp32 copies of the same values.
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, scale, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    err = rel_error(out, ref)
+    assert err <= TOL[dtype], f"max rel error {err:.2e} > {TOL[dtype]:.0e}"
+    return q, k, v, batch, out
+
+
+# --- decode-only batches (one new token per sequence) --------------------------------------
+
+
+def test_decode_mha_page_boundaries_fp32():
+    # contexts 1 (one slot), 4 (exactly one page), 9 (into the third page)
+    check([(0, 1), (3, 1), (8, 1)], heads=2, kv_heads=2, head_dim=16, dtype=torch.float32)
+
+
+def test_decode_gqa4_fp32():
+    check([(6, 1), (12, 1)], heads=4, kv_heads=1, head_dim=32, dtype=torch.float32)
+
+
+def test_decode_gqa8_fp16():
+    check([(4, 1), (16, 1)], heads=8, kv_heads=1, head_dim=16, dtype=torch.float16)
+
+
+def test_decode_gqa2_sliding_window_fp16():
+    check(
+        [(2, 1), (13, 1)], heads=4, kv_heads=2, head_dim=16, dtype=torch.float16, window=3, seed=1
+    )
+
+
+def test_decode_splits_fp32():
+    # 3 splits of the key range, partials merged by the second kernel; a 2-token context
+    # leaves some splits empty.
+    _, _, _, batch, _ = check(
+        [(10, 1), (18, 1), (1, 1)],
+        heads=4,
+        kv_heads=1,
+        head_dim=16,
+        dtype=torch.float32,
+        num_splits=3,
+        seed=2,
+    )
+    plans = [p for key, p in batch.scratch.items() if key[0] == "paged_attention_cuda"]
+    assert [p.num_splits for p in plans] == [3]
+
+
+def test_decode_whole_warp_lanes(monkeypatch):
+    # 32 lanes per key (the choice for big tiles at head_dim >= 64), tested at head_dim 32.
+    monkeypatch.setattr(attention, "_FORCE_LANES", 32)
+    check([(5, 1), (9, 1)], heads=2, kv_heads=1, head_dim=32, dtype=torch.float32, seed=3)
+
+
+# --- prefill-only and mixed batches --------------------------------------------------------
+
+
+def test_prefill_mha_tiles_fp32():
+    # G = 1 -> tiles of 8 query tokens: 9 tokens = a full tile + a 1-token tile.
+    check([(0, 9), (0, 3)], heads=2, kv_heads=2, head_dim=16, dtype=torch.float32, seed=4)
+
+
+def test_prefill_gqa4_fp16():
+    check([(0, 6)], heads=4, kv_heads=1, head_dim=32, dtype=torch.float16, seed=5)
+
+
+def test_mixed_chunked_prefill_and_decode_fp16():
+    # A prefill chunk over a 5-token cached prefix, two decodes, q a strided view (as from a
+    # fused QKV projection).
+    specs = [(5, 6), (12, 1), (3, 1)]
+    q, k, v, batch = make_case(specs, 4, 2, 16, torch.float16, seed=6)
+    qkv = torch.cat((q, torch.zeros_like(q)), dim=1)  # [T, 2H, D]
+    q_view = qkv[:, :4]
+    assert not q_view.is_contiguous()
+    out = paged_attention_cuda(q_view, k, v, batch, 0.25)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, 0.25)
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+def test_mixed_gqa8_sliding_window_fp32():
+    check(
+        [(3, 4), (10, 1)],
+        heads=8,
+        kv_heads=1,
+        head_dim=16,
+        dtype=torch.float32,
+        window=5,
+        seed=7,
+    )
+
+
+def test_mixed_splits_fp16():
+    check(
+        [(4, 3), (14, 1)],
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        dtype=torch.float16,
+        num_splits=2,
+        seed=8,
+    )
+
+
+# --- plan caching and validation -----------------------------------------------------------
+
+
+def test_plan_is_cached_per_forward():
+    q, _, _, batch = make_case([(2, 1), (5, 1)], 2, 1, 16, torch.float32)
+    plan = attention._plan(batch, 2, 1, 16, None, None, q.device)
+    assert attention._plan(batch, 2, 1, 16, None, None, q.device) is plan
+    assert plan.q_tile == 1 and plan.num_items == 2 and plan.num_splits == 1
+    assert plan.work.tolist() == [[0, 0], [1, 0]]
+    # a prefill batch tiles query tokens: G = 2 -> 4 tokens per item
+    _, _, _, batch = make_case([(0, 6), (3, 1), (0, 4)], 2, 1, 16, torch.float32)
+    plan = attention._plan(batch, 2, 1, 16, None, None, q.device)
+    assert plan.q_tile == 4
+    assert plan.work.tolist() == [[0, 0], [0, 4], [1, 0], [2, 0]]
+
+
+def test_split_chunks_cover_the_longest_context():
+    _, _, _, batch = make_case([(18, 1)], 2, 1, 16, torch.float32)
+    plan = attention._plan(batch, 2, 1, 16, None, 4, torch.device(DEVICE))
+    assert plan.num_splits * plan.chunk >= 19
+    assert (plan.num_splits - 1) * plan.chunk < 19
+    assert plan.part_o.shape == (plan.num_splits, 1, 2, 16)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda q, k, v, b: (q[0], k, v, b), "q must be"),
+        (lambda q, k, v, b: (q, k, v[:, :, :, :8], b), "k_pages and v_pages"),
+        (lambda q, k, v, b: (q.double(), k, v, b), "dtype"),
+        (lambda q, k, v, b: (q.half(), k, v, b), "share a dtype"),
+        (lambda q, k, v, b: (q[:, :3], k, v, b), "not a multiple"),
+        (lambda q, k, v, b: (q[:1], k, v, b), "rows"),
+        (lambda q, k, v, b: (q[..., :8], k[..., :8], v[..., :8], b), "multiple of 16"),
+    ],
+)
+def test_bad_inputs_raise(mutate, message):
+    q, k, v, batch = make_case([(2, 1), (5, 1)], 4, 2, 16, torch.float32)
+    q, k, v, batch = mutate(q, k, v, batch)
+    with pytest.raises(ValueError, match=message):
+        paged_attention_cuda(q, k, v, batch, 0.25)
+
+
+def test_bad_batch_and_window_raise():
+    q, k, v, batch = make_case([(2, 1), (5, 1)], 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_cuda(q, k, v, batch, 0.25, 0)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention_cuda(q, k, v, batch, 0.25, num_splits=0)
+    batch.seq_lens = batch.seq_lens.long()
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        paged_attention_cuda(q, k, v, batch, 0.25)
+
+
+# --- GPU-free compile gate: the real kernels compiled for sm_90 ------------------------------
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import re, sys
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+
+    try:
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        load_nvidia_dynamic_lib("nvvm")
+        load_nvidia_dynamic_lib("nvJitLink")
+    except Exception as exc:
+        print("no NVVM/nvJitLink:", exc)
+        sys.exit(3)
+
+    class Device:  # kernels calling device functions ask for the current device
+        compute_capability = (9, 0)
+        id = 0
+
+    dispatcher.get_current_device = lambda: Device()
+    from engine.cuda import attention as A
+
+    ARGS = (
+        "{dt}[:, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, ::1], "
+        "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], "
+        "int32[::1], int32[:, ::1], float32, int64, int64, int64"
+    )
+    for dt, (d, ps, g, qt, lt) in [("float16", (128, 16, 4, 1, 16)),
+                                   ("float16", (128, 16, 4, 2, 32)),
+                                   ("float32", (128, 16, 8, 1, 32))]:
+        kernel = A._attention_kernel(d, ps, g, qt, lt)
+        opts = kernel.targetoptions
+        ltoir, _ = cuda.compile(
+            kernel.py_func, "void(" + ARGS.format(dt=dt) + ")", cc=(9, 0), output="ltoir",
+            device=False, abi="numba", fastmath=opts.get("fastmath", False),
+            launch_bounds=opts.get("launch_bounds"),
+        )
+        linker = Linker(ObjectCode.from_ltoir(ltoir),
+                        options=LinkerOptions(arch="sm_90", link_time_optimization=True,
+                                              verbose=True))
+        linker.link("cubin")
+        log = linker.get_info_log()
+        regs = re.search(r"Used (\\d+) registers", log).group(1)
+        spills = re.search(r"(\\d+) bytes spill stores", log).group(1)
+        print(dt, d, ps, g, qt, lt, "registers", regs, "spill stores", spills)
+        assert spills == "0", log
+    """
+)
+
+
+def test_kernels_compile_for_sm90():
+    """Compiles the real (non-simulator) kernels to sm_90 cubins with NVVM + nvJitLink, which
+    needs no GPU, and checks for register spills. Skipped where the NVVM/nvJitLink libraries
+    are not installed (pip: nvidia-nvvm, nvidia-nvjitlink)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- real sizes, GPU only --------------------------------------------------------------------
+
+
+def _llama8b_case(specs, seed=0):
+    return make_case(specs, 32, 8, 128, torch.float16, page_size=16, seed=seed, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_batch64_ctx4k():
+    q, k, v, batch = _llama8b_case([(4095, 1)] * 64)
+    scale = 128**-0.5
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, scale)
+    for splits in (None, 1, 4):
+        out = paged_attention_cuda(q, k, v, batch, scale, num_splits=splits)
+        assert rel_error(out, ref) <= TOL[torch.float16], splits
+
+
+@pytest.mark.gpu
+def test_gpu_decode_ragged_long_contexts_auto_split():
+    q, k, v, batch = _llama8b_case([(4000, 1), (17, 1), (2500, 1)], seed=1)
+    out = paged_attention_cuda(q, k, v, batch, 0.1)
+    plans = [p for key, p in batch.scratch.items() if key[0] == "paged_attention_cuda"]
+    assert plans[0].num_splits > 1  # 3 x 8 blocks on 132 SMs: split
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, 0.1)
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_2k_tokens():
+    q, k, v, batch = _llama8b_case([(0, 2048)], seed=2)
+    out = paged_attention_cuda(q, k, v, batch, 128**-0.5)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, 128**-0.5)
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_chunked_prefill_window():
+    q, k, v, batch = _llama8b_case([(700, 512), (3000, 1), (0, 33), (1500, 1)], seed=3)
+    out = paged_attention_cuda(q, k, v, batch, 0.09, 1024)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, 0.09, 1024)
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    q, k, v, batch = _llama8b_case([(1000, 1)] * 8, seed=4)
+    paged_attention_cuda(q, k, v, batch, 0.1)  # compile, load, build the per-forward plan
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_cuda(q, k, v, batch, 0.1)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, 0.1)
+    assert rel_error(out, ref) <= TOL[torch.float16]
