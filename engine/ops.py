@@ -44,13 +44,43 @@ TORCH_OPS = OpSet(
 )
 
 
-def select_ops(device: torch.device | str) -> OpSet:
-    """The op set for ``device``, honouring ``ENGINE_OPS``."""
+def cuda_ops() -> OpSet:
+    """The Numba CUDA kernels as an op set (imported on first use: it loads numba)."""
+    from engine.cuda.activation import silu_mul_cuda
+    from engine.cuda.attention import paged_attention_cuda
+    from engine.cuda.norm import add_rms_norm_cuda, rms_norm_cuda
+    from engine.cuda.rotary import rotary_cache_write_cuda
+
+    return OpSet(
+        name="cuda",
+        rms_norm=rms_norm_cuda,
+        add_rms_norm=add_rms_norm_cuda,
+        rotary_cache_write=rotary_cache_write_cuda,
+        paged_attention=paged_attention_cuda,
+        silu_mul=silu_mul_cuda,
+    )
+
+
+def ops_choice() -> str:
     choice = os.environ.get(OPS_ENV, "auto").strip().lower() or "auto"
     if choice not in OPS_CHOICES:
         raise ValueError(f"{OPS_ENV}={choice!r} is not one of {', '.join(OPS_CHOICES)}")
-    if choice == "cuda":
-        # The Numba CUDA kernels are a separate work item; until they land, say so plainly
-        # rather than silently running the references under a 'cuda' label.
-        raise ValueError(f"{OPS_ENV}=cuda: the Numba CUDA kernels are not built yet")
-    return TORCH_OPS
+    return choice
+
+
+def select_ops(device: torch.device | str) -> OpSet:
+    """The op set for ``device``: the Numba kernels on CUDA devices, the torch references
+    elsewhere. ``ENGINE_OPS=torch`` forces the references (to bisect a drift);
+    ``ENGINE_OPS=cuda`` forces the kernels, on CPU too when ``NUMBA_ENABLE_CUDASIM=1``."""
+    choice = ops_choice()
+    device = torch.device(device)
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return TORCH_OPS
+    from engine.cuda._launch import SIMULATOR
+
+    if device.type != "cuda" and not SIMULATOR:
+        raise ValueError(
+            f"{OPS_ENV}=cuda on a {device.type} device needs the CUDA simulator "
+            "(set NUMBA_ENABLE_CUDASIM=1 before starting Python)"
+        )
+    return cuda_ops()

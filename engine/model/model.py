@@ -69,6 +69,11 @@ class Model:
         config = ModelConfig.from_pretrained(folder)
         dev = resolve_device(device)
         run_dtype = resolve_dtype(dtype, dev)
+        if run_dtype == torch.bfloat16 and select_ops(dev).name == "cuda":
+            # The Numba kernels take fp16/fp32 (the simulator has no bf16); bf16 weights are
+            # converted tensor by tensor at load, which fp16's range covers for LLM weights.
+            logger.warning("bfloat16 requested with the CUDA kernels: running in float16")
+            run_dtype = torch.float16
         network = LlamaForCausalLM(config, run_dtype, dev)
         ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
         load_weights(network.weight_targets(), folder, ignore=ignore)
