@@ -4,8 +4,9 @@ handed to a kernel, and which stream a kernel runs on.
 On a GPU, kernels take torch CUDA tensors directly (DLPack, no copy) and launch on torch's
 current stream, so they order with torch's own kernels and can be captured in a CUDA graph
 with no host synchronisation. Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, CPU-only
-CI), kernels take numpy views of CPU tensors (shared memory, so in-place writes land in the
-torch tensor) and run on the default (fake) stream.
+CI), kernels take CPU tensors wrapped as simulator device arrays: the simulator then works on the
+tensor's own memory (strided views and in-place outputs included) instead of copying numpy
+arguments in and out, and runs on the default (fake) stream.
 
 INVARIANT: ``NUMBA_ENABLE_CUDASIM`` must be set before numba is first imported; import numba
 only through this module so the check below sees the mode actually in force.
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from numba import cuda
+from numba.cuda import types as nbt
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
@@ -32,13 +34,29 @@ def kernels_available() -> bool:
     return SIMULATOR or cuda.is_available()
 
 
+NUMBA_DTYPES = {torch.float16: nbt.float16, torch.float32: nbt.float32}
+NUMBA_INDEX_DTYPES = {torch.int32: nbt.int32, torch.int64: nbt.int64}
+
+
 def arg(t: torch.Tensor) -> Any:
-    """A torch tensor as a kernel argument (a numpy view in the simulator)."""
+    """A torch tensor as a kernel argument: the tensor itself on a GPU (DLPack, no copy); in
+    the simulator a device-array wrapper over the tensor's memory."""
     if SIMULATOR:
         if t.dtype == torch.bfloat16:
             raise ValueError("bfloat16 tensors are not supported by the CUDA simulator")
-        return t.detach().numpy()
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(t.detach().numpy())
     return t.detach()
+
+
+def check_device(name: str, *tensors: torch.Tensor) -> None:
+    """All tensors on one device: CPU in the simulator, CUDA otherwise."""
+    want = "cpu" if SIMULATOR else "cuda"
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != want:
+        found = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{name}: tensors must all be on one {want} device (found {found})")
 
 
 def stream() -> Any:

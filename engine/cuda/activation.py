@@ -28,7 +28,6 @@ cuda = _launch.cuda
 nbt = cuda.types
 float32 = nbt.float32
 
-_NUMBA_DTYPES = {torch.float16: nbt.float16, torch.float32: nbt.float32}
 _THREADS = 256
 # Grid-stride cap: enough blocks to fill an H100 (132 SMs x 2048 threads / 256) several times
 # over; larger inputs loop. Tests lower it to exercise the loop.
@@ -36,21 +35,9 @@ _MAX_BLOCKS = 132 * 8 * 4
 _EXP_ARG_MAX = float32(700.0)  # expf(x > 88.7) is inf on a GPU; Python's exp raises past 709
 
 
-def _arg(t: torch.Tensor):
-    """``_launch.arg``, but in the simulator wrapped as a simulator device array: the simulator
-    then uses the tensor's memory directly instead of copying each numpy argument in and out
-    (which rejects strided views and breaks aliasing, e.g. an in-place output)."""
-    a = _launch.arg(t)
-    if _launch.SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(a)
-    return a
-
-
 @functools.cache
 def _silu_mul_kernel(dtype: torch.dtype):
-    io = _NUMBA_DTYPES[dtype]
+    io = _launch.NUMBA_DTYPES[dtype]
     sig = nbt.void(nbt.Array(io, 2, "A"), nbt.Array(io, 2, "A"))
     inf = float32(math.inf)
 
@@ -91,7 +78,9 @@ def silu_mul_cuda(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     threads = min(_THREADS, max(32, 1 << (total - 1).bit_length()))
     grid = min(_launch.blocks(total, threads), _MAX_BLOCKS)
-    _silu_mul_kernel(gate_up.dtype)[grid, threads, _launch.stream()](_arg(gate_up), _arg(out))
+    _silu_mul_kernel(gate_up.dtype)[grid, threads, _launch.stream()](
+        _launch.arg(gate_up), _launch.arg(out)
+    )
     return out
 
 

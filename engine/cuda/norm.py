@@ -55,30 +55,8 @@ cuda = _launch.cuda
 nbt = cuda.types
 float32 = nbt.float32
 
-_NUMBA_DTYPES = {torch.float16: nbt.float16, torch.float32: nbt.float32}
 _FULL_MASK = 0xFFFFFFFF
 _MAX_THREADS = 1024
-
-
-def _arg(t: torch.Tensor):
-    """``_launch.arg``, but in the simulator wrapped as a simulator device array: the simulator
-    then uses the tensor's memory directly instead of copying each numpy argument in and out
-    (which rejects strided views and breaks aliasing, e.g. an in-place output)."""
-    a = _launch.arg(t)
-    if _launch.SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(a)
-    return a
-
-
-def _check_device(name: str, *tensors: torch.Tensor) -> None:
-    """All tensors on one device: CPU in the simulator, CUDA otherwise."""
-    want = "cpu" if _launch.SIMULATOR else "cuda"
-    devices = {t.device for t in tensors}
-    if len(devices) != 1 or next(iter(devices)).type != want:
-        found = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"{name}: tensors must all be on one {want} device (found {found})")
 
 
 @cuda.jit(device=True)
@@ -138,7 +116,7 @@ def _row_threads(d: int) -> int:
 
 @functools.cache
 def _rms_norm_kernel(dtype: torch.dtype):
-    io = _NUMBA_DTYPES[dtype]  # the cast to the storage dtype (fp16: one cvt.rn on a GPU)
+    io = _launch.NUMBA_DTYPES[dtype]  # the cast to the storage dtype (fp16: one cvt.rn on a GPU)
     rows = nbt.Array(io, 3, "A")
     sig = nbt.void(rows, nbt.Array(io, 1, "A"), rows, float32)
 
@@ -164,7 +142,7 @@ def _rms_norm_kernel(dtype: torch.dtype):
 
 @functools.cache
 def _add_rms_norm_kernel(dtype: torch.dtype):
-    io = _NUMBA_DTYPES[dtype]
+    io = _launch.NUMBA_DTYPES[dtype]
     rows = nbt.Array(io, 3, "A")
     sig = nbt.void(rows, rows, nbt.Array(io, 1, "A"), rows, float32)
 
@@ -206,7 +184,7 @@ def _as_rows3(t: torch.Tensor) -> torch.Tensor:
 
 def _check_norm_args(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     _launch.check_dtype(name, x, weight)
-    _check_device(name, x, weight)
+    _launch.check_device(name, x, weight)
     if x.dim() == 0:
         raise ValueError(f"{name}: x must have at least one dimension (got a scalar)")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -232,7 +210,7 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         return out
     kernel = _rms_norm_kernel(x.dtype)
     kernel[num_rows, _row_threads(x3.shape[2]), _launch.stream()](
-        _arg(x3), _arg(weight), _arg(out.view(x3.shape)), np.float32(eps)
+        _launch.arg(x3), _launch.arg(weight), _launch.arg(out.view(x3.shape)), np.float32(eps)
     )
     return out
 
@@ -252,7 +230,7 @@ def add_rms_norm_cuda(
     """
     _check_norm_args("add_rms_norm", x, weight)
     _launch.check_dtype("add_rms_norm", residual)
-    _check_device("add_rms_norm", x, residual)
+    _launch.check_device("add_rms_norm", x, residual)
     if residual.shape != x.shape:
         raise ValueError(
             f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}"
@@ -267,10 +245,10 @@ def add_rms_norm_cuda(
         return out, residual
     kernel = _add_rms_norm_kernel(x.dtype)
     kernel[num_rows, _row_threads(x3.shape[2]), _launch.stream()](
-        _arg(x3),
-        _arg(r3),
-        _arg(weight),
-        _arg(out.view(x3.shape)),
+        _launch.arg(x3),
+        _launch.arg(r3),
+        _launch.arg(weight),
+        _launch.arg(out.view(x3.shape)),
         np.float32(eps),
     )
     if r3.data_ptr() != residual.data_ptr():

@@ -65,30 +65,16 @@ cuda = _launch.cuda
 nbt = cuda.types
 float32 = nbt.float32
 
-_NUMBA_DTYPES = {torch.float16: nbt.float16, torch.float32: nbt.float32}
-_NUMBA_INDEX_DTYPES = {torch.int32: nbt.int32, torch.int64: nbt.int64}
 _MAX_THREADS = 256
-
-
-def _arg(t: torch.Tensor):
-    """``_launch.arg``, but in the simulator wrapped as a simulator device array: the simulator
-    then uses the tensor's memory directly instead of copying each numpy argument in and out
-    (which rejects strided views and breaks aliasing, e.g. an in-place output)."""
-    a = _launch.arg(t)
-    if _launch.SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(a)
-    return a
 
 
 @functools.cache
 def _rotary_cache_write_kernel(dtype: torch.dtype, slot_dtype: torch.dtype):
-    io = _NUMBA_DTYPES[dtype]
+    io = _launch.NUMBA_DTYPES[dtype]
     heads = nbt.Array(io, 3, "A")
     table = nbt.Array(io, 2, "A")
     pages = nbt.Array(io, 4, "C")
-    slots_t = nbt.Array(_NUMBA_INDEX_DTYPES[slot_dtype], 1, "C")
+    slots_t = nbt.Array(_launch.NUMBA_INDEX_DTYPES[slot_dtype], 1, "C")
     sig = nbt.void(heads, heads, heads, table, table, pages, pages, slots_t, heads)
 
     def rotary_cache_write_kernel(q, k, v, cos, sin, k_pages, v_pages, slot_mapping, q_out):
@@ -142,7 +128,7 @@ def _check_rotary_dtypes(tensors: dict[str, torch.Tensor]) -> None:
     for label, t in tensors.items():
         if label not in ("q", "slot_mapping") and t.dtype != q.dtype:
             raise ValueError(f"{name}: {label} dtype {t.dtype} != q dtype {q.dtype}")
-    if slot_mapping.dtype not in _NUMBA_INDEX_DTYPES:
+    if slot_mapping.dtype not in _launch.NUMBA_INDEX_DTYPES:
         raise ValueError(f"{name}: slot_mapping dtype {slot_mapping.dtype} is not int32/int64")
 
 
@@ -228,7 +214,7 @@ def rotary_cache_write_cuda(
     slot_mapping = slot_mapping.contiguous()  # typed C-contiguous; a no-op in the model
     kernel = _rotary_cache_write_kernel(q.dtype, slot_mapping.dtype)
     kernel[num_tokens, threads, _launch.stream()](
-        *(_arg(t) for t in (q, k, v, cos, sin, k_pages, v_pages, slot_mapping, out))
+        *(_launch.arg(t) for t in (q, k, v, cos, sin, k_pages, v_pages, slot_mapping, out))
     )
     return out
 

@@ -78,6 +78,9 @@ class Model:
         ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
         load_weights(network.weight_targets(), folder, ignore=ignore)
         network.eval()
+        model = cls(config, network, folder)
+        if model.ops.name == "cuda" and dev.type == "cuda":
+            model.warm_up()
         logger.info(
             "loaded %s model from %s (%.1fM parameters, %s on %s)",
             config.architecture,
@@ -86,7 +89,16 @@ class Model:
             run_dtype,
             dev,
         )
-        return cls(config, network, folder)
+        return model
+
+    def warm_up(self, page_size: int = 16) -> None:
+        """Run a prefill and a decode forward once, so every kernel specialisation the engine
+        needs is compiled and loaded now, never mid-request (or during CUDA-graph capture)."""
+        kv = self.allocate_kv(2, page_size)
+        prompt = SequenceInput([0] * (page_size + 1), num_cached=0, pages=[0, 1])
+        self.forward_sequences([prompt], kv, page_size)
+        decode = SequenceInput([0], num_cached=page_size + 1, pages=[0, 1])
+        self.forward_sequences([decode], kv, page_size)
 
     def allocate_kv(self, num_pages: int, page_size: int = 16) -> KVPages:
         """Paged K/V storage for this model on its device, in its dtype."""
