@@ -1,0 +1,656 @@
+"""Offline batch inference against the Serve app: JSONL in, JSONL out, resumable.
+
+    python -m deployments.batch --input in.jsonl --output out.jsonl \
+        [--config configs/demo.yaml] [--app-name pagedserve] [--concurrency 8]
+
+Input: one JSON object per line, ``{"id": ..., "prompt": ...}`` (a completion) or
+``{"id": ..., "messages": [...]}`` (a chat), plus any OpenAI sampling field (``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, penalties, ``logit_bias``,
+``n``, ``ignore_eos``, ...). ``id`` is a non-empty string or an integer. Blank lines are skipped.
+
+Output: one line per input line, in completion order (not input order):
+
+- ``{"id", "text", "finish_reason", "usage"}`` with OpenAI's usage (``prompt_tokens``,
+  ``completion_tokens``, ``total_tokens``, ``prompt_tokens_details.cached_tokens``). With
+  ``n`` > 1, ``text`` and ``finish_reason`` are lists (one entry per choice) and usage counts
+  the prompt once, as the HTTP API does.
+- ``{"id", "line", "error": {"message", "type", "param", "code"}}`` for a bad line (not JSON,
+  no usable id, no prompt/messages, a field the HTTP API would reject: ``type`` is
+  ``invalid_request_error``) or a request that failed on the server (``server_error``). A line
+  without a usable id (or repeating an earlier id) has ``"id": null`` and is known by ``line``.
+
+Resume: ids (and, for id-less lines, line numbers) already in the output are skipped, so
+rerunning the same command after a crash finishes the job; a half-written last line is cut
+off first. ``server_error`` records are retried on the next run: when an id has several
+records, the last one counts.
+
+The job tokenizes with the same ``PromptBuilder`` as the HTTP ingress and streams token-id
+requests straight to ``LLMServer`` through a deployment handle, so the app's request router (a
+fresh instance in this process) places every request, prefix-aware, as for HTTP traffic.
+If the app is not running, the job deploys it (no HTTP route) and removes it at the end.
+
+Exit status: 0 when every line got its final record (bad lines included), 3 when some
+requests failed on the server (rerun to retry them), 2 for a bad command line or input file,
+1 for an infrastructure failure (no cluster, deploy failed), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from deployments.protocol import OpenAIError, finish_reason, usage_of
+
+logger = logging.getLogger("pagedserve.batch")
+
+DEFAULT_CONFIG = "configs/demo.yaml"
+DEFAULT_APP_NAME = "pagedserve"
+LLM_DEPLOYMENT = "LLMServer"
+EXIT_OK, EXIT_INFRA, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+INVALID, SERVER_ERROR = "invalid_request_error", "server_error"
+
+Id = str | int
+Record = dict[str, Any]
+# One engine request dict in, its stream of LLMServer messages out (a handle, or a fake).
+Generate = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
+
+
+class InfraError(Exception):
+    """The cluster or the app is not usable: the job stops with EXIT_INFRA."""
+
+
+# -- input lines -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A parsed input line: an OpenAI-style body still to be validated."""
+
+    line: int
+    id: Id
+    body: dict[str, Any]
+    chat: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BadLine:
+    """A line that gets an error record without reaching the model."""
+
+    line: int
+    id: Id | None
+    message: str
+    param: str | None = None
+
+
+def usable_id(value: Any) -> bool:
+    if isinstance(value, bool):  # JSON true is not an id (and would equal 1 in a set)
+        return False
+    return isinstance(value, int) or (isinstance(value, str) and value != "")
+
+
+def parse_line(text: str, line: int) -> Item | BadLine | None:
+    """One input line; None for a blank line."""
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadLine(line, None, f"line {line} is not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        return BadLine(line, None, f"line {line} must be a JSON object")
+    if not usable_id(obj.get("id")):
+        message = f"line {line}: 'id' must be a non-empty string or an integer"
+        return BadLine(line, None, message, "id")
+    body = {k: v for k, v in obj.items() if k != "id"}
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        message = "exactly one of 'prompt' or 'messages' is required"
+        return BadLine(line, obj["id"], message, "messages" if has_prompt else "prompt")
+    return Item(line, obj["id"], body, chat=has_messages)
+
+
+def error_record(id_: Id | None, line: int, error: OpenAIError) -> Record:
+    body = {"message": error.message, "type": error.type, "param": error.param, "code": error.code}
+    return {"id": id_, "line": line, "error": body}
+
+
+def bad_line_record(bad: BadLine) -> Record:
+    return error_record(bad.id, bad.line, OpenAIError(bad.message, param=bad.param))
+
+
+def result_record(id_: Id, texts: list[str], finals: list[dict[str, Any]]) -> Record:
+    reasons = [finish_reason(f) for f in finals]
+    single = len(texts) == 1  # n > 1: one list entry per choice
+    return {
+        "id": id_,
+        "text": texts[0] if single else texts,
+        "finish_reason": reasons[0] if single else reasons,
+        "usage": usage_of(finals),
+    }
+
+
+# -- resume ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Done:
+    """What earlier runs finished: ids, and line numbers of id-less lines."""
+
+    ids: set[Id] = field(default_factory=set)
+    lines: set[int] = field(default_factory=set)
+
+    def add(self, record: Record) -> None:
+        error = record.get("error")
+        if isinstance(error, dict) and error.get("type") == SERVER_ERROR:
+            return  # retried on the next run
+        if usable_id(record.get("id")):
+            self.ids.add(record["id"])
+        elif isinstance(record.get("line"), int):
+            self.lines.add(record["line"])
+
+    def has(self, item: Item | BadLine) -> bool:
+        if item.id is not None and item.id in self.ids:
+            return True
+        return item.id is None and item.line in self.lines
+
+
+def repair_tail(path: Path) -> None:
+    """Cut a half-written last line (a crash mid-write) so appends start on a fresh line."""
+    with path.open("rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[start:])
+        except ValueError:
+            logger.warning("dropping a half-written last line in %s", path)
+            f.truncate(start)
+        else:  # a whole record that only lacks its newline
+            f.write(b"\n")
+
+
+def read_done(path: Path) -> Done:
+    done = Done()
+    if not path.exists():
+        return done
+    repair_tail(path)
+    with path.open(encoding="utf-8") as f:
+        for number, text in enumerate(f, 1):
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError:
+                logger.warning("%s line %d is not JSON; ignored for resuming", path, number)
+                continue
+            if isinstance(record, dict):
+                done.add(record)
+    return done
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, Item | BadLine | None]]:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, text in enumerate(f, 1):
+            yield number, parse_line(text, number)
+
+
+def count_pending(path: Path, done: Done) -> tuple[int, int, int]:
+    """(lines, lines still to do, lines done before): the progress bar's total, and whether
+    to start at all."""
+    lines = pending = skipped = 0
+    for lines, item in read_lines(path):  # noqa: B007 (the last number is the count)
+        if item is not None:
+            skipped += done.has(item)
+            pending += not done.has(item)
+    return lines, pending, skipped
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Summary:
+    lines: int = 0
+    ok: int = 0
+    invalid: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+    def line(self, output: Path) -> str:
+        return (
+            f"batch: {self.lines} lines: {self.ok} ok, {self.invalid} invalid, "
+            f"{self.failed} failed, {self.skipped} already done; "
+            f"{self.seconds:.1f} s -> {output}"
+        )
+
+
+class Validator:
+    """The ingress's checks for one body (``PromptBuilder.requests`` plus ``model``)."""
+
+    def __init__(self, builder: Any) -> None:
+        self.builder = builder
+
+    def requests(self, item: Item) -> list[dict[str, Any]]:
+        model = item.body.get("model")
+        if model is not None and model != self.builder.model_id:
+            raise OpenAIError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        _, requests = self.builder.requests(item.body, item.chat)
+        return requests
+
+
+async def collect(stream: AsyncIterator[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """One choice's text and its final message (the one with ``eos``). Reads the stream to
+    its end rather than stopping at ``eos``, so it is never closed early (which would cancel)."""
+    texts: list[str] = []
+    final: dict[str, Any] | None = None
+    async for message in stream:
+        texts.append(message["text"])
+        if message["eos"]:
+            final = message
+    if final is None:
+        raise RuntimeError("the stream ended without a final message")
+    return "".join(texts), final
+
+
+async def generate_record(item: Item, requests: list[dict[str, Any]], generate: Generate) -> Record:
+    """All choices of one line; a failed choice cancels its siblings (TaskGroup)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(collect(generate(r))) for r in requests]
+    except Exception as e:  # recorded as retryable; the job goes on
+        cause = e.exceptions[0] if isinstance(e, ExceptionGroup) else e
+        logger.warning("id %r (line %d) failed: %r", item.id, item.line, cause)
+        message = f"{type(cause).__name__}: {cause}"
+        return error_record(item.id, item.line, OpenAIError(message, type_=SERVER_ERROR))
+    texts, finals = zip(*(t.result() for t in tasks), strict=True)
+    return result_record(item.id, list(texts), list(finals))
+
+
+class Runner:
+    """Reads the input, writes records as they finish, at most ``concurrency`` lines in flight."""
+
+    def __init__(
+        self, validator: Validator, generate: Generate, out: TextIO, bar: tqdm, concurrency: int
+    ) -> None:
+        self.validator = validator
+        self.generate = generate
+        self.out = out
+        self.bar = bar
+        self.slots = asyncio.Semaphore(concurrency)
+        self.tasks: set[asyncio.Task] = set()
+        self.summary = Summary()
+        self.seen: dict[Id, int] = {}  # id -> first line in this input
+        self.failure: BaseException | None = None  # e.g. disk full while writing a record
+
+    def write(self, record: Record) -> None:
+        # One write + flush per record: a crash leaves at most one partial line (see
+        # repair_tail), and another process can follow the file while the job runs.
+        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.out.flush()
+        if "error" not in record:
+            self.summary.ok += 1
+        elif record["error"]["type"] == SERVER_ERROR:
+            self.summary.failed += 1
+        else:
+            self.summary.invalid += 1
+        self.bar.update(1)
+
+    def classify(self, item: Item | BadLine | None, done: Done) -> Item | BadLine | None:
+        """None when the line needs no record (blank, or done in an earlier run)."""
+        if item is None or done.has(item):
+            self.summary.skipped += item is not None
+            self.bar.update(1)
+            return None
+        if item.id is None:
+            return item
+        first = self.seen.setdefault(item.id, item.line)
+        if first != item.line:  # a second record would make the id ambiguous
+            return BadLine(item.line, None, f"duplicate id {item.id!r} (first on line {first})")
+        return item
+
+    async def submit(self, item: Item) -> None:
+        try:
+            requests = self.validator.requests(item)
+        except OpenAIError as e:
+            self.write(error_record(item.id, item.line, e))
+            return
+        except Exception as e:  # a body no check foresaw: still only this line's problem
+            logger.warning("id %r (line %d) is not a valid request", item.id, item.line, exc_info=e)
+            self.write(error_record(item.id, item.line, OpenAIError(f"invalid request: {e}")))
+            return
+        await self.slots.acquire()  # bounded: the input is read only as fast as it runs
+        task = asyncio.create_task(self.work(item, requests))
+        self.tasks.add(task)
+        task.add_done_callback(self.finished)
+
+    async def work(self, item: Item, requests: list[dict[str, Any]]) -> None:
+        self.write(await generate_record(item, requests, self.generate))
+
+    def finished(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = self.failure or task.exception()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def run(self, lines: Iterator[tuple[int, Item | BadLine | None]], done: Done) -> Summary:
+        start = time.monotonic()
+        try:
+            for number, parsed in lines:
+                self.summary.lines = number
+                item = self.classify(parsed, done)
+                if isinstance(item, BadLine):
+                    self.write(bad_line_record(item))
+                elif item is not None:
+                    await self.submit(item)
+                self.check()
+            while self.tasks:
+                await asyncio.wait(set(self.tasks))
+            self.check()
+        finally:
+            await self.cancel()
+            self.summary.seconds = time.monotonic() - start
+        return self.summary
+
+    async def cancel(self) -> None:
+        """Interrupted: stop in-flight streams (their replicas free the pages at once)."""
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks))
+
+
+async def run_batch(
+    input_path: Path,
+    output_path: Path,
+    validator: Validator,
+    generate: Generate,
+    concurrency: int = 8,
+    done: Done | None = None,
+) -> Summary:
+    """Process every pending line of ``input_path``, appending records to ``output_path``."""
+    done = read_done(output_path) if done is None else done
+    total, _, _ = count_pending(input_path, done)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    interval = 0.1 if sys.stderr.isatty() else 5.0  # job logs: a line every few seconds
+    with (
+        output_path.open("a", encoding="utf-8") as out,
+        tqdm(total=total, unit="line", desc="batch", mininterval=interval) as bar,
+        logging_redirect_tqdm(),
+    ):
+        runner = Runner(validator, generate, out, bar, concurrency)
+        return await runner.run(read_lines(input_path), done)
+
+
+# -- Ray and Serve ---------------------------------------------------------------------------
+
+
+def connect_ray(address: str | None) -> None:
+    """The running cluster, else a local one.
+
+    ``ray.init()`` without an address does exactly that: RAY_ADDRESS (set inside a Ray job),
+    else the cluster of the last ``ray start`` on this machine, else a new local cluster.
+    ``address="auto"`` would also attach to *any* GCS process it finds (someone else's
+    ``ray.init()`` cluster on a shared machine) and raises instead of starting one.
+    """
+    import ray
+
+    ray.init(address=address)
+    context = ray.get_runtime_context()
+    logger.info("connected to Ray at %s (job %s)", context.gcs_address, context.get_job_id())
+
+
+def serve_details() -> dict[str, Any] | None:
+    """The controller's view of all apps, or None when Serve is not running.
+
+    Private API (``ray.serve.context``): public ``serve.status()`` cannot tell "no controller"
+    from "no apps" and hides the app args we compare presets with.
+    """
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else client.get_serve_details()
+
+
+def app_state(details: dict[str, Any] | None, app_name: str) -> tuple[str | None, Any]:
+    """(status, the ``config`` arg it was deployed with, if deployed from a config file)."""
+    app = ((details or {}).get("applications") or {}).get(app_name)
+    if app is None:
+        return None, None
+    args = (app.get("deployed_app_config") or {}).get("args") or {}
+    status = app.get("status")
+    return str(getattr(status, "value", status)), args.get("config")  # an ApplicationStatus
+
+
+def wait_for_app(app_name: str, timeout_s: float) -> tuple[str | None, Any]:
+    """Poll while someone else's deploy is in progress."""
+    deadline = time.monotonic() + timeout_s
+    status, config = app_state(serve_details(), app_name)
+    while status in ("NOT_STARTED", "DEPLOYING") and time.monotonic() < deadline:
+        time.sleep(2.0)
+        status, config = app_state(serve_details(), app_name)
+    return status, config
+
+
+@dataclass(slots=True)
+class AppSession:
+    """What this job started, so it removes exactly that at the end."""
+
+    app_name: str
+    config: str
+    started_app: bool = False
+    started_serve: bool = False
+
+    def close(self) -> None:
+        from ray import serve
+
+        if self.started_app:
+            logger.info("removing app %r (started by this job)", self.app_name)
+            serve.delete(self.app_name)
+        if self.started_serve and not app_state_names():
+            serve.shutdown()
+
+
+def app_state_names() -> list[str]:
+    details = serve_details()
+    return list(((details or {}).get("applications") or {}).keys())
+
+
+def open_app(app_name: str, config: str | None, timeout_s: float) -> AppSession:
+    """Use the running app, or deploy it (handle only: no HTTP route, no proxy of our own)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    details = serve_details()
+    status, app_config = (None, None) if details is None else wait_for_app(app_name, timeout_s)
+    if status == "RUNNING":
+        chosen = config or app_config or DEFAULT_CONFIG
+        if config and app_config:
+            warn_if_presets_differ(app_config, config)
+        logger.info("using the running app %r (tokenizer preset %s)", app_name, chosen)
+        return AppSession(app_name, chosen)
+    if status is not None:
+        raise InfraError(f"app {app_name!r} is {status}; fix or delete it first")
+    session = AppSession(app_name, config or DEFAULT_CONFIG, started_serve=details is None)
+    if session.started_serve:  # the proxy would take port 8000, which this job never uses
+        serve.start(proxy_location="Disabled")
+    logger.info("app %r is not running; deploying it from %s", app_name, session.config)
+    try:
+        serve.run(build_app({"config": session.config}), name=app_name, route_prefix=None)
+    except Exception:
+        session.started_app = True  # a half-deployed app is still ours to remove
+        session.close()
+        raise
+    session.started_app = True
+    return session
+
+
+def warn_if_presets_differ(app_config: str, config: str) -> None:
+    """Token ids and page hashes must match the replicas' model: compare model + engine."""
+    from deployments.app import load_preset
+
+    try:
+        app_preset = load_preset(app_config)
+    except ValueError:
+        logger.warning("cannot read the app's preset %s to compare with %s", app_config, config)
+        return
+    ours = load_preset(config)
+    if any(app_preset.get(s) != ours.get(s) for s in ("model", "engine")):
+        logger.warning("the app runs preset %s; tokenizing with %s differs", app_config, config)
+
+
+def handle_generate(app_name: str) -> Generate:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name=app_name)
+    streaming = handle.options(method_name="generate", stream=True)
+
+    async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        stream = streaming.remote(request)
+        try:
+            async for message in stream:
+                yield message
+        except (Exception, asyncio.CancelledError):  # stop the replica's job too
+            stream.cancel()
+            raise
+
+    return generate
+
+
+def make_validator(config: str) -> Validator:
+    from deployments.app import load_preset
+    from deployments.ingress import PromptBuilder
+
+    return Validator(PromptBuilder(load_preset(config)))
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.batch",
+        description="Batch inference (JSONL in, JSONL out, resumable) against the Serve app.",
+    )
+    parser.add_argument("--input", type=Path, required=True, help="JSONL requests")
+    parser.add_argument("--output", type=Path, required=True, help="JSONL results (appended)")
+    parser.add_argument(
+        "--config",
+        help="preset YAML for tokenizing and, if the app is not running, deploying it "
+        f"(default: the running app's preset if known, else {DEFAULT_CONFIG})",
+    )
+    parser.add_argument("--app-name", default=DEFAULT_APP_NAME)
+    parser.add_argument("--concurrency", type=int, default=8, help="lines in flight")
+    parser.add_argument("--address", help="Ray address (default: the running cluster)")
+    parser.add_argument(
+        "--app-timeout", type=float, default=600.0, help="seconds to wait for a deploy"
+    )
+    args = parser.parse_args(argv)
+    if args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    return args
+
+
+async def run_interruptible(coro) -> Summary:
+    """SIGTERM (``ray job stop``) cancels like Ctrl-C, so in-flight streams get cancelled."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    return await task
+
+
+def check_paths(args: argparse.Namespace) -> str | None:
+    if not args.input.is_file():
+        return f"input file {args.input} not found"
+    if args.output.exists() and args.output.resolve() == args.input.resolve():
+        return "--output must not be the input file"
+    return None
+
+
+def check_config(config: str | None) -> str | None:
+    """A bad --config is the caller's mistake: report it before touching the cluster."""
+    if config is None:
+        return None
+    from deployments.app import load_preset
+
+    try:
+        load_preset(config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def run_job(args: argparse.Namespace, done: Done) -> Summary:
+    """Connect, make sure the app runs, stream every pending line; cleans up what it started."""
+    import ray
+
+    connect_ray(args.address)
+    try:
+        session = open_app(args.app_name, args.config, args.app_timeout)
+        try:
+            validator = make_validator(session.config)
+            generate = handle_generate(args.app_name)
+            job = run_batch(args.input, args.output, validator, generate, args.concurrency, done)
+            return asyncio.run(run_interruptible(job))
+        finally:
+            session.close()
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = parse_args(argv)
+    problem = check_paths(args) or check_config(args.config)
+    if problem:
+        logger.error(problem)
+        return EXIT_USAGE
+    done = read_done(args.output)
+    lines, pending, skipped = count_pending(args.input, done)
+    if not pending:  # nothing to do: no need for a cluster at all
+        print(Summary(lines=lines, skipped=skipped).line(args.output))
+        return EXIT_OK
+    logger.info("%d lines to do, %d done before", pending, skipped)
+    try:
+        summary = run_job(args, done)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        logger.error("interrupted; rerun the same command to resume")
+        return EXIT_INTERRUPTED
+    except (InfraError, OSError) as e:
+        logger.error("%s", e)
+        return EXIT_INFRA
+    except Exception:
+        logger.exception("the batch job failed")
+        return EXIT_INFRA
+    print(summary.line(args.output))
+    return EXIT_FAILED if summary.failed else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
