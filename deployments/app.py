@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
+from deployments.prefix_index import RouterSettings
 
 logger = logging.getLogger("ray.serve")
 
@@ -119,6 +120,8 @@ def llm_deployment(preset: dict[str, dict[str, Any]]) -> serve.Deployment:
     kwargs = serving.get("router_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValueError(f"serving.router_kwargs must be a mapping, got {kwargs!r}")
+    # Checked here: a router that fails in initialize_state would leave Serve's handle waiting.
+    RouterSettings.from_kwargs(kwargs)
     options: dict[str, Any] = {"num_replicas": int(serving.get("num_replicas", 1))}
     if ROUTERS[router] is not None:
         options["request_router_config"] = RequestRouterConfig(

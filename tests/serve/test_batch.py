@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -353,8 +352,7 @@ def head(request: pytest.FixtureRequest) -> Head:
 
 
 def write_preset(path: Path) -> Path:
-    # The prefix router once deployments/routing.py exists; Ray's default until then.
-    router = "prefix" if importlib.util.find_spec("deployments.routing") else "pow2"
+    router = "prefix"
     preset = yaml.safe_load((REPO_ROOT / "configs/demo.yaml").read_text())
     preset["engine"]["max_num_tokens"] = 4096
     preset["serving"].update(num_replicas=1, torch_threads=1, router=router)

@@ -13,20 +13,19 @@ from typing import Any
 
 import pytest
 
-from deployments.routing import (
+from deployments.prefix_index import (
     EXPIRY_PERIOD_S,
     FLIGHT_TTL_S,
     TENTATIVE_TTL_S,
     Candidate,
-    PrefixAwareRouter,
     PrefixIndex,
     PrefixPolicy,
     RouterSettings,
     is_fresh,
     rank_candidates,
-    request_hashes,
     score,
 )
+from deployments.routing import PrefixAwareRouter, request_hashes
 from engine.cache.prefix_hash import prefix_hashes
 
 PAGE = 16
