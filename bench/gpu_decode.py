@@ -214,35 +214,13 @@ def print_row(model: str, ops: str, measure: str, row: dict[str, Any]) -> None:
 # Models
 
 
-def hf_config_dict(spec: Any) -> dict[str, Any]:
-    """An HF Llama config.json for ``spec``: read by our ModelConfig and by LlamaConfig."""
-    return {
-        "model_type": "llama",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rope_theta": spec.rope_theta,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    }
-
-
 def build_network(spec: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
     """(ModelConfig, LlamaForCausalLM) with seeded random weights, built on ``device``."""
     from engine.config import ModelConfig
+    from engine.demo import hf_config
     from engine.model.llama import LlamaForCausalLM
 
-    config = ModelConfig.from_dict(hf_config_dict(spec))
+    config = ModelConfig.from_dict(hf_config(spec))
     network = LlamaForCausalLM(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(spec.seed)
     with torch.no_grad():
@@ -522,7 +500,9 @@ def build_hf_model(spec: Any, network: Any, dtype: torch.dtype, device: torch.de
     """transformers' LlamaForCausalLM with our weights copied in (fused qkv/gate_up split)."""
     import transformers
 
-    config = transformers.LlamaConfig(**hf_config_dict(spec))
+    from engine.demo import hf_config
+
+    config = transformers.LlamaConfig(**hf_config(spec))
     with torch.device(device):
         hf = transformers.LlamaForCausalLM._from_config(
             config, dtype=dtype, attn_implementation="sdpa"

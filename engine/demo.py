@@ -262,7 +262,9 @@ def build_weights(spec: DemoModelSpec) -> dict[str, torch.Tensor]:
 # Config files
 
 
-def _model_config(spec: DemoModelSpec) -> dict[str, Any]:
+def hf_config(spec: DemoModelSpec) -> dict[str, Any]:
+    """The HF ``config.json`` of a demo model (also used by the GPU benchmark's in-memory
+    models, so both describe a spec the same way)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -357,7 +359,7 @@ def _write_model(spec: DemoModelSpec, folder: pathlib.Path) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     _write_json(folder / "tokenizer_config.json", _tokenizer_config())
     _write_json(folder / "special_tokens_map.json", _special_tokens_map())
-    _write_json(folder / "config.json", _model_config(spec))
+    _write_json(folder / "config.json", hf_config(spec))
     _write_json(folder / "generation_config.json", _generation_config())
     save_file(build_weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
     _finish_tree(folder)
