@@ -67,7 +67,8 @@ class Delta:
         if result["stage"] != "streaming":
             return
         self.text.append(result.get("text", ""))
-        self.token_ids.extend(result["token_ids"][0].tolist())
+        if "token_ids" in result:  # a "cancelled" final result carries no token
+            self.token_ids.extend(result["token_ids"][0].tolist())
         if result["eos"]:
             self.final = result
 
