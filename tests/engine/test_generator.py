@@ -295,3 +295,33 @@ def test_max_batch_size_is_honoured(tiny):
     while generator.num_remaining_jobs():
         generator.iterate()
         assert len(generator.scheduler.running) <= 3
+
+
+MULTIBYTE = ["héllo wörld — 世界 🎉👩‍👩‍👧 ok", "日本語のテキスト", "🇫🇷🇯🇵 flags"]
+
+
+@pytest.mark.parametrize("text", MULTIBYTE)
+def test_multibyte_characters_stream_intact(tiny, text):
+    """Tokens whose bytes split a character never yield a broken character, and nothing is
+    lost: the streamed pieces join to the exact text (a job fed the text's own tokens)."""
+    ids = tiny.tokenizer.encode(text)[0].tolist()
+    job = DynamicJob([1, 2, 3], len(ids), stop_conditions=["<never>"])
+    job.bind(0, tiny.tokenizer, default_stop_tokens=())
+    pieces = [job.receive_token(token).get("text", "") for token in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == text == job.full_completion
+    assert any(piece == "" for piece in pieces)  # some bytes really were held back
+
+
+def test_stop_string_after_multibyte_text(tiny):
+    text = "世界 ends here STOP and more"
+    ids = tiny.tokenizer.encode(text)[0].tolist()
+    job = DynamicJob([1, 2, 3], len(ids), stop_conditions=["STOP"])
+    job.bind(0, tiny.tokenizer, default_stop_tokens=())
+    results = []
+    for token in ids:
+        results.append(job.receive_token(token))
+        if results[-1]["eos"]:
+            break
+    assert results[-1]["eos_reason"] == "stop_string"
+    assert "".join(r.get("text", "") for r in results) == "世界 ends here "
