@@ -325,3 +325,36 @@ def test_stop_string_after_multibyte_text(tiny):
             break
     assert results[-1]["eos_reason"] == "stop_string"
     assert "".join(r.get("text", "") for r in results) == "世界 ends here "
+
+
+def test_probabilities_top_tokens_and_logits_on_request(tiny):
+    ids = _prompts(tiny.tokenizer, count=1, seed=14)[0]
+    generator = tiny.generator()
+    job = DynamicJob(
+        ids,
+        3,
+        stop_conditions=[],
+        gen_settings=GREEDY,
+        return_probs=True,
+        return_top_tokens=4,
+        return_logits=True,
+    )
+    generator.enqueue(job)
+    streaming = []
+    while generator.num_remaining_jobs():
+        streaming += [r for r in generator.iterate() if r["stage"] == "streaming"]
+    vocab = tiny.model.config.vocab_size
+    for r in streaming:
+        token = r["token_ids"][0, 0].item()
+        assert r["token_probs"].shape == (1, 1) and 0 < r["token_probs"].item() <= 1
+        assert r["top_k_tokens"].shape == r["top_k_probs"].shape == (1, 1, 4)
+        assert r["top_k_tokens"][0, 0, 0].item() == token  # greedy picks the most likely
+        probs = r["top_k_probs"][0, 0].tolist()
+        assert probs == sorted(probs, reverse=True)
+        assert r["logits"].shape == (1, 1, vocab)
+        assert r["logits"][0, 0].argmax().item() == token
+    plain = DynamicJob(ids, 2, stop_conditions=[])
+    generator.enqueue(plain)
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            assert not {"token_probs", "top_k_tokens", "logits"} & set(r)
