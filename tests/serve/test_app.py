@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -257,3 +258,29 @@ def test_bad_input_gets_400_and_server_stays_healthy(
 def test_build_app_rejects_bad_args(args: dict) -> None:
     with pytest.raises(ValueError, match=r"config|extra"):
         build_app(args)
+
+
+def _stats(base_url: str) -> list[dict]:
+    with urllib.request.urlopen(f"{base_url}/v1/stats", timeout=30) as r:
+        return json.loads(r.read())["replicas"]
+
+
+def test_client_disconnect_cancels_the_job_and_frees_pages(base_url: str) -> None:
+    body = {"prompt": "Tell me a long story", "max_tokens": 3000, "stream": True}
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    response = urllib.request.urlopen(req, timeout=60)
+    assert response.readline().startswith(b"data: ")  # generation is under way
+    assert sum(r["requests_active"] for r in _stats(base_url)) >= 1
+    response.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        replicas = _stats(base_url)
+        if all(r["requests_active"] == 0 and r["pages_in_use"] == 0 for r in replicas):
+            break
+        time.sleep(0.5)
+    assert all(r["pages_in_use"] == 0 for r in replicas), replicas
+    assert all(r["requests_active"] == 0 for r in replicas), replicas
