@@ -13,7 +13,6 @@ non-FastAPI ASGI app whose routes need the deployment instance).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -129,15 +128,24 @@ class PromptBuilder:
             )
         return requested
 
-    def requests(
-        self, body: dict[str, Any], chat: bool
-    ) -> tuple[SamplingFields, list[dict[str, Any]]]:
-        """Validate a request body; one engine request per choice (``n``)."""
+    def request(self, body: dict[str, Any], chat: bool) -> tuple[SamplingFields, dict[str, Any]]:
+        """Validate a request body; one engine request carrying all ``n`` choices (one replica
+        runs them, sharing the prompt's pages)."""
         fields = parse_sampling(body, chat, self.config.vocab_size)
         ids = self.chat_ids(body) if chat else self.completion_ids(body)
         max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
         hashes = prefix_hashes(ids, self.page_size)
-        return fields, [fields.engine_request(ids, max_new, hashes, i) for i in range(fields.n)]
+        return fields, fields.engine_request(ids, max_new, hashes, fields.n)
+
+    def requests(
+        self, body: dict[str, Any], chat: bool
+    ) -> tuple[SamplingFields, list[dict[str, Any]]]:
+        """Like ``request``, but one engine request per choice (for callers outside an HTTP
+        request, such as the batch job, whose handle calls each get their own request id)."""
+        fields, request = self.request(body, chat)
+        shared = (request["token_ids"], request["max_new_tokens"], request["page_hashes"])
+        singles = [fields.single_choice(i) for i in range(fields.n)]
+        return fields, [f.engine_request(*shared) for f in singles]
 
 
 def _is_token(value: Any) -> bool:
@@ -198,15 +206,15 @@ class Ingress:
         try:
             body = await read_body(request)
             self._check_model(body)
-            fields, jobs = self.prompts.requests(body, chat)
+            fields, job = self.prompts.request(body, chat)
         except OpenAIError as e:
             return e.response()
         fmt = ResponseFormat.new(chat, self.model_id)
-        streams = [self._generate.remote(job) for job in jobs]
+        stream = self._generate.remote(job)
         if fields.stream:
-            events = _events(streams, fmt, fields.include_usage)
+            events = _events(stream, fields.n, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _collect(streams, fmt)
+        return await _collect(stream, fields.n, fmt)
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -227,42 +235,24 @@ async def _replica_stats(llm: DeploymentHandle) -> list[dict[str, Any]]:
     return list(await response.results_async(return_exceptions=False))
 
 
-async def _drain(stream, index: int, queue: asyncio.Queue) -> None:
+async def _indexed(stream) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The replica's messages tagged with their choice index; a client that goes away (the
+    generator is closed early) cancels the replica's work too."""
+    completed = False
     try:
         async for message in stream:
-            await queue.put((index, message))
-    except Exception as e:  # reported to the client, other choices keep going
-        await queue.put((index, e))
+            yield message.get("index", 0), message
+        completed = True
     finally:
-        await queue.put((index, None))
+        if not completed:
+            stream.cancel()
 
 
-async def _merged(streams: list) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """Messages of all choices as they arrive, tagged with the choice index."""
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_drain(s, i, queue)) for i, s in enumerate(streams)]
-    open_streams = len(streams)
+async def _collect(stream, n: int, fmt: ResponseFormat) -> Response:
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finals: list[dict[str, Any]] = [{} for _ in range(n)]
     try:
-        while open_streams:
-            index, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.cancel()  # a client that went away stops the replicas' work too
-
-
-async def _collect(streams: list, fmt: ResponseFormat) -> Response:
-    texts = [[] for _ in streams]
-    finals: list[dict[str, Any]] = [{} for _ in streams]
-    try:
-        async for index, message in _merged(streams):
+        async for index, message in _indexed(stream):
             texts[index].append(message["text"])
             if message["eos"]:
                 finals[index] = message
@@ -271,13 +261,13 @@ async def _collect(streams: list, fmt: ResponseFormat) -> Response:
     return JSONResponse(fmt.full(["".join(t) for t in texts], finals))
 
 
-async def _events(streams: list, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
-    finals: list[dict[str, Any]] = [{} for _ in streams]
+async def _events(stream, n: int, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+    finals: list[dict[str, Any]] = [{} for _ in range(n)]
     if fmt.chat:
-        for index in range(len(streams)):
+        for index in range(n):
             yield sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
     try:
-        async for index, message in _merged(streams):
+        async for index, message in _indexed(stream):
             if message["text"]:
                 yield sse(fmt.chunk({"content": message["text"]}, index=index))
             if message["eos"]:

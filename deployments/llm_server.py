@@ -24,7 +24,7 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
-from deployments.protocol import job_arguments
+from deployments.protocol import choice_count, job_arguments
 from engine import DynamicGeneratorAsync, DynamicJobAsync, Model, PagedCache, Tokenizer
 from engine.demo import resolve_model_path
 from engine.model.model import resolve_device
@@ -87,6 +87,54 @@ class Delta:
             out.update({k: self.final[k] for k in keys})
             out.update({k: self.final[k] for k in self.final if k.startswith("time_")})
         return out
+
+
+class ChoiceStream:
+    """One choice's pending delta and when it was last sent (coalescing per choice)."""
+
+    def __init__(self, index: int, start: float) -> None:
+        self.index = index
+        self.delta = Delta()
+        self.last_sent = start
+        self.sent = 0
+        self.done = False
+
+    def add(self, batch: list[dict[str, Any]] | BaseException) -> None:
+        if isinstance(batch, BaseException):
+            raise batch
+        for result in batch:
+            self.delta.add(result)
+
+    def take_if_due(self, now: float, interval: float) -> dict[str, Any] | None:
+        """The pending delta as a message when it is worth a Ray chunk: the first token at
+        once, the final one at once, otherwise at most one message per ``interval``."""
+        delta = self.delta
+        if delta.empty:
+            return None
+        due = self.sent == 0 or now - self.last_sent >= interval
+        if not (due or delta.final is not None):
+            return None
+        self.delta, self.last_sent = Delta(), now
+        self.sent += 1
+        self.done = delta.final is not None
+        return {"index": self.index, **delta.message()}
+
+
+async def _pump(index: int, job: DynamicJobAsync, queue: asyncio.Queue) -> None:
+    """Forward a job's result batches (or its error) to the shared queue."""
+    try:
+        async for batch in job.batches():
+            queue.put_nowait((index, batch))
+    except Exception as error:  # delivered to the consumer, which raises it
+        queue.put_nowait((index, error))
+
+
+async def _drain(queue: asyncio.Queue) -> list[tuple[int, Any]]:
+    """Wait for one item, then take everything already queued."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 class ServerMetrics:
@@ -160,34 +208,43 @@ class LLMServer:
         )
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream deltas ``{"text", "token_ids", "eos"}``; the last one (``eos`` True) adds
+        """Stream deltas ``{"index", "text", "token_ids", "eos"}`` for the request's ``n``
+        choices (``index``: which choice); a choice's last delta (``eos`` True) adds
         ``eos_reason``, ``prompt_tokens``, ``new_tokens``, ``cached_tokens`` and timings."""
         start = time.monotonic()
-        job = DynamicJobAsync(self.generator, **job_arguments(request, self.eos_token_ids))
+        n = choice_count(request)
+        jobs = [
+            DynamicJobAsync(self.generator, **job_arguments(request, self.eos_token_ids, i))
+            for i in range(n)
+        ]
         self.requests_active += 1
-        first_sent = False
-        last_sent = start
-        delta = Delta()
+        streams = [ChoiceStream(i, start) for i in range(n)]
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, job, queue)) for i, job in enumerate(jobs)]
         try:
-            async for batch in job.batches():
-                for result in batch:
-                    delta.add(result)
+            while any(not s.done for s in streams):
+                for index, batch in await _drain(queue):
+                    streams[index].add(batch)
                 now = time.monotonic()
-                due = not first_sent or now - last_sent >= self.stream_interval_s
-                if delta.empty or not (due or delta.final is not None):
-                    continue
-                if not first_sent:
-                    self.metrics.ttft.observe(now - start)
-                    first_sent = True
-                message, delta, last_sent = delta.message(), Delta(), now
-                if message["eos"]:
-                    self.metrics.finished(message)
-                yield message
+                for stream in streams:
+                    message = stream.take_if_due(now, self.stream_interval_s)
+                    if message is not None:
+                        self._observe(stream, message, start)
+                        yield message
         finally:
+            for pump in pumps:
+                pump.cancel()
             self.requests_active -= 1
             self.requests_served += 1
-            if not job.finished:  # the caller went away: free the pages now
-                await asyncio.shield(job.cancel())
+            for job in jobs:
+                if not job.finished:  # the caller went away: free the pages now
+                    await asyncio.shield(job.cancel())
+
+    def _observe(self, stream: ChoiceStream, message: dict[str, Any], start: float) -> None:
+        if stream.sent == 1:
+            self.metrics.ttft.observe(time.monotonic() - start)
+        if message["eos"]:
+            self.metrics.finished(message)
 
     async def stats(self) -> dict[str, Any]:
         stats = await self.generator.call(lambda g: g.stats())

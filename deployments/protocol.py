@@ -7,6 +7,7 @@ Nothing here touches Ray or the model, so every rule is unit-testable. Validatio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -74,10 +75,10 @@ class SamplingFields:
     include_usage: bool = False
 
     def engine_request(
-        self, token_ids: list[int], max_new_tokens: int, page_hashes: list[int], choice: int = 0
+        self, token_ids: list[int], max_new_tokens: int, page_hashes: list[int], n: int = 1
     ) -> dict[str, Any]:
-        """The plain dict an ``LLMServer`` replica takes (see ``job_arguments``)."""
-        seed = None if self.seed is None else self.seed + choice
+        """The plain dict an ``LLMServer`` replica takes (see ``job_arguments``): ``n`` choices
+        of one prompt, choice ``i`` seeded with ``seed + i``."""
         return {
             "identifier": uuid.uuid4().hex,
             "token_ids": token_ids,
@@ -92,10 +93,16 @@ class SamplingFields:
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": dict(self.logit_bias),
-            "seed": seed,
+            "seed": self.seed,
+            "n": n,
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
         }
+
+    def single_choice(self, choice: int) -> SamplingFields:
+        """These fields for choice ``choice`` alone (n=1, its own seed)."""
+        seed = None if self.seed is None else self.seed + choice
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
@@ -323,8 +330,11 @@ def server_error(exc: BaseException) -> OpenAIError:
 # -- the replica side ------------------------------------------------------------------------
 
 
-def job_arguments(request: dict[str, Any], eos_token_ids: frozenset[int]) -> dict[str, Any]:
-    """DynamicJob keyword arguments for an engine request dict (from ``engine_request``).
+def job_arguments(
+    request: dict[str, Any], eos_token_ids: frozenset[int], choice: int = 0
+) -> dict[str, Any]:
+    """DynamicJob keyword arguments for choice ``choice`` of an engine request dict (from
+    ``engine_request``).
 
     Raises ValueError (naming the value) for anything the engine cannot run.
     """
@@ -344,12 +354,20 @@ def job_arguments(request: dict[str, Any], eos_token_ids: frozenset[int]) -> dic
     stops: list[int | str] = [] if request.get("ignore_eos") else sorted(eos_token_ids)
     stops += [str(s) for s in request.get("stop") or () if s]
     seed = request.get("seed")
+    identifier = request.get("identifier")
     return {
         "input_ids": token_ids,
         "max_new_tokens": int(request["max_new_tokens"]),
         "min_new_tokens": int(request.get("min_new_tokens", 0)),
         "stop_conditions": stops,
         "gen_settings": settings,
-        "seed": None if seed is None else int(seed),
-        "identifier": request.get("identifier"),
+        "seed": None if seed is None else int(seed) + choice,
+        "identifier": identifier if choice == 0 else f"{identifier}/{choice}",
     }
+
+
+def choice_count(request: dict[str, Any]) -> int:
+    n = request.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"n must be an int in [1, {MAX_CHOICES}], got {n!r}")
+    return n

@@ -124,7 +124,7 @@ class PrefixAwareRouter(RequestRouter):
         """Workaround for Ray Serve 2.60's out-of-order matching (private API).
 
         Serve indexes pending requests by ``internal_request_id``, which every handle call made
-        while serving one HTTP request shares (the ingress sends ``n`` choices as ``n`` calls).
+        while serving one HTTP request shares (e.g. a deployment fanning out several calls).
         Only the first of them is indexed; the others would never be matched and their routing
         tasks would spin forever. Give the replica to the oldest pending request with that id.
         """
