@@ -6,20 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda import _launch
 from engine.cuda import activation as act_mod
 from engine.cuda.activation import silu_mul_cuda, silu_mul_reference
-
-DEVICE = "cpu" if _launch.SIMULATOR else "cuda"
-DTYPES = [torch.float32, torch.float16]
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest elementwise |out - ref| / |ref| (|ref| floored at 1e-3 against near-zeros)."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out64, ref64 = out.double(), ref.double()
-    return ((out64 - ref64).abs() / ref64.abs().clamp_min(1e-3)).max().item()
+from tests.kernels.common import DEVICE, DTYPES, TOL, max_rel_err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

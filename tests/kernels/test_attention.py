@@ -18,11 +18,9 @@ import torch
 
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cuda import attention
-from engine.cuda._launch import SIMULATOR
 from engine.cuda.attention import paged_attention_cuda, paged_attention_reference
+from tests.kernels.common import DEVICE, TOL
 
-DEVICE = "cpu" if SIMULATOR else "cuda"
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 REPO = Path(__file__).resolve().parents[2]
 
 

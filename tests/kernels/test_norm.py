@@ -18,18 +18,9 @@ from engine.cuda.norm import (
     rms_norm_cuda,
     rms_norm_reference,
 )
+from tests.kernels.common import DEVICE, DTYPES, TOL, max_rel_err
 
-DEVICE = "cpu" if _launch.SIMULATOR else "cuda"
-DTYPES = [torch.float32, torch.float16]
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 EPS = 1e-6
-
-
-def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest elementwise |out - ref| / |ref| (|ref| floored at 1e-3 against near-zeros)."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out64, ref64 = out.double(), ref.double()
-    return ((out64 - ref64).abs() / ref64.abs().clamp_min(1e-3)).max().item()
 
 
 def _randn(*shape: int, dtype: torch.dtype, device: str = DEVICE, scale: float = 1.0):
