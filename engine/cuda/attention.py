@@ -207,7 +207,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     @cuda.jit(fastmath=True, **options)
     def attention(  # noqa: C901, PLR0915
         q, k_pages, v_pages, out, part_ml, part_o, block_tables, seq_lens, query_start_loc,
-        work, scale, window, chunk, num_splits,
+        work, scale, window, min_chunk, num_splits,
     ):  # fmt: skip
         sm_m = cuda.shared.array(SM_ROWS, float32)
         sm_l = cuda.shared.array(SM_ROWS, float32)
@@ -236,10 +236,15 @@ def _attention_kernel(  # noqa: C901, PLR0915
         row0 = seq_start + off
         n_q = min(QT, q_len - off)
         pos0 = seq_lens[b] - q_len + off
-        # Keys of the whole tile: [k_lo, pos0 + n_q); this split's chunk: [lo, hi).
+        # Keys of the whole tile: [k_lo, pos0 + n_q); this split's chunk: [lo, hi). Each tile
+        # splits its own key range (same formula as ``_chunk_keys``), so the split count can be
+        # fixed for a CUDA graph while context lengths change from step to step.
         k_lo = 0
         if window > 0:
             k_lo = max(0, pos0 - window + 1)
+        span = max(0, pos0 + n_q - k_lo)
+        chunk = max((span + num_splits - 1) // num_splits, min_chunk)
+        chunk = (chunk + NG - 1) // NG * NG
         lo = k_lo + z * chunk
         hi = min(pos0 + n_q, lo + chunk)
 
@@ -368,7 +373,8 @@ class _Plan:
     lanes: int  # lanes per key group
     num_items: int  # work items (grid x)
     num_splits: int  # key-range splits (grid z)
-    chunk: int  # keys per split
+    min_chunk: int  # fewest keys a split of a tile gets (each tile splits its own key range)
+    chunk: int  # keys per split of the longest tile
     work: torch.Tensor  # [num_items, 2] int32: (sequence, first query token within it)
     part_ml: torch.Tensor  # [S, T, H, 2] float32 partial (max, sum); dummy when S == 1
     part_o: torch.Tensor  # [S, T, H, D] float32 partial outputs; dummy when S == 1
@@ -397,6 +403,13 @@ def _auto_splits(blocks: int, max_span: int, device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     want = -(-_BLOCKS_PER_SM * _num_sms(index) // blocks)
     return max(1, min(want, max_span // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+
+
+def _chunk_keys(span: int, splits: int, min_chunk: int, groups: int) -> int:
+    """Keys per split of a tile whose key range is ``span`` long (the kernel's formula):
+    an even share, at least ``min_chunk``, rounded up to whole key groups."""
+    chunk = max(-(-span // splits), min_chunk)
+    return -(-chunk // groups) * groups
 
 
 def _plan(
@@ -436,11 +449,12 @@ def _plan(
     groups_per_block = _NUM_WARPS * 32 // lanes
     if num_splits is None:
         splits = _auto_splits(num_items * num_kv_heads, max_span, device)
+        min_chunk = _MIN_SPLIT_KEYS
     else:
         splits = min(num_splits, max_span)
-    chunk = -(-max_span // splits)
-    chunk = -(-chunk // groups_per_block) * groups_per_block
-    splits = -(-max_span // chunk)
+        min_chunk = 1
+    chunk = _chunk_keys(max_span, splits, min_chunk, groups_per_block)
+    splits = -(-max_span // chunk)  # no grid slice that even the longest tile leaves empty
     if splits > 1:
         shape = (splits, batch.num_tokens, num_heads)
         part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=device)
@@ -448,7 +462,7 @@ def _plan(
     else:
         part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=device)
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
-    plan = _Plan(q_tile, lanes, num_items, splits, chunk, work, part_ml, part_o)
+    plan = _Plan(q_tile, lanes, num_items, splits, min_chunk, chunk, work, part_ml, part_o)
     batch.scratch[key] = plan
     return plan
 
@@ -548,7 +562,7 @@ def paged_attention_cuda(
         arg(plan.work),
         np.float32(scale),
         sliding_window or 0,
-        plan.chunk,
+        plan.min_chunk,
         plan.num_splits,
     )
     if plan.num_splits > 1:

@@ -97,6 +97,34 @@ def test_decode_splits_fp32():
     assert [p.num_splits for p in plans] == [3]
 
 
+def test_decode_each_tile_splits_its_own_range_fp32():
+    # Forced 4 splits: the 30-key row splits into 4 chunks of 8 keys, the 3-key row into one
+    # chunk of 8 (its other splits empty) -- each tile splits its own key range.
+    _, _, _, batch, _ = check(
+        [(29, 1), (2, 1), (13, 1)],
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        num_splits=4,
+        seed=9,
+    )
+    (plan,) = [p for key, p in batch.scratch.items() if key[0] == "paged_attention_cuda"]
+    assert plan.num_splits == 4 and plan.min_chunk == 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_rows_with_no_context_give_zeros(num_splits):
+    # CUDA-graph buckets pad the batch with rows of context length 0 (and slot -1): they read
+    # no page and return zeros, and the real rows are unaffected.
+    q, k, v, batch = make_case([(9, 1), (0, 1), (0, 1)], 2, 1, 16, torch.float32, seed=10)
+    batch.seq_lens[1:] = 0
+    out = paged_attention_cuda(q, k, v, batch, 0.25, num_splits=num_splits)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    ref = paged_attention_reference(q, k, v, batch, 0.25)  # reads the host lengths: unpadded
+    assert rel_error(out[:1], ref[:1]) <= TOL[torch.float32]
+
+
 def test_decode_whole_warp_lanes(monkeypatch):
     # 32 lanes per key (the choice for big tiles at head_dim >= 64), tested at head_dim 32.
     monkeypatch.setattr(attention, "_FORCE_LANES", 32)
