@@ -13,6 +13,7 @@ device, and turns the tokens into per-job results (see DESIGN.md section 5 for t
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,12 +22,14 @@ import torch
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cache.kv_cache import PagedCache
 from engine.job import DynamicJob
+from engine.model.cuda_graphs import DecodeGraphs
 from engine.sampling import SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
 
 MAX_DERIVED_BATCH_SIZE = 256
+GRAPHS_ENV = "ENGINE_CUDA_GRAPHS"
 
 
 class DynamicGenerator:
@@ -40,6 +43,7 @@ class DynamicGenerator:
         max_chunk_size: int = 2048,
         max_q_size: int = 1,
         max_skips: int = 4,
+        cuda_graphs: bool | None = None,
     ):
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")
@@ -59,6 +63,27 @@ class DynamicGenerator:
         self._undelivered: list[dict[str, Any]] = []  # results produced outside iterate()
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
+        self.decode_graphs = self._make_decode_graphs(cuda_graphs)
+
+    def _make_decode_graphs(self, wanted: bool | None) -> DecodeGraphs | None:
+        """Decode steps as CUDA graphs: on by default with the CUDA kernels on a GPU
+        (``ENGINE_CUDA_GRAPHS=0`` turns them off); ``True`` on CPU runs the same padded static
+        batches eagerly under the simulator (tests)."""
+        if wanted is None:
+            wanted = (
+                self.model.device.type == "cuda"
+                and self.model.ops.name == "cuda"
+                and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
+            )
+        if not wanted:
+            return None
+        return DecodeGraphs(
+            self.model,
+            self.cache.kv,
+            self.cache.page_size,
+            self.max_batch_size,
+            self.max_seq_len,
+        )
 
     @property
     def max_batch_size(self) -> int:
@@ -150,6 +175,8 @@ class DynamicGenerator:
             )
             for e in plan.entries
         ]
+        if self.decode_graphs is not None and self.decode_graphs.supports(inputs):
+            return self.decode_graphs.run(inputs)
         batch = build_forward_batch(inputs, self.cache.page_size, self.model.device)
         return self.model.forward(batch, self.cache.kv)
 
@@ -250,6 +277,7 @@ class DynamicGenerator:
             "evictions": table.evictions,
             "cached_tokens_total": self._cached_tokens_total,
             "prompt_tokens_total": self._prompt_tokens_total,
+            "decode_graph_steps": self.decode_graphs.steps if self.decode_graphs else 0,
         }
 
 

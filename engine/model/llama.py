@@ -179,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_pages: KVPages, ops: OpSet) -> torch.Tensor:
         """Logits (float32) of the rows in ``batch.logits_indices``: [N, vocab]."""
+        return self.logits(self.hidden_states(batch, kv_pages, ops))
+
+    def hidden_states(self, batch: ForwardBatch, kv_pages: KVPages, ops: OpSet) -> torch.Tensor:
+        """Final-normed hidden states [N, hidden] of the rows in ``batch.logits_indices``."""
         h = F.embedding(batch.input_ids, self.embed)
         rope = cos_sin(self.inv_freq, batch.positions, h.dtype)
         residual = None
@@ -186,5 +190,8 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, rope, batch, kv, ops)
         # Only the rows whose logits are wanted need the final norm and the vocab matmul.
         rows = batch.logits_indices
-        h = ops.rms_norm(h[rows] + residual[rows], self.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return ops.rms_norm(h[rows] + residual[rows], self.final_norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] of final-normed hidden states."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,230 @@
+"""Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small model is a few hundred kernel launches whose CPU cost (Python, torch
+dispatch, Numba argument packing) exceeds the GPU time, so it is captured once per bucket and
+replayed. What a graph freezes, and how each is handled:
+
+- Buffer addresses. Every per-step value (token ids, positions, slot mapping, context lengths,
+  block tables) lives in static device buffers; a step copies its values into the first rows
+  and replays the bucket's graph, whose batch views those rows.
+- Batch size. A step of n sequences runs the smallest bucket >= n; the rows past n are padding:
+  token 0 at position 0, slot -1 (the cache write skips it) and context length 0 (attention
+  reads no page and returns zeros), so padding touches no page.
+- Grid sizes and scalar kernel arguments. The attention plan (work list, split count, partial
+  buffers) is made once per bucket for the longest context the generator allows; each tile
+  splits its own key range in the kernel, so short contexts stay cheap.
+
+The graph ends at the final-normed hidden states; the vocab matmul runs outside it, on the n
+real rows only (one launch, and no [bucket, vocab] output held per graph).
+
+Without a CUDA device (the simulator in CI, ``capture=False``) the same static buffers and
+padded batches are run eagerly: everything but the capture itself is exercised on CPU.
+
+Numba launches are captured like torch's own: ``engine.cuda._launch.stream`` resolves torch's
+current stream per launch (the capture stream inside ``torch.cuda.graph``), tensors are handed
+over by DLPack on that same stream (no event, no sync), and every kernel is compiled and loaded
+by an eager run of the same bucket before capture. If capture fails anyway, the runner logs why
+and the generator runs eager forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import ForwardBatch, SequenceInput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+PAD_SLOT = -1
+
+
+@dataclass(slots=True)
+class _Bucket:
+    size: int
+    batch: ForwardBatch  # views of the first ``size`` rows of the static buffers
+    graph: torch.cuda.CUDAGraph | None = None
+    hidden: torch.Tensor | None = None  # the graph's output [size, hidden]
+
+
+def bucket_sizes(max_batch_size: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[int]:
+    """The buckets up to ``max_batch_size``, which is always the last one."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = sorted({b for b in buckets if 1 <= b < max_batch_size} | {max_batch_size})
+    return sizes
+
+
+class DecodeGraphs:
+    """Runs decode steps (one new token per sequence) through per-bucket CUDA graphs."""
+
+    def __init__(
+        self,
+        model,
+        kv_pages,
+        page_size: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        *,
+        capture: bool | None = None,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+    ):
+        if model.ops.name != "cuda":
+            # The torch attention reference sizes its masks from per-step host values.
+            raise ValueError(
+                f"decode graphs need the CUDA kernel op set, the model runs {model.ops.name!r}"
+            )
+        if capture is None:
+            capture = model.device.type == "cuda"
+        if capture and model.device.type != "cuda":
+            raise ValueError(f"CUDA-graph capture needs a CUDA device, not {model.device}")
+        self.model = model
+        self.kv_pages = kv_pages
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.max_pages = -(-max_seq_len // page_size)
+        self.capture = capture
+        self.sizes = bucket_sizes(max_batch_size, buckets)
+        self.max_size = self.sizes[-1]
+        self._make_buffers()
+        self._buckets = {size: self._make_bucket(size) for size in self.sizes}
+        self._copied: torch.cuda.Event | None = None
+        self.steps = 0  # decode steps run through the buckets
+        if capture:
+            self._capture_all()
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _make_buffers(self) -> None:
+        device = self.model.device
+        n, pages = self.max_size, self.max_pages
+        pin = device.type == "cuda"
+        # ids, positions, slots | context lengths, then the block tables row by row
+        self._longs = torch.zeros((3, n), dtype=torch.long, device=device)
+        self._ints = torch.zeros(n * (1 + pages), dtype=torch.int32, device=device)
+        self._host_longs = torch.zeros((3, n), dtype=torch.long, pin_memory=pin)
+        self._host_ints = torch.zeros(n * (1 + pages), dtype=torch.int32, pin_memory=pin)
+        self._np_longs = self._host_longs.numpy()
+        self._np_ints = self._host_ints.numpy()
+        self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(n, dtype=torch.long, device=device)
+
+    def _make_bucket(self, size: int) -> _Bucket:
+        tables = self._ints[self.max_size :].view(self.max_size, self.max_pages)
+        batch = ForwardBatch(
+            input_ids=self._longs[0, :size],
+            positions=self._longs[1, :size],
+            slot_mapping=self._longs[2, :size],
+            query_start_loc=self._query_start_loc[: size + 1],
+            seq_lens=self._ints[:size],
+            block_tables=tables[:size],
+            logits_indices=self._rows[:size],
+            q_lens=(1,) * size,
+            # Plans (split counts, partial buffers) are sized for the longest allowed context.
+            seq_lens_host=(self.max_seq_len,) * size,
+            page_size=self.page_size,
+        )
+        return _Bucket(size, batch)
+
+    # -- capture ---------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            # Largest first: the smaller graphs then reuse the pool's blocks.
+            for size in reversed(self.sizes):
+                self._capture(self._buckets[size], pool)
+        except Exception:  # any capture failure means: run eagerly
+            logger.exception("CUDA-graph capture failed; decode steps will run eagerly")
+            for bucket in self._buckets.values():
+                bucket.graph = bucket.hidden = None
+            self.capture = False
+            torch.cuda.synchronize()
+            return
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture(self, bucket: _Bucket, pool) -> None:
+        self._stage([], bucket.size)
+        self._upload(bucket.size)
+        network, ops = self.model.network, self.model.ops
+        # An eager run on a side stream first: it plans the attention (work list and partial
+        # buffers, cached on the batch and reused by the graph) and loads every kernel module,
+        # so the capture itself launches only.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            network.hidden_states(bucket.batch, self.kv_pages, ops)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        capturing = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+        with torch.inference_mode(), capturing:
+            hidden = network.hidden_states(bucket.batch, self.kv_pages, ops)
+        bucket.graph, bucket.hidden = graph, hidden
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def supports(self, seqs: Sequence[SequenceInput]) -> bool:
+        """True when ``seqs`` is a decode step that fits a bucket."""
+        if not 1 <= len(seqs) <= self.max_size:
+            return False
+        return all(
+            len(s.token_ids) == 1 and s.want_logits and s.num_cached < self.max_seq_len
+            for s in seqs
+        )
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return next(size for size in self.sizes if size >= num_seqs)
+
+    @torch.inference_mode()
+    def run(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
+        """Float32 logits [len(seqs), vocab] of one decode step (writes its K/V)."""
+        if not self.supports(seqs):
+            raise ValueError(
+                f"not a decode step of <= {self.max_size} sequences within {self.max_seq_len} "
+                "tokens"
+            )
+        bucket = self._buckets[self.bucket_for(len(seqs))]
+        self._stage(seqs, bucket.size)
+        self._upload(bucket.size)
+        self.steps += 1
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            hidden = bucket.hidden
+        else:
+            hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.model.ops)
+        return self.model.network.logits(hidden[: len(seqs)])
+
+    def _stage(self, seqs: Sequence[SequenceInput], size: int) -> None:
+        """Write the step's values (and padding rows up to ``size``) into the host buffers."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's upload has left the host buffers
+        longs, ints = self._np_longs, self._np_ints
+        n, ps, width = len(seqs), self.page_size, self.max_pages
+        for i, seq in enumerate(seqs):
+            pos = seq.num_cached
+            pages = seq.pages
+            if len(pages) <= pos // ps:
+                raise ValueError(f"sequence of {pos + 1} tokens needs more than {len(pages)} pages")
+            longs[0, i] = seq.token_ids[0]
+            longs[1, i] = pos
+            longs[2, i] = pages[pos // ps] * ps + pos % ps
+            ints[i] = pos + 1
+            row = self.max_size + i * width
+            used = min(len(pages), width)
+            ints[row : row + used] = pages[:used]
+        longs[:, n:size] = 0
+        longs[2, n:size] = PAD_SLOT
+        ints[n:size] = 0
+
+    def _upload(self, size: int) -> None:
+        tables = self.max_size + size * self.max_pages
+        self._longs.copy_(self._host_longs, non_blocking=True)
+        self._ints[:tables].copy_(self._host_ints[:tables], non_blocking=True)
+        if self._longs.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()

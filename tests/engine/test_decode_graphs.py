@@ -1,0 +1,169 @@
+"""Decode steps through the CUDA-graph runner's static, padded buffers.
+
+Without a GPU the runner runs its bucket batches eagerly (``capture=False``) through the
+kernels in the simulator: the buffers, the padding rows and the fixed attention plan are the
+ones a graph would replay. The ``gpu`` test at the end captures and replays real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
+from engine.batch import SequenceInput, build_forward_batch
+from engine.cuda import attention
+from engine.model.cuda_graphs import DecodeGraphs, bucket_sizes
+from engine.ops import OPS_ENV, TORCH_OPS
+from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.test_cuda_ops import small  # noqa: F401 - fixture
+from tests.kernels.common import TOL
+
+PAGE = 4
+
+
+@pytest.fixture
+def cuda_model(small, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    model = Model.from_pretrained(small)
+    assert model.ops.name == "cuda"
+    return model
+
+
+def _decode_inputs(contexts: list[int], first_page: int = 0) -> list[SequenceInput]:
+    """One decode token per sequence after ``contexts[i]`` cached tokens, disjoint pages."""
+    seqs, page = [], first_page
+    for i, cached in enumerate(contexts):
+        n_pages = cached // PAGE + 1
+        pages = list(range(page, page + n_pages))[::-1]  # out of order on purpose
+        page += n_pages
+        seqs.append(SequenceInput([7 + i], num_cached=cached, pages=pages))
+    return seqs
+
+
+def _reference(model: Model, kv, seqs: list[SequenceInput]) -> torch.Tensor:
+    """An eager forward through the torch references (fast in CI; the kernels match them)."""
+    batch = build_forward_batch(seqs, PAGE, model.device)
+    with torch.inference_mode():
+        return model.network(batch, kv, TORCH_OPS)
+
+
+def _fill_cache(model: Model, kv, seqs: list[SequenceInput]) -> None:
+    """Prefill each sequence's cached tokens so attention reads real K/V."""
+    prefill = [
+        SequenceInput([(3 * j + i) % 50 + 1 for j in range(s.num_cached)], 0, s.pages)
+        for i, s in enumerate(seqs)
+        if s.num_cached
+    ]
+    if prefill:
+        _reference(model, kv, prefill)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(5) == [1, 2, 4, 5]
+    assert bucket_sizes(32)[-3:] == [16, 24, 32]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        bucket_sizes(0)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_padded_static_steps_match_eager_forwards(cuda_model, monkeypatch, splits):
+    # 3 sequences run in bucket 4 (one padding row), then 1 in bucket 1, then 3 again: the
+    # buffers are rewritten in place and stale rows become padding. With 3 splits the plan
+    # fixed for the longest allowed context (32 tokens) is reused for short contexts.
+    monkeypatch.setattr(attention, "_auto_splits", lambda *args: splits)
+    kv = cuda_model.allocate_kv(16, PAGE)
+    graphs = DecodeGraphs(cuda_model, kv, PAGE, max_batch_size=6, max_seq_len=32, capture=False)
+    assert graphs.sizes == [1, 2, 4, 6] and graphs.bucket_for(3) == 4
+    for contexts in ([3, 5, 8], [13], [0, 4, 2]):
+        seqs = _decode_inputs(contexts)
+        _fill_cache(cuda_model, kv, seqs)
+        got = graphs.run(seqs)
+        want = _reference(cuda_model, kv, seqs)
+        assert got.shape == want.shape
+        assert _rel(got, want) <= TOL[torch.float32]
+
+
+def test_padding_rows_write_no_page(cuda_model):
+    kv = cuda_model.allocate_kv(8, PAGE)
+    for k, v in kv:
+        k.fill_(3.0)
+        v.fill_(3.0)
+    graphs = DecodeGraphs(cuda_model, kv, PAGE, max_batch_size=4, max_seq_len=16, capture=False)
+    graphs.run(_decode_inputs([2], first_page=5))  # bucket 1, no padding: writes page 5
+    graphs.run(_decode_inputs([0, 1, 2], first_page=1))  # pages 1-3, one padding row
+    for k, v in kv:
+        for t in (k, v):
+            assert torch.all(t[[0, 4, 6, 7]] == 3.0)  # padding would have written page 0
+            assert not torch.all(t[[1, 2, 3, 5]] == 3.0)
+
+
+def test_only_decode_steps_that_fit_are_supported(cuda_model):
+    kv = cuda_model.allocate_kv(16, PAGE)
+    graphs = DecodeGraphs(cuda_model, kv, PAGE, max_batch_size=2, max_seq_len=12, capture=False)
+    assert graphs.supports(_decode_inputs([3, 5]))
+    assert not graphs.supports(_decode_inputs([3, 5, 6]))  # more rows than the largest bucket
+    assert not graphs.supports([SequenceInput([1, 2], 0, [0])])  # a prefill
+    assert not graphs.supports([SequenceInput([1], 3, [0], want_logits=False)])
+    assert not graphs.supports(_decode_inputs([12]))  # past max_seq_len
+    with pytest.raises(ValueError, match="decode step"):
+        graphs.run([SequenceInput([1, 2], 0, [0])])
+
+
+def test_graphs_need_the_kernel_op_set(small, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(OPS_ENV, "torch")
+    model = Model.from_pretrained(small)
+    with pytest.raises(ValueError, match="CUDA kernel op set"):
+        DecodeGraphs(model, model.allocate_kv(4, PAGE), PAGE, 2, 8, capture=False)
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    model = Model.from_pretrained(small)
+    if model.device.type != "cuda":
+        with pytest.raises(ValueError, match="CUDA device"):
+            DecodeGraphs(model, model.allocate_kv(4, PAGE), PAGE, 2, 8, capture=True)
+
+
+def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, monkeypatch):  # noqa: F811
+    prompts = [[5, 9, 17, 3, 40, 2], [5, 9, 17, 3, 11], [200], [7, 7]]
+
+    def greedy(model: Model, graphs: bool) -> list[list[int]]:
+        cache = PagedCache(model, 128, page_size=PAGE)
+        generator = DynamicGenerator(
+            model, cache, tiny.tokenizer, max_chunk_size=16, max_batch_size=6, cuda_graphs=graphs
+        )
+        assert (generator.decode_graphs is not None) == graphs
+        jobs = [
+            DynamicJob(p, 4, gen_settings=SamplerSettings.greedy(), stop_conditions=[])
+            for p in prompts
+        ]
+        for job in jobs:
+            generator.enqueue(job)
+        while generator.num_remaining_jobs():
+            generator.iterate()
+        assert_no_pages_in_use(generator)
+        if graphs:
+            assert generator.decode_graphs.steps >= 3  # every decode step after the prefills
+        return [job.new_token_ids for job in jobs]
+
+    with_graphs = greedy(cuda_model, True)
+    monkeypatch.setenv(OPS_ENV, "torch")
+    assert with_graphs == greedy(Model.from_pretrained(small), False)
+
+
+@pytest.mark.gpu
+def test_gpu_captured_graphs_match_eager(small):  # noqa: F811
+    model = Model.from_pretrained(small, device="cuda", dtype="float16")
+    assert model.ops.name == "cuda"
+    kv = model.allocate_kv(64, PAGE)
+    graphs = DecodeGraphs(model, kv, PAGE, max_batch_size=8, max_seq_len=64)
+    assert graphs.capture, "capture failed (see the log)"
+    for contexts in ([3, 8, 13], [20], [0, 4, 9, 30, 1]):
+        seqs = _decode_inputs(contexts)
+        _fill_cache(model, kv, seqs)
+        got = graphs.run(seqs)
+        want = model.forward(build_forward_batch(seqs, PAGE, model.device), kv)
+        assert _rel(got, want) <= TOL[torch.float16]
