@@ -6,8 +6,10 @@ the tokenizer (a carrier folder with the same vocabulary and a 1-layer width-64 
 the 8B model through the demo builder would put 32 GB of float32 safetensors on disk (half the
 lent machine's disk) and spend minutes of GPU time generating, writing and reloading them.
 
-Measurements per model, for each op set (``default`` = what ``Model`` picks: the Numba CUDA
-kernels on CUDA; ``torch`` = ENGINE_OPS=torch, the torch references):
+Measurements per model, for each op set (``default`` = what ``Model`` and ``DynamicGenerator``
+pick: the Numba CUDA kernels on CUDA, decode steps replayed as CUDA graphs; ``eager`` = the
+kernels with ENGINE_CUDA_GRAPHS=0, decode-gen rows only; ``torch`` = ENGINE_OPS=torch, the torch
+references):
 
     decode-gen   DynamicGenerator: B jobs with 1k-token prompts are prefilled, then
                  ``--warmup-steps`` iterate() calls, then ``--decode-steps`` timed iterate()
@@ -63,7 +65,15 @@ RESULTS = Path(__file__).parent / "results" / "gpu_decode.json"
 DRY_RUN_RESULTS = Path(tempfile.gettempdir()) / "gpu_decode_dry_run.json"
 DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / "pagedserve-gpu-bench"
 INIT_STD = 0.02
-OPS_SETS = ("default", "torch")
+OPS_SETS = ("default", "eager", "torch")
+# default: what Model and DynamicGenerator pick (on CUDA: the Numba kernels, decode steps in
+# CUDA graphs); eager: the kernels without graphs (decode-gen only: the other rows would repeat
+# default's); torch: ENGINE_OPS=torch, the torch references (no graphs).
+OPS_ENVIRONMENT = {
+    "default": {},
+    "eager": {"ENGINE_CUDA_GRAPHS": "0"},
+    "torch": {"ENGINE_OPS": "torch"},
+}
 GOAL_ROOFLINE_FRACTION = 0.80  # batch-1 decode of the 8B shape
 GOAL_VS_TRANSFORMERS = 3.0  # batch-32 decode vs generate_batch
 PRIMARY_MODEL = "llama3-8b"
@@ -251,28 +261,23 @@ def load_tokenizer(vocab_size: int, cache_dir: Path) -> Any:
 
 @contextlib.contextmanager
 def ops_env(ops: str) -> Iterator[None]:
-    """Set ENGINE_OPS while a Model is constructed (``default`` leaves it alone)."""
-    from engine.ops import OPS_ENV
-
-    if ops == "default":
-        yield
-        return
-    saved = os.environ.get(OPS_ENV)
-    os.environ[OPS_ENV] = ops
+    """The environment of an op set, while its Model and generators are built."""
+    saved = {name: os.environ.get(name) for name in OPS_ENVIRONMENT[ops]}
+    os.environ.update(OPS_ENVIRONMENT[ops])
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(OPS_ENV, None)
-        else:
-            os.environ[OPS_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def make_model(config: Any, network: Any, ops: str, page_size: int) -> Any:
+def make_model(config: Any, network: Any, page_size: int) -> Any:
     from engine import Model
 
-    with ops_env(ops):
-        model = Model(config, network)
+    model = Model(config, network)
     if model.ops.name == "cuda" and model.device.type == "cuda":
         model.warm_up(page_size)  # compile every kernel specialisation outside the timing
     return model
@@ -369,9 +374,11 @@ def generator_decode(model: Any, tokenizer: Any, batch: int, wl: Workload, timer
         for _ in range(wl.decode_steps):
             generator.iterate()
     produced = sum(len(job.new_token_ids) for job in jobs) - before
+    graphs = generator.decode_graphs
     for job in jobs:
         generator.cancel(job, emit_result=False)
     return {
+        "cuda_graphs": "captured" if graphs and graphs.capture else "eager" if graphs else "off",
         "batch": batch,
         "context": ctx,
         "mean_context": mean_context,
@@ -644,26 +651,27 @@ class Context:
 MEASURE_LABELS = {"decode_generator": "decode-gen", "decode_forward": "decode-fwd"}
 
 
-def measure_ops(name: str, model: Any, tokenizer: Any, ctx: Context, roof: dict) -> dict:
+def measure_ops(name: str, ops: str, model: Any, tokenizer: Any, ctx: Context, roof: dict) -> dict:
     """Decode (generator and forward) and prefill rows for one model and op set."""
     wl, timer = ctx.workload, ctx.timer
-    runs = {
-        "decode_generator": lambda b: generator_decode(model, tokenizer, b, wl, timer),
-        "decode_forward": lambda b: forward_decode(model, b, wl, timer),
-    }
+    runs = {"decode_generator": lambda b: generator_decode(model, tokenizer, b, wl, timer)}
+    if ops != "eager":  # graphs change only the generator's decode steps
+        runs["decode_forward"] = lambda b: forward_decode(model, b, wl, timer)
     out: dict[str, Any] = {"ops_name": model.ops.name}
     for key, run in runs.items():
         out[key] = []
         for batch in wl.decode_batches:
             row = add_roofline(run(batch), roof["weights"], roof["kv_per_token"], ctx.bandwidth)
             out[key].append(row)
-            print_row(name, model.ops.name, MEASURE_LABELS[key], row)
+            print_row(name, ops, MEASURE_LABELS[key], row)
             free_memory(ctx.device)
+    if ops == "eager":
+        return out
     out["prefill"] = []
     for batch in wl.prefill_batches:
         row = generator_prefill(model, tokenizer, batch, wl, timer)
         out["prefill"].append(row)
-        print_row(name, model.ops.name, "prefill", row)
+        print_row(name, ops, "prefill", row)
         free_memory(ctx.device)
     return out
 
@@ -680,7 +688,7 @@ def ours_vs_hf_setup(
     """Our side of the same workload, then the transformers copy of the weights and a logits
     check; returns (ours, hf_model, logits_check). Our Model objects are gone on return."""
     wl = ctx.workload
-    model = make_model(config, network, "default", wl.page_size)
+    model = make_model(config, network, wl.page_size)
     prompts = same_workload_prompts(wl, tokenizer.vocab_size)
     ours = ours_same_workload(model, tokenizer, prompts, wl, ctx.timer)
     print_same_workload(name, model.ops.name, ours)
@@ -741,8 +749,9 @@ def run_model(name: str, spec: Any, ctx: Context) -> dict:
         "ops": {},
     }
     for ops in ctx.ops_sets:
-        model = make_model(config, network, ops, ctx.workload.page_size)
-        result["ops"][ops] = measure_ops(name, model, tokenizer, ctx, roof)
+        with ops_env(ops):
+            model = make_model(config, network, ctx.workload.page_size)
+            result["ops"][ops] = measure_ops(name, ops, model, tokenizer, ctx, roof)
         del model
         free_memory(ctx.device)
     if ctx.transformers:
@@ -890,7 +899,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ops",
         default=",".join(OPS_SETS),
-        help="comma list of op sets: default (Model's choice), torch",
+        help="comma list of op sets: default (kernels + CUDA graphs), eager, torch",
     )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
@@ -969,8 +978,9 @@ METHODS = {
     "timestamps in the window where all requests are past prefill and none has finished; "
     "e2e = wall time of the timed call, prefill included (for transformers also its manager "
     "thread start/stop); our side runs the same prompts through DynamicGenerator",
-    "ops": "default = the op set Model picks (Numba CUDA kernels on CUDA), torch = "
-    "ENGINE_OPS=torch (torch references); matmuls are torch/cuBLAS in both",
+    "ops": "default = the op set Model picks (Numba CUDA kernels on CUDA) with decode steps in "
+    "CUDA graphs; eager = the same kernels with ENGINE_CUDA_GRAPHS=0 (decode-gen rows only); "
+    "torch = ENGINE_OPS=torch (torch references); matmuls are torch/cuBLAS in all",
 }
 
 NO_GPU_MESSAGE = (
