@@ -50,10 +50,14 @@ def test_dry_run_report_has_every_section(dry_run: tuple[dict, str]) -> None:
     assert {"torch", "transformers", "numba_cuda"} <= set(report["versions"])
     assert report["copy_bandwidth"]["bytes_per_s"] > 0
     model = report["models"]["tiny"]
-    assert set(model["ops"]) == {"default", "torch"}
+    assert set(model["ops"]) == {"default", "eager", "torch"}
     workload = report["workload"]
-    for ops in model["ops"].values():
+    for name, ops in model["ops"].items():
         assert ops["ops_name"] == "torch"  # the dry run forces ENGINE_OPS=torch
+        assert all(r["cuda_graphs"] == "off" for r in ops["decode_generator"])
+        if name == "eager":  # graphs change only the generator's decode rows
+            assert set(ops) == {"ops_name", "decode_generator"}
+            continue
         for key in ("decode_generator", "decode_forward"):
             rows = ops[key]
             assert [r["batch"] for r in rows] == list(workload["decode_batches"])
