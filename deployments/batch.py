@@ -44,177 +44,42 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from deployments.protocol import OpenAIError, finish_reason, usage_of
+from deployments.batch_records import (
+    SERVER_ERROR,
+    BadLine,
+    Done,
+    Id,
+    Item,
+    Record,
+    bad_line_record,
+    count_pending,
+    error_record,
+    read_done,
+    read_lines,
+    result_record,
+)
+from deployments.batch_session import (
+    DEFAULT_CONFIG,
+    Generate,
+    InfraError,
+    connect_ray,
+    handle_generate,
+    open_app,
+)
+from deployments.protocol import OpenAIError
 
 logger = logging.getLogger("pagedserve.batch")
 
-DEFAULT_CONFIG = "configs/demo.yaml"
 DEFAULT_APP_NAME = "pagedserve"
-LLM_DEPLOYMENT = "LLMServer"
 EXIT_OK, EXIT_INFRA, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-INVALID, SERVER_ERROR = "invalid_request_error", "server_error"
-
-Id = str | int
-Record = dict[str, Any]
-# One engine request dict in, its stream of LLMServer messages out (a handle, or a fake).
-Generate = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
-
-
-class InfraError(Exception):
-    """The cluster or the app is not usable: the job stops with EXIT_INFRA."""
-
-
-# -- input lines -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """A parsed input line: an OpenAI-style body still to be validated."""
-
-    line: int
-    id: Id
-    body: dict[str, Any]
-    chat: bool
-
-
-@dataclass(frozen=True, slots=True)
-class BadLine:
-    """A line that gets an error record without reaching the model."""
-
-    line: int
-    id: Id | None
-    message: str
-    param: str | None = None
-
-
-def usable_id(value: Any) -> bool:
-    if isinstance(value, bool):  # JSON true is not an id (and would equal 1 in a set)
-        return False
-    return isinstance(value, int) or (isinstance(value, str) and value != "")
-
-
-def parse_line(text: str, line: int) -> Item | BadLine | None:
-    """One input line; None for a blank line."""
-    if not text.strip():
-        return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return BadLine(line, None, f"line {line} is not valid JSON: {e}")
-    if not isinstance(obj, dict):
-        return BadLine(line, None, f"line {line} must be a JSON object")
-    if not usable_id(obj.get("id")):
-        message = f"line {line}: 'id' must be a non-empty string or an integer"
-        return BadLine(line, None, message, "id")
-    body = {k: v for k, v in obj.items() if k != "id"}
-    has_prompt, has_messages = "prompt" in body, "messages" in body
-    if has_prompt == has_messages:
-        message = "exactly one of 'prompt' or 'messages' is required"
-        return BadLine(line, obj["id"], message, "messages" if has_prompt else "prompt")
-    return Item(line, obj["id"], body, chat=has_messages)
-
-
-def error_record(id_: Id | None, line: int, error: OpenAIError) -> Record:
-    body = {"message": error.message, "type": error.type, "param": error.param, "code": error.code}
-    return {"id": id_, "line": line, "error": body}
-
-
-def bad_line_record(bad: BadLine) -> Record:
-    return error_record(bad.id, bad.line, OpenAIError(bad.message, param=bad.param))
-
-
-def result_record(id_: Id, texts: list[str], finals: list[dict[str, Any]]) -> Record:
-    reasons = [finish_reason(f) for f in finals]
-    single = len(texts) == 1  # n > 1: one list entry per choice
-    return {
-        "id": id_,
-        "text": texts[0] if single else texts,
-        "finish_reason": reasons[0] if single else reasons,
-        "usage": usage_of(finals),
-    }
-
-
-# -- resume ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Done:
-    """What earlier runs finished: ids, and line numbers of id-less lines."""
-
-    ids: set[Id] = field(default_factory=set)
-    lines: set[int] = field(default_factory=set)
-
-    def add(self, record: Record) -> None:
-        error = record.get("error")
-        if isinstance(error, dict) and error.get("type") == SERVER_ERROR:
-            return  # retried on the next run
-        if usable_id(record.get("id")):
-            self.ids.add(record["id"])
-        elif isinstance(record.get("line"), int):
-            self.lines.add(record["line"])
-
-    def has(self, item: Item | BadLine) -> bool:
-        if item.id is not None and item.id in self.ids:
-            return True
-        return item.id is None and item.line in self.lines
-
-
-def repair_tail(path: Path) -> None:
-    """Cut a half-written last line (a crash mid-write) so appends start on a fresh line."""
-    with path.open("rb+") as f:
-        data = f.read()
-        if not data or data.endswith(b"\n"):
-            return
-        start = data.rfind(b"\n") + 1
-        try:
-            json.loads(data[start:])
-        except ValueError:
-            logger.warning("dropping a half-written last line in %s", path)
-            f.truncate(start)
-        else:  # a whole record that only lacks its newline
-            f.write(b"\n")
-
-
-def read_done(path: Path) -> Done:
-    done = Done()
-    if not path.exists():
-        return done
-    repair_tail(path)
-    with path.open(encoding="utf-8") as f:
-        for number, text in enumerate(f, 1):
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError:
-                logger.warning("%s line %d is not JSON; ignored for resuming", path, number)
-                continue
-            if isinstance(record, dict):
-                done.add(record)
-    return done
-
-
-def read_lines(path: Path) -> Iterator[tuple[int, Item | BadLine | None]]:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, text in enumerate(f, 1):
-            yield number, parse_line(text, number)
-
-
-def count_pending(path: Path, done: Done) -> tuple[int, int, int]:
-    """(lines, lines still to do, lines done before): the progress bar's total, and whether
-    to start at all."""
-    lines = pending = skipped = 0
-    for lines, item in read_lines(path):  # noqa: B007 (the last number is the count)
-        if item is not None:
-            skipped += done.has(item)
-            pending += not done.has(item)
-    return lines, pending, skipped
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -401,142 +266,6 @@ async def run_batch(
     ):
         runner = Runner(validator, generate, out, bar, concurrency)
         return await runner.run(read_lines(input_path), done)
-
-
-# -- Ray and Serve ---------------------------------------------------------------------------
-
-
-def connect_ray(address: str | None) -> None:
-    """The running cluster, else a local one.
-
-    ``ray.init()`` without an address does exactly that: RAY_ADDRESS (set inside a Ray job),
-    else the cluster of the last ``ray start`` on this machine, else a new local cluster.
-    ``address="auto"`` would also attach to *any* GCS process it finds (someone else's
-    ``ray.init()`` cluster on a shared machine) and raises instead of starting one.
-    """
-    import ray
-
-    ray.init(address=address)
-    context = ray.get_runtime_context()
-    logger.info("connected to Ray at %s (job %s)", context.gcs_address, context.get_job_id())
-
-
-def serve_details() -> dict[str, Any] | None:
-    """The controller's view of all apps, or None when Serve is not running.
-
-    Private API (``ray.serve.context``): public ``serve.status()`` cannot tell "no controller"
-    from "no apps" and hides the app args we compare presets with.
-    """
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    return None if client is None else client.get_serve_details()
-
-
-def app_state(details: dict[str, Any] | None, app_name: str) -> tuple[str | None, Any]:
-    """(status, the ``config`` arg it was deployed with, if deployed from a config file)."""
-    app = ((details or {}).get("applications") or {}).get(app_name)
-    if app is None:
-        return None, None
-    args = (app.get("deployed_app_config") or {}).get("args") or {}
-    status = app.get("status")
-    return str(getattr(status, "value", status)), args.get("config")  # an ApplicationStatus
-
-
-def wait_for_app(app_name: str, timeout_s: float) -> tuple[str | None, Any]:
-    """Poll while someone else's deploy is in progress."""
-    deadline = time.monotonic() + timeout_s
-    status, config = app_state(serve_details(), app_name)
-    while status in ("NOT_STARTED", "DEPLOYING") and time.monotonic() < deadline:
-        time.sleep(2.0)
-        status, config = app_state(serve_details(), app_name)
-    return status, config
-
-
-@dataclass(slots=True)
-class AppSession:
-    """What this job started, so it removes exactly that at the end."""
-
-    app_name: str
-    config: str
-    started_app: bool = False
-    started_serve: bool = False
-
-    def close(self) -> None:
-        from ray import serve
-
-        if self.started_app:
-            logger.info("removing app %r (started by this job)", self.app_name)
-            serve.delete(self.app_name)
-        if self.started_serve and not app_state_names():
-            serve.shutdown()
-
-
-def app_state_names() -> list[str]:
-    details = serve_details()
-    return list(((details or {}).get("applications") or {}).keys())
-
-
-def open_app(app_name: str, config: str | None, timeout_s: float) -> AppSession:
-    """Use the running app, or deploy it (handle only: no HTTP route, no proxy of our own)."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    details = serve_details()
-    status, app_config = (None, None) if details is None else wait_for_app(app_name, timeout_s)
-    if status == "RUNNING":
-        chosen = config or app_config or DEFAULT_CONFIG
-        if config and app_config:
-            warn_if_presets_differ(app_config, config)
-        logger.info("using the running app %r (tokenizer preset %s)", app_name, chosen)
-        return AppSession(app_name, chosen)
-    if status is not None:
-        raise InfraError(f"app {app_name!r} is {status}; fix or delete it first")
-    session = AppSession(app_name, config or DEFAULT_CONFIG, started_serve=details is None)
-    if session.started_serve:  # the proxy would take port 8000, which this job never uses
-        serve.start(proxy_location="Disabled")
-    logger.info("app %r is not running; deploying it from %s", app_name, session.config)
-    try:
-        serve.run(build_app({"config": session.config}), name=app_name, route_prefix=None)
-    except Exception:
-        session.started_app = True  # a half-deployed app is still ours to remove
-        session.close()
-        raise
-    session.started_app = True
-    return session
-
-
-def warn_if_presets_differ(app_config: str, config: str) -> None:
-    """Token ids and page hashes must match the replicas' model: compare model + engine."""
-    from deployments.app import load_preset
-
-    try:
-        app_preset = load_preset(app_config)
-    except ValueError:
-        logger.warning("cannot read the app's preset %s to compare with %s", app_config, config)
-        return
-    ours = load_preset(config)
-    if any(app_preset.get(s) != ours.get(s) for s in ("model", "engine")):
-        logger.warning("the app runs preset %s; tokenizing with %s differs", app_config, config)
-
-
-def handle_generate(app_name: str) -> Generate:
-    from ray import serve
-
-    handle = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name=app_name)
-    streaming = handle.options(method_name="generate", stream=True)
-
-    async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        stream = streaming.remote(request)
-        try:
-            async for message in stream:
-                yield message
-        except (Exception, asyncio.CancelledError):  # stop the replica's job too
-            stream.cancel()
-            raise
-
-    return generate
 
 
 def make_validator(config: str) -> Validator:

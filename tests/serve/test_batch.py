@@ -1,4 +1,4 @@
-"""The batch job (``deployments.batch``).
+"""The batch job (``deployments.batch``, ``batch_records``, ``batch_session``).
 
 Fast tests (no Ray) drive ``run_batch`` with the real ``PromptBuilder`` (the demo model, built
 into a tmp dir) and a fake ``generate`` in place of the Serve handle. The ``ray`` test runs the
@@ -29,16 +29,15 @@ import pytest
 import yaml
 
 from deployments import batch
-from deployments.batch import (
+from deployments.batch import Validator, run_batch
+from deployments.batch_records import (
     SERVER_ERROR,
     BadLine,
     Done,
     Item,
-    Validator,
     parse_line,
     read_done,
     repair_tail,
-    run_batch,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
