@@ -17,6 +17,7 @@ A forward that reaches the end of the tokens yields logits to sample the next to
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,12 @@ class Scheduler:
         self._release_pages(seq)
 
     @property
+    def admission_window(self) -> int:
+        """Waiting jobs considered per step: enough to fill every batch slot even when each
+        one passed over (``max_skips``) or deferred behind an in-flight page sits in between."""
+        return 2 * self.config.max_batch_size + self.config.max_skips
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -172,10 +179,14 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """FIFO admission; a job that cannot start yet may be passed over by at most
-        ``max_skips`` later jobs in total, then admission waits for it."""
+        ``max_skips`` later jobs in total, then admission waits for it.
+
+        Only the first ``admission_window`` waiting jobs are looked at per step, so a step
+        costs the same with ten thousand queued requests (say, behind a full cache, or all
+        waiting for one in-flight system-prompt page) as with ten."""
         passed_over: list[Sequence] = []
         in_flight = self._in_flight_hashes()
-        for seq in list(self.waiting):
+        for seq in list(itertools.islice(self.waiting, self.admission_window)):
             if budget == 0 or len(self.running) >= self.config.max_batch_size:
                 break
             if self._next_page_in_flight(seq, in_flight):

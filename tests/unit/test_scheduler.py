@@ -410,6 +410,39 @@ def test_head_is_not_overtaken_by_a_burst():
     assert len(passed) <= 1
 
 
+def test_admission_looks_at_a_bounded_window_of_the_queue(monkeypatch):
+    # A full cache and a long queue: each step tries only the window, not every waiting job.
+    ps = 4
+    sim = Sim(8, ps, max_batch_size=2, max_chunk_size=64, max_skips=1)
+    running = sim.add(list(range(24)), generate=4)  # holds 6-7 of 8 pages (+1 reserved)
+    sim.step()
+    queued = [sim.add([300 + i] * 12, generate=1) for i in range(300)]  # 3 pages each
+    tried: list[Sequence] = []
+    real = sim.sched._try_admit
+    monkeypatch.setattr(
+        sim.sched, "_try_admit", lambda seq, budget: tried.append(seq) or real(seq, budget)
+    )
+    sim.step()
+    assert 0 < len(tried) <= sim.sched.admission_window == 5
+    assert tried == queued[: len(tried)]  # FIFO from the head
+    assert running in sim.sched.running
+    sim.run()
+    sim.check_done()
+
+
+def test_deferred_jobs_do_not_hide_the_window(monkeypatch):
+    # 8 copies of one prompt wait on the first copy's in-flight page; a different prompt right
+    # behind them is still inside the window and starts in the same step as the first copy.
+    ps = 4
+    sim = Sim(64, ps, max_batch_size=4, max_chunk_size=64)
+    copies = [sim.add([7, 7, 7, 7, 8], generate=1) for _ in range(8)]
+    other = sim.add([9, 9], generate=1)
+    plan = sim.step()
+    assert plan.admitted == [copies[0], other]
+    sim.run()
+    sim.check_done()
+
+
 # -- random interleavings ---------------------------------------------------------------------
 
 
