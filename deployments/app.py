@@ -30,7 +30,14 @@ APP_ARGS = frozenset({"config"})
 PRESET_SECTIONS: dict[str, frozenset[str]] = {
     "model": frozenset({"demo", "path", "dtype", "device"}),
     "engine": frozenset(
-        {"max_num_tokens", "page_size", "max_chunk_size", "max_batch_size", "cache_quant"}
+        {
+            "max_num_tokens",
+            "page_size",
+            "max_chunk_size",
+            "max_batch_size",
+            "cache_quant",
+            "cuda_graphs",
+        }
     ),
     "serving": frozenset(
         {

@@ -44,6 +44,15 @@ def context_length(max_position_embeddings: int, engine: dict[str, Any]) -> int:
     return min(max_position_embeddings, int(engine.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)))
 
 
+def cuda_graphs_option(engine: dict[str, Any]) -> bool | None:
+    """engine.cuda_graphs: true / false, or absent for the generator's default (on with the
+    CUDA kernels on a GPU)."""
+    option = engine.get("cuda_graphs")
+    if option is not None and not isinstance(option, bool):
+        raise ValueError(f"engine.cuda_graphs must be true or false, got {option!r}")
+    return option
+
+
 def configure_torch_threads(option: Any, device: torch.device) -> None:
     """Cap intra-op threads: replicas share small machines (default 1 on CPU)."""
     if option is None and device.type != "cpu":
@@ -193,6 +202,7 @@ class LLMServer:
             max_batch_size=engine.get("max_batch_size"),
             max_seq_len=self.context_length,
             max_chunk_size=int(engine.get("max_chunk_size", DEFAULT_MAX_CHUNK_SIZE)),
+            cuda_graphs=cuda_graphs_option(engine),
         )
         self.eos_token_ids = self.generator.generator.default_stop_tokens
         self.stream_interval_s = float(serving.get("stream_interval_s", DEFAULT_STREAM_INTERVAL_S))
