@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 PAD_SLOT = -1
+_TAIL_REWRITE = 2  # trailing block-table entries rewritten for a sequence that kept its row
 
 
 @dataclass(slots=True)
@@ -112,6 +113,9 @@ class DecodeGraphs:
         self._np_ints = self._host_ints.numpy()
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(n, dtype=torch.long, device=device)
+        # Which pages list each block-table row holds, and how many entries were written.
+        self._row_pages: list[Sequence[int] | None] = [None] * n
+        self._row_written = [0] * n
 
     def _make_bucket(self, size: int) -> _Bucket:
         tables = self._ints[self.max_size :].view(self.max_size, self.max_pages)
@@ -204,7 +208,7 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the host buffers
         longs, ints = self._np_longs, self._np_ints
-        n, ps, width = len(seqs), self.page_size, self.max_pages
+        n, ps = len(seqs), self.page_size
         for i, seq in enumerate(seqs):
             pos = seq.num_cached
             pages = seq.pages
@@ -214,12 +218,26 @@ class DecodeGraphs:
             longs[1, i] = pos
             longs[2, i] = pages[pos // ps] * ps + pos % ps
             ints[i] = pos + 1
-            row = self.max_size + i * width
-            used = min(len(pages), width)
-            ints[row : row + used] = pages[:used]
+            self._stage_table_row(i, pages)
         longs[:, n:size] = 0
         longs[2, n:size] = PAD_SLOT
         ints[n:size] = 0
+
+    def _stage_table_row(self, row: int, pages: Sequence[int]) -> None:
+        """Row ``row`` of the block tables. A sequence that had this row before (the same
+        pages list object) rewrites only its tail: the scheduler only appends pages to a
+        running sequence's list, and dedup on registration swaps only pages that were not
+        full yet when this row was last written (the last one then, or later ones), so
+        rewriting from ``_TAIL_REWRITE`` entries (one would do) before the old end is enough.
+        That makes a step cost O(batch), not O(batch x context pages)."""
+        used = min(len(pages), self.max_pages)
+        start = 0
+        if self._row_pages[row] is pages:
+            start = max(0, min(self._row_written[row], used) - _TAIL_REWRITE)
+        base = self.max_size + row * self.max_pages
+        self._np_ints[base + start : base + used] = pages[start:used]
+        self._row_pages[row] = pages
+        self._row_written[row] = used
 
     def _upload(self, size: int) -> None:
         tables = self.max_size + size * self.max_pages

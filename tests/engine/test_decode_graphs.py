@@ -103,6 +103,34 @@ def test_padding_rows_write_no_page(cuda_model):
             assert not torch.all(t[[1, 2, 3, 5]] == 3.0)
 
 
+def test_block_table_rows_follow_growth_swaps_and_row_changes(cuda_model):
+    # Rows rewrite only their tail when the same pages list comes back: check the staged
+    # tables against the pages after appends, a dedup swap of the page just filled, rows
+    # trading places, and a sequence returning to its old row after growing elsewhere.
+    graphs = DecodeGraphs(
+        cuda_model, cuda_model.allocate_kv(4, PAGE), PAGE, 4, max_seq_len=64, capture=False
+    )
+    tables = graphs._np_ints[graphs.max_size :].reshape(graphs.max_size, graphs.max_pages)
+    a, b = [1, 2], [3]
+
+    def step(*pages_lists: list[int]) -> None:
+        seqs = [SequenceInput([5], len(p) * PAGE - 1, p) for p in pages_lists]
+        graphs._stage(seqs, graphs.bucket_for(len(seqs)))
+        for row, pages in enumerate(pages_lists):
+            assert tables[row, : len(pages)].tolist() == pages
+
+    step(a, b)
+    a.append(9)
+    a[1] = 7  # registration found page 2's content cached as page 7
+    step(a, b)
+    step(b, a)
+    a += [11, 12, 13]
+    a[3] = 14
+    b.append(4)
+    step(a, b)
+    step(a[:], b)  # a new list object (a re-admitted sequence): the whole row is written
+
+
 def test_only_decode_steps_that_fit_are_supported(cuda_model):
     kv = cuda_model.allocate_kv(16, PAGE)
     graphs = DecodeGraphs(cuda_model, kv, PAGE, max_batch_size=2, max_seq_len=12, capture=False)
