@@ -570,3 +570,23 @@ def paged_attention_cuda(
             arg(plan.part_ml), arg(plan.part_o), arg(out), plan.num_splits
         )
     return out
+
+
+def warm_up_split_merge(
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> None:
+    """Launch a 2-way split once so the merge kernel is compiled at load: a warm-up forward's
+    short contexts never split, and the first long-context decode would compile it mid-request.
+    """
+    from engine.batch import SequenceInput, build_forward_batch
+
+    seq = SequenceInput([0], num_cached=page_size, pages=[0, 1])
+    batch = build_forward_batch([seq], page_size, device)
+    q = torch.zeros((1, num_heads, head_dim), dtype=dtype, device=device)
+    pages = torch.zeros((2, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    paged_attention_cuda(q, pages, pages, batch, 1.0, num_splits=2)

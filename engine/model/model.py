@@ -99,6 +99,13 @@ class Model:
         self.forward_sequences([prompt], kv, page_size)
         decode = SequenceInput([0], num_cached=page_size + 1, pages=[0, 1])
         self.forward_sequences([decode], kv, page_size)
+        if self.ops.name == "cuda":
+            from engine.cuda.attention import warm_up_split_merge
+
+            cfg = self.config
+            warm_up_split_merge(
+                self.dtype, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size
+            )
 
     def allocate_kv(self, num_pages: int, page_size: int = 16) -> KVPages:
         """Paged K/V storage for this model on its device, in its dtype."""

@@ -180,6 +180,12 @@ def test_mixed_splits_fp16():
     )
 
 
+def test_warm_up_compiles_the_split_merge_kernel():
+    attention._merge_kernel.cache_clear()
+    attention.warm_up_split_merge(torch.float32, DEVICE, 4, 2, 16, page_size=4)
+    assert attention._merge_kernel.cache_info().currsize == 1
+
+
 # --- plan caching and validation -----------------------------------------------------------
 
 
