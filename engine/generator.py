@@ -185,10 +185,12 @@ class DynamicGenerator:
         if not jobs:
             return []
         out = sample(logits, [job.sample_request() for job in jobs], self.tokenizer.vocab_size)
+        token_tensors = torch.tensor(out.tokens, dtype=torch.long).view(-1, 1, 1).unbind(0)
         results = []
         for i, job in enumerate(jobs):
             result = job.receive_token(
                 out.tokens[i],
+                token_tensor=token_tensors[i],
                 prob=out.probs[i] if job.return_probs else None,
                 top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
                 top_probs=out.top_probs[i] if job.return_top_tokens else None,

@@ -134,7 +134,9 @@ class Scheduler:
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
         decoding = [s for s in self.running if s.num_pending <= self.config.max_q_size]
         for seq in decoding:
-            if seq not in self.running:  # preempted below to make room for an older one
+            # Membership tests go to plan.preempted (almost always empty), not the running
+            # list: a step must stay O(batch), not O(batch^2).
+            if plan.preempted and seq in plan.preempted:  # preempted for an older one
                 continue
             if budget == 0:
                 break
@@ -146,7 +148,7 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if not (plan.preempted and plan.preempted[-1] is seq):
                 plan.entries.append(StepEntry(seq, seq.num_computed, n))
                 budget -= n
         return budget
@@ -156,7 +158,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if id(seq) in scheduled or seq not in self.running:
+            if id(seq) in scheduled or (plan.preempted and seq in plan.preempted):
                 continue
             n = min(seq.num_pending, budget, self._room(seq))
             if n == 0 and seq is self.running[0]:

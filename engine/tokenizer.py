@@ -201,7 +201,11 @@ class Tokenizer:
 
     def decode(self, ids: TokenIds, decode_special_tokens: bool = False) -> str:
         """Text of ``ids`` (any tensor shape is flattened); special tokens skipped by default."""
-        return self._parse.decode(_flat_ids(ids), skip_special_tokens=not decode_special_tokens)
+        return self.decode_list(_flat_ids(ids), decode_special_tokens)
+
+    def decode_list(self, ids: list[int], decode_special_tokens: bool = False) -> str:
+        """``decode`` for a flat list of ints, unchecked (the detokenizer's hot path)."""
+        return self._parse.decode(ids, skip_special_tokens=not decode_special_tokens)
 
     def id_to_piece(self, token_id: int) -> str:
         piece = self._parse.id_to_token(int(token_id))
@@ -338,11 +342,17 @@ class IncrementalDetokenizer:
         return [i for i in ids if i not in self._tokenizer.special_ids]
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], self._decode_special)
+        # These ids are already a flat list of ints, and this runs twice per generated token
+        # of every job: skip decode()'s conversion.
+        return self._tokenizer.decode_list(self._ids[start:end], self._decode_special)
 
     def add(self, token_ids: TokenIds) -> str:
         """Append token(s); return the text that became final (may be "")."""
-        new_ids = self._kept(token_ids)
+        if type(token_ids) is int:  # the common case: one sampled token
+            keep = self._decode_special or token_ids not in self._tokenizer.special_ids
+            new_ids = [token_ids] if keep else []
+        else:
+            new_ids = self._kept(token_ids)
         if not new_ids:
             return ""
         self._ids.extend(new_ids)

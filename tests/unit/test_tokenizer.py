@@ -337,18 +337,19 @@ def test_detokenizer_long_byte_runs_stream_and_stay_bounded(
     tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[int] = []
-    decode = tok.decode
+    decode_list = tok.decode_list
+    cases = [tok.encode(text)[0].tolist() for text in ["😀🎉🚀👍" * 25, "Hello world " * 50]]
+    expected = [tok.decode(ids) for ids in cases]
 
     def spy(ids: Any, decode_special_tokens: bool = False) -> str:
         seen.append(len(ids))
-        return decode(ids, decode_special_tokens)
+        return decode_list(ids, decode_special_tokens)
 
-    monkeypatch.setattr(tok, "decode", spy)
-    for text in ["😀🎉🚀👍" * 25, "Hello world " * 50]:
-        ids = tok.encode(text)[0].tolist()
+    monkeypatch.setattr(tok, "decode_list", spy)
+    for ids, text in zip(cases, expected, strict=True):
         det = tok.detokenizer()
         chunks = [det.add(i) for i in ids]
-        assert "".join(chunks) + det.flush() == decode(ids)
+        assert "".join(chunks) + det.flush() == text
         assert sum(1 for c in chunks if c) > len(ids) // 40  # streamed, not held to the end
     # each step decodes a bounded window, never the whole sequence
     assert max(seen) <= 2 * IncrementalDetokenizer.max_held_tokens + 4
