@@ -175,8 +175,10 @@ class DynamicGenerator:
             )
             for e in plan.entries
         ]
-        if self.decode_graphs is not None and self.decode_graphs.supports(inputs):
-            return self.decode_graphs.run(inputs)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.try_run(inputs)
+            if logits is not None:
+                return logits
         batch = build_forward_batch(inputs, self.cache.page_size, self.model.device)
         return self.model.forward(batch, self.cache.kv)
 

@@ -143,12 +143,12 @@ class Scheduler:
             n = min(seq.num_pending, budget)
             if n == 0:
                 continue
-            while not self._grow(seq, n):
+            preempted_itself = False
+            while not preempted_itself and not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
-                if victim is seq:
-                    break
-            if not (plan.preempted and plan.preempted[-1] is seq):
+                preempted_itself = victim is seq
+            if not preempted_itself:
                 plan.entries.append(StepEntry(seq, seq.num_computed, n))
                 budget -= n
         return budget

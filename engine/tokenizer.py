@@ -348,11 +348,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: TokenIds) -> str:
         """Append token(s); return the text that became final (may be "")."""
-        if type(token_ids) is int:  # the common case: one sampled token
-            keep = self._decode_special or token_ids not in self._tokenizer.special_ids
-            new_ids = [token_ids] if keep else []
-        else:
-            new_ids = self._kept(token_ids)
+        new_ids = self._kept(token_ids)
         if not new_ids:
             return ""
         self._ids.extend(new_ids)

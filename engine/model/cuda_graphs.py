@@ -184,14 +184,21 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int:
         return next(size for size in self.sizes if size >= num_seqs)
 
-    @torch.inference_mode()
     def run(self, seqs: Sequence[SequenceInput]) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab] of one decode step (writes its K/V)."""
-        if not self.supports(seqs):
+        logits = self.try_run(seqs)
+        if logits is None:
             raise ValueError(
                 f"not a decode step of <= {self.max_size} sequences within {self.max_seq_len} "
                 "tokens"
             )
+        return logits
+
+    @torch.inference_mode()
+    def try_run(self, seqs: Sequence[SequenceInput]) -> torch.Tensor | None:
+        """``run`` when ``seqs`` is a supported decode step, else None (nothing done)."""
+        if not self.supports(seqs):
+            return None
         bucket = self._buckets[self.bucket_for(len(seqs))]
         self._stage(seqs, bucket.size)
         self._upload(bucket.size)
