@@ -74,7 +74,9 @@ from deployments.batch_session import (
     handle_generate,
     open_app,
 )
+from deployments.preset import Preset
 from deployments.protocol import OpenAIError
+from engine.request import GenerationRequest
 
 logger = logging.getLogger("pagedserve.batch")
 
@@ -103,12 +105,12 @@ class Summary:
 
 
 class Validator:
-    """The ingress's checks for one body (``PromptBuilder.requests`` plus ``model``)."""
+    """The ingress's checks for one body (``PromptBuilder.request`` plus ``model``)."""
 
     def __init__(self, builder: Any) -> None:
         self.builder = builder
 
-    def requests(self, item: Item) -> list[dict[str, Any]]:
+    def request(self, item: Item) -> GenerationRequest:
         model = item.body.get("model")
         if model is not None and model != self.builder.model_id:
             raise OpenAIError(
@@ -117,36 +119,38 @@ class Validator:
                 param="model",
                 code="model_not_found",
             )
-        _, requests = self.builder.requests(item.body, item.chat)
-        return requests
+        _, request = self.builder.request(item.body, item.chat)
+        return request
 
 
-async def collect(stream: AsyncIterator[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """One choice's text and its final message (the one with ``eos``). Reads the stream to
-    its end rather than stopping at ``eos``, so it is never closed early (which would cancel)."""
-    texts: list[str] = []
-    final: dict[str, Any] | None = None
+async def collect(
+    stream: AsyncIterator[dict[str, Any]], n: int
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each choice's text and final message (the one with ``eos``), by the messages' ``index``.
+    Reads the stream to its end rather than stopping at the last ``eos``, so it is never
+    closed early (which would cancel)."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finals: list[dict[str, Any] | None] = [None] * n
     async for message in stream:
-        texts.append(message["text"])
+        index = message.get("index", 0)
+        texts[index].append(message["text"])
         if message["eos"]:
-            final = message
-    if final is None:
-        raise RuntimeError("the stream ended without a final message")
-    return "".join(texts), final
+            finals[index] = message
+    missing = [i for i, final in enumerate(finals) if final is None]
+    if missing:
+        raise RuntimeError(f"the stream ended without a final message for choices {missing}")
+    return ["".join(t) for t in texts], finals  # type: ignore[return-value]
 
 
-async def generate_record(item: Item, requests: list[dict[str, Any]], generate: Generate) -> Record:
-    """All choices of one line; a failed choice cancels its siblings (TaskGroup)."""
+async def generate_record(item: Item, request: GenerationRequest, generate: Generate) -> Record:
+    """All ``n`` choices of one line, from one call (one replica runs them together)."""
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(collect(generate(r))) for r in requests]
+        texts, finals = await collect(generate(request), request.n)
     except Exception as e:  # recorded as retryable; the job goes on
-        cause = e.exceptions[0] if isinstance(e, ExceptionGroup) else e
-        logger.warning("id %r (line %d) failed: %r", item.id, item.line, cause)
-        message = f"{type(cause).__name__}: {cause}"
+        logger.warning("id %r (line %d) failed: %r", item.id, item.line, e)
+        message = f"{type(e).__name__}: {e}"
         return error_record(item.id, item.line, OpenAIError(message, type_=SERVER_ERROR))
-    texts, finals = zip(*(t.result() for t in tasks), strict=True)
-    return result_record(item.id, list(texts), list(finals))
+    return result_record(item.id, texts, finals)
 
 
 class Runner:
@@ -193,7 +197,7 @@ class Runner:
 
     async def submit(self, item: Item) -> None:
         try:
-            requests = self.validator.requests(item)
+            request = self.validator.request(item)
         except OpenAIError as e:
             self.write(error_record(item.id, item.line, e))
             return
@@ -202,12 +206,12 @@ class Runner:
             self.write(error_record(item.id, item.line, OpenAIError(f"invalid request: {e}")))
             return
         await self.slots.acquire()  # bounded: the input is read only as fast as it runs
-        task = asyncio.create_task(self.work(item, requests))
+        task = asyncio.create_task(self.work(item, request))
         self.tasks.add(task)
         task.add_done_callback(self.finished)
 
-    async def work(self, item: Item, requests: list[dict[str, Any]]) -> None:
-        self.write(await generate_record(item, requests, self.generate))
+    async def work(self, item: Item, request: GenerationRequest) -> None:
+        self.write(await generate_record(item, request, self.generate))
 
     def finished(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -268,11 +272,10 @@ async def run_batch(
         return await runner.run(read_lines(input_path), done)
 
 
-def make_validator(config: str) -> Validator:
-    from deployments.app import load_preset
+def make_validator(preset: Preset) -> Validator:
     from deployments.ingress import PromptBuilder
 
-    return Validator(PromptBuilder(load_preset(config)))
+    return Validator(PromptBuilder(preset))
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -323,10 +326,8 @@ def check_config(config: str | None) -> str | None:
     """A bad --config is the caller's mistake: report it before touching the cluster."""
     if config is None:
         return None
-    from deployments.app import load_preset
-
     try:
-        load_preset(config)
+        Preset.load(config)
     except ValueError as e:
         return str(e)
     return None
@@ -340,7 +341,7 @@ def run_job(args: argparse.Namespace, done: Done) -> Summary:
     try:
         session = open_app(args.app_name, args.config, args.app_timeout)
         try:
-            validator = make_validator(session.config)
+            validator = make_validator(session.preset)
             generate = handle_generate(args.app_name)
             job = run_batch(args.input, args.output, validator, generate, args.concurrency, done)
             return asyncio.run(run_interruptible(job))

@@ -10,13 +10,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.preset import Preset
+from engine.request import GenerationRequest
+
 logger = logging.getLogger("pagedserve.batch")
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 LLM_DEPLOYMENT = "LLMServer"
 
-# One engine request dict in, its stream of LLMServer messages out (a handle, or a fake).
-Generate = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
+# One request in, its stream of LLMServer messages out (a handle, or a fake).
+Generate = Callable[[GenerationRequest], AsyncIterator[dict[str, Any]]]
 
 
 class InfraError(Exception):
@@ -41,44 +44,50 @@ def connect_ray(address: str | None) -> None:
     logger.info("connected to Ray at %s (job %s)", context.gcs_address, context.get_job_id())
 
 
-def serve_details() -> dict[str, Any] | None:
-    """The controller's view of all apps, or None when Serve is not running.
+def serve_running() -> bool:
+    """Whether a Serve controller runs on the cluster.
 
-    Private API (``ray.serve.context``): public ``serve.status()`` cannot tell "no controller"
-    from "no apps" and hides the app args we compare presets with.
+    Private API, Ray 2.60 (``ray.serve.context._get_global_client``): the public
+    ``serve.status()`` answers an empty status both when no controller runs and when one runs
+    with no apps, and the job must tell them apart to shut down only a Serve it started.
     """
     from ray.serve.context import _get_global_client
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    return None if client is None else client.get_serve_details()
+    return _get_global_client(raise_if_no_controller_running=False) is not None
 
 
-def app_state(details: dict[str, Any] | None, app_name: str) -> tuple[str | None, Any]:
-    """(status, the ``config`` arg it was deployed with, if deployed from a config file)."""
-    app = ((details or {}).get("applications") or {}).get(app_name)
-    if app is None:
-        return None, None
-    args = (app.get("deployed_app_config") or {}).get("args") or {}
-    status = app.get("status")
-    return str(getattr(status, "value", status)), args.get("config")  # an ApplicationStatus
+def app_status(app_name: str) -> str | None:
+    """The app's status (``RUNNING``, ``DEPLOYING``, ...), None when it is not deployed."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    return None if app is None else str(getattr(app.status, "value", app.status))
 
 
-def wait_for_app(app_name: str, timeout_s: float) -> tuple[str | None, Any]:
+def wait_for_app(app_name: str, timeout_s: float) -> str | None:
     """Poll while someone else's deploy is in progress."""
     deadline = time.monotonic() + timeout_s
-    status, config = app_state(serve_details(), app_name)
+    status = app_status(app_name)
     while status in ("NOT_STARTED", "DEPLOYING") and time.monotonic() < deadline:
         time.sleep(2.0)
-        status, config = app_state(serve_details(), app_name)
-    return status, config
+        status = app_status(app_name)
+    return status
+
+
+def running_preset(app_name: str) -> Preset:
+    """The preset the running app's replicas serve, asked of a replica."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name=app_name)
+    return handle.options(method_name="get_preset").remote().result()
 
 
 @dataclass(slots=True)
 class AppSession:
-    """What this job started, so it removes exactly that at the end."""
+    """The preset to tokenize with, and what this job started, to remove exactly that."""
 
     app_name: str
-    config: str
+    preset: Preset
     started_app: bool = False
     started_serve: bool = False
 
@@ -88,13 +97,8 @@ class AppSession:
         if self.started_app:
             logger.info("removing app %r (started by this job)", self.app_name)
             serve.delete(self.app_name)
-        if self.started_serve and not app_state_names():
+        if self.started_serve and not serve.status().applications:
             serve.shutdown()
-
-
-def app_state_names() -> list[str]:
-    details = serve_details()
-    return list(((details or {}).get("applications") or {}).keys())
 
 
 def open_app(app_name: str, config: str | None, timeout_s: float) -> AppSession:
@@ -103,22 +107,23 @@ def open_app(app_name: str, config: str | None, timeout_s: float) -> AppSession:
 
     from deployments.app import build_app
 
-    details = serve_details()
-    status, app_config = (None, None) if details is None else wait_for_app(app_name, timeout_s)
+    running = serve_running()
+    status = wait_for_app(app_name, timeout_s) if running else None
     if status == "RUNNING":
-        chosen = config or app_config or DEFAULT_CONFIG
-        if config and app_config:
-            warn_if_presets_differ(app_config, config)
-        logger.info("using the running app %r (tokenizer preset %s)", app_name, chosen)
-        return AppSession(app_name, chosen)
+        preset = running_preset(app_name)
+        if config is not None:
+            preset = checked_against(preset, Preset.load(config))
+        logger.info("using the running app %r (preset %s)", app_name, preset.source)
+        return AppSession(app_name, preset)
     if status is not None:
         raise InfraError(f"app {app_name!r} is {status}; fix or delete it first")
-    session = AppSession(app_name, config or DEFAULT_CONFIG, started_serve=details is None)
+    config = config or DEFAULT_CONFIG
+    session = AppSession(app_name, Preset.load(config), started_serve=not running)
     if session.started_serve:  # the proxy would take port 8000, which this job never uses
         serve.start(proxy_location="Disabled")
-    logger.info("app %r is not running; deploying it from %s", app_name, session.config)
+    logger.info("app %r is not running; deploying it from %s", app_name, config)
     try:
-        serve.run(build_app({"config": session.config}), name=app_name, route_prefix=None)
+        serve.run(build_app({"config": config}), name=app_name, route_prefix=None)
     except Exception:
         session.started_app = True  # a half-deployed app is still ours to remove
         session.close()
@@ -127,18 +132,15 @@ def open_app(app_name: str, config: str | None, timeout_s: float) -> AppSession:
     return session
 
 
-def warn_if_presets_differ(app_config: str, config: str) -> None:
-    """Token ids and page hashes must match the replicas' model: compare model + engine."""
-    from deployments.app import load_preset
-
-    try:
-        app_preset = load_preset(app_config)
-    except ValueError:
-        logger.warning("cannot read the app's preset %s to compare with %s", app_config, config)
-        return
-    ours = load_preset(config)
-    if any(app_preset.get(s) != ours.get(s) for s in ("model", "engine")):
-        logger.warning("the app runs preset %s; tokenizing with %s differs", app_config, config)
+def checked_against(app_preset: Preset, ours: Preset) -> Preset:
+    """``--config`` for a running app: token ids and page hashes must match the replicas'
+    model, so a preset whose model or engine differs is refused."""
+    if (app_preset.model, app_preset.engine) != (ours.model, ours.engine):
+        raise InfraError(
+            f"the app runs preset {app_preset.source}, whose model or engine section differs "
+            f"from --config {ours.source}; drop --config to use the app's"
+        )
+    return ours
 
 
 def handle_generate(app_name: str) -> Generate:
@@ -147,7 +149,7 @@ def handle_generate(app_name: str) -> Generate:
     handle = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name=app_name)
     streaming = handle.options(method_name="generate", stream=True)
 
-    async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
         stream = streaming.remote(request)
         try:
             async for message in stream:

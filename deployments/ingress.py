@@ -28,32 +28,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments.llm_server import DEFAULT_PAGE_SIZE, context_length
+from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     OpenAIError,
+    RequestFields,
     ResponseFormat,
-    SamplingFields,
     finish_reason,
+    parse_fields,
     parse_messages,
-    parse_sampling,
     read_body,
     server_error,
     sse,
 )
 from engine.cache.prefix_hash import prefix_hashes
 from engine.config import ModelConfig
-from engine.demo import resolve_model_path
+from engine.request import GenerationRequest
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ray.serve")
-
-
-def model_id_of(preset: dict[str, dict[str, Any]], folder: Path) -> str:
-    configured = (preset.get("serving") or {}).get("model_id")
-    if configured:
-        return str(configured)
-    return "demo" if preset["model"].get("path") is None else folder.name
 
 
 def wants_bos(tokenizer: Tokenizer, folder: Path) -> bool:
@@ -70,14 +63,13 @@ class PromptBuilder:
     """Tokenizes prompts and chats exactly as the replicas' model expects (also used by the
     batch job, so both paths agree token for token)."""
 
-    def __init__(self, preset: dict[str, dict[str, Any]]) -> None:
-        folder = resolve_model_path(preset["model"])
-        engine = preset.get("engine") or {}
+    def __init__(self, preset: Preset) -> None:
+        folder = preset.model.resolve_path()
         self.tokenizer = Tokenizer.from_pretrained(folder)
         self.config = ModelConfig.from_pretrained(folder)
-        self.context_length = context_length(self.config.max_position_embeddings, engine)
-        self.page_size = int(engine.get("page_size", DEFAULT_PAGE_SIZE))
-        self.model_id = model_id_of(preset, folder)
+        self.context_length = preset.context_length(self.config.max_position_embeddings)
+        self.page_size = preset.engine.page_size
+        self.model_id = preset.model_id
         self.add_bos = wants_bos(self.tokenizer, folder)
 
     def completion_ids(self, body: dict[str, Any]) -> list[int]:
@@ -128,24 +120,16 @@ class PromptBuilder:
             )
         return requested
 
-    def request(self, body: dict[str, Any], chat: bool) -> tuple[SamplingFields, dict[str, Any]]:
-        """Validate a request body; one engine request carrying all ``n`` choices (one replica
-        runs them, sharing the prompt's pages)."""
-        fields = parse_sampling(body, chat, self.config.vocab_size)
+    def request(self, body: dict[str, Any], chat: bool) -> tuple[RequestFields, GenerationRequest]:
+        """Validate a request body into the one request a replica runs (all ``n`` choices:
+        one replica runs them, sharing the prompt's pages)."""
+        fields = parse_fields(body, chat, self.config.vocab_size)
         ids = self.chat_ids(body) if chat else self.completion_ids(body)
         max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
-        hashes = prefix_hashes(ids, self.page_size)
-        return fields, fields.engine_request(ids, max_new, hashes, fields.n)
-
-    def requests(
-        self, body: dict[str, Any], chat: bool
-    ) -> tuple[SamplingFields, list[dict[str, Any]]]:
-        """Like ``request``, but one engine request per choice (for callers outside an HTTP
-        request, such as the batch job, whose handle calls each get their own request id)."""
-        fields, request = self.request(body, chat)
-        shared = (request["token_ids"], request["max_new_tokens"], request["page_hashes"])
-        singles = [fields.single_choice(i) for i in range(fields.n)]
-        return fields, [f.engine_request(*shared) for f in singles]
+        try:
+            return fields, fields.generation(ids, max_new, prefix_hashes(ids, self.page_size))
+        except ValueError as e:  # a limit the field checks above did not foresee
+            raise OpenAIError(f"invalid request: {e}") from None
 
 
 def _is_token(value: Any) -> bool:
@@ -157,7 +141,7 @@ def _is_token(value: Any) -> bool:
 class Ingress:
     """OpenAI HTTP surface; tokenizes and forwards token ids to ``LLMServer``."""
 
-    def __init__(self, llm: DeploymentHandle, preset: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, llm: DeploymentHandle, preset: Preset) -> None:
         self.prompts = PromptBuilder(preset)
         self.model_id = self.prompts.model_id
         self.created = int(time.time())
@@ -206,11 +190,11 @@ class Ingress:
         try:
             body = await read_body(request)
             self._check_model(body)
-            fields, job = self.prompts.request(body, chat)
+            fields, generation = self.prompts.request(body, chat)
         except OpenAIError as e:
             return e.response()
         fmt = ResponseFormat.new(chat, self.model_id)
-        stream = self._generate.remote(job)
+        stream = self._generate.remote(generation)
         if fields.stream:
             events = _events(stream, fields.n, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")

@@ -1,7 +1,7 @@
 """``LLMServer``: one model and one ``DynamicGeneratorAsync`` per replica.
 
-The ingress sends a plain request dict (token ids + sampling settings, see
-``deployments.protocol``); ``generate`` streams coalesced deltas back: the first token at once
+The ingress sends one ``engine.request.GenerationRequest`` (token ids, sampling settings, stops,
+``n`` choices); ``generate`` streams coalesced deltas back: the first token at once
 (time to first token), then everything produced in each ``stream_interval_s`` as one Ray chunk,
 because Ray's per-chunk overhead, not the engine, is the bottleneck otherwise. Requests share the
 replica's paged cache and run batched; a client that goes away cancels its job, which frees its
@@ -24,42 +24,29 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
-from deployments.protocol import choice_count, job_arguments
-from engine import DynamicGeneratorAsync, DynamicJobAsync, Model, PagedCache, Tokenizer
-from engine.demo import resolve_model_path
+from deployments.prefix_index import REPORTED_HASH_LIMIT
+from deployments.preset import Preset
+from engine import (
+    DynamicGeneratorAsync,
+    DynamicJob,
+    DynamicJobAsync,
+    GenerationRequest,
+    Model,
+    PagedCache,
+    Tokenizer,
+)
 from engine.model.model import resolve_device
 
 logger = logging.getLogger("ray.serve")
 
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_MAX_NUM_TOKENS = 16384
-DEFAULT_MAX_CHUNK_SIZE = 512
-DEFAULT_STREAM_INTERVAL_S = 0.05
-ROUTING_HASH_LIMIT = 4096  # page hashes reported to the router per replica
+ROUTING_HASH_LIMIT = REPORTED_HASH_LIMIT  # page hashes reported to the router per replica
 
 
-def context_length(max_position_embeddings: int, engine: dict[str, Any]) -> int:
-    """Longest sequence (prompt + completion) a replica can hold: the model's positions, or
-    the whole KV cache if that is smaller. The ingress checks prompts against the same value."""
-    return min(max_position_embeddings, int(engine.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)))
-
-
-def cuda_graphs_option(engine: dict[str, Any]) -> bool | None:
-    """engine.cuda_graphs: true / false, or absent for the generator's default (on with the
-    CUDA kernels on a GPU)."""
-    option = engine.get("cuda_graphs")
-    if option is not None and not isinstance(option, bool):
-        raise ValueError(f"engine.cuda_graphs must be true or false, got {option!r}")
-    return option
-
-
-def configure_torch_threads(option: Any, device: torch.device) -> None:
+def configure_torch_threads(option: int | None, device: torch.device) -> None:
     """Cap intra-op threads: replicas share small machines (default 1 on CPU)."""
     if option is None and device.type != "cpu":
         return
-    threads = 1 if option is None else int(option)
-    if threads < 1:
-        raise ValueError(f"serving.torch_threads must be >= 1, got {option!r}")
+    threads = 1 if option is None else option
     torch.set_num_threads(threads)
     logger.info("torch threads capped at %d", threads)
 
@@ -180,58 +167,55 @@ class ServerMetrics:
 class LLMServer:
     """One model per replica; streams coalesced deltas for token-id requests."""
 
-    def __init__(self, preset: dict[str, dict[str, Any]]) -> None:
-        model_section, engine = preset["model"], preset.get("engine") or {}
-        serving = preset.get("serving") or {}
-        path = resolve_model_path(model_section)
-        device = resolve_device(model_section.get("device"))
-        configure_torch_threads(serving.get("torch_threads"), device)
-        model = Model.from_pretrained(path, device=device, dtype=model_section.get("dtype"))
+    def __init__(self, preset: Preset) -> None:
+        self.preset = preset
+        path = preset.model.resolve_path()
+        device = resolve_device(preset.model.device)
+        configure_torch_threads(preset.serving.torch_threads, device)
+        model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
         tokenizer = Tokenizer.from_pretrained(path)
-        self.context_length = context_length(model.config.max_position_embeddings, engine)
-        cache = PagedCache(
-            model,
-            int(engine.get("max_num_tokens", DEFAULT_MAX_NUM_TOKENS)),
-            page_size=int(engine.get("page_size", DEFAULT_PAGE_SIZE)),
-            quant=str(engine.get("cache_quant", "fp16")),
-        )
+        engine = preset.engine
+        cache = PagedCache(model, engine.max_num_tokens, engine.page_size, engine.cache_quant)
         self.generator = DynamicGeneratorAsync(
             model,
             cache,
             tokenizer,
-            max_batch_size=engine.get("max_batch_size"),
-            max_seq_len=self.context_length,
-            max_chunk_size=int(engine.get("max_chunk_size", DEFAULT_MAX_CHUNK_SIZE)),
-            cuda_graphs=cuda_graphs_option(engine),
+            max_batch_size=engine.max_batch_size,
+            max_seq_len=preset.context_length(model.config.max_position_embeddings),
+            max_chunk_size=engine.max_chunk_size,
+            cuda_graphs=engine.cuda_graphs,
         )
-        self.eos_token_ids = self.generator.generator.default_stop_tokens
-        self.stream_interval_s = float(serving.get("stream_interval_s", DEFAULT_STREAM_INTERVAL_S))
+        self.stream_interval_s = preset.serving.stream_interval_s
         self.metrics = ServerMetrics()
         self.requests_served = 0
         self.requests_active = 0
         logger.info(
             "LLMServer ready: %s, context %d, %d pages of %d",
             path,
-            self.context_length,
+            self.generator.generator.max_seq_len,
             cache.num_pages,
             cache.page_size,
         )
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
         """Stream deltas ``{"index", "text", "token_ids", "eos"}`` for the request's ``n``
         choices (``index``: which choice); a choice's last delta (``eos`` True) adds
-        ``eos_reason``, ``prompt_tokens``, ``new_tokens``, ``cached_tokens`` and timings."""
+        ``eos_reason``, ``prompt_tokens``, ``new_tokens``, ``cached_tokens`` and timings.
+        Raises ValueError (naming the value) for a request this replica cannot run."""
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         start = time.monotonic()
-        n = choice_count(request)
-        jobs = [
-            DynamicJobAsync(self.generator, **job_arguments(request, self.eos_token_ids, i))
-            for i in range(n)
-        ]
-        self.requests_active += 1
-        streams = [ChoiceStream(i, start) for i in range(n)]
+        streams = [ChoiceStream(i, start) for i in range(request.n)]
         queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(i, job, queue)) for i, job in enumerate(jobs)]
+        jobs: list[DynamicJobAsync] = []
+        pumps: list[asyncio.Task] = []
+        self.requests_active += 1
         try:
+            for i in range(request.n):  # a choice refused at enqueue leaves none behind
+                jobs.append(
+                    DynamicJobAsync(self.generator, job=DynamicJob.from_request(request, i))
+                )
+                pumps.append(asyncio.create_task(_pump(i, jobs[-1], queue)))
             while any(not s.done for s in streams):
                 for index, batch in await _drain(queue):
                     streams[index].add(batch)
@@ -278,6 +262,10 @@ class LLMServer:
             "page_size": stats["page_size"],
             "page_hashes": hashes,
         }
+
+    def get_preset(self) -> Preset:
+        """The preset this replica runs (the batch job tokenizes with the same model)."""
+        return self.preset
 
     def check_health(self) -> None:
         if not self.generator.is_alive:

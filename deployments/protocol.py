@@ -1,5 +1,6 @@
-"""OpenAI request/response shapes: parsing and validation of the HTTP body, the plain dict the
-ingress sends to an ``LLMServer`` replica, and the response objects.
+"""OpenAI request/response shapes: parsing and validation of the HTTP body into the engine's
+``GenerationRequest`` (what the ingress sends to an ``LLMServer`` replica), and the response
+objects.
 
 Nothing here touches Ray or the model, so every rule is unit-testable. Validation failures are
 ``OpenAIError``: the ingress turns them into ``{"error": {...}}`` bodies with a 4xx status.
@@ -7,23 +8,23 @@ Nothing here touches Ray or the model, so every rule is unit-testable. Validatio
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from engine.request import MAX_CHOICES, GenerationRequest, SamplerSettings
+
 logger = logging.getLogger("ray.serve")
 
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_CHOICES = 16
 
 
 class OpenAIError(Exception):
@@ -54,55 +55,34 @@ class OpenAIError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingFields:
-    """The generation fields of a request, validated."""
+class RequestFields:
+    """The generation fields of a request body, validated before its prompt is tokenized;
+    ``generation`` then makes the one ``GenerationRequest`` that goes to a replica."""
 
+    settings: SamplerSettings
     max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     n: int = 1
     ignore_eos: bool = False
-    min_tokens: int = 0
     stream: bool = False
     include_usage: bool = False
 
-    def engine_request(
-        self, token_ids: list[int], max_new_tokens: int, page_hashes: list[int], n: int = 1
-    ) -> dict[str, Any]:
-        """The plain dict an ``LLMServer`` replica takes (see ``job_arguments``): ``n`` choices
-        of one prompt, choice ``i`` seeded with ``seed + i``."""
-        return {
-            "identifier": uuid.uuid4().hex,
-            "token_ids": token_ids,
-            "page_hashes": page_hashes,
-            "max_new_tokens": max_new_tokens,
-            "min_new_tokens": min(self.min_tokens, max_new_tokens),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logit_bias": dict(self.logit_bias),
-            "seed": self.seed,
-            "n": n,
-            "stop": list(self.stop),
-            "ignore_eos": self.ignore_eos,
-        }
-
-    def single_choice(self, choice: int) -> SamplingFields:
-        """These fields for choice ``choice`` alone (n=1, its own seed)."""
-        seed = None if self.seed is None else self.seed + choice
-        return dataclasses.replace(self, n=1, seed=seed)
+    def generation(
+        self, prompt_ids: list[int], max_new_tokens: int, page_hashes: list[int]
+    ) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            settings=self.settings,
+            min_new_tokens=min(self.min_tokens, max_new_tokens),
+            seed=self.seed,
+            n=self.n,
+            stop_strings=self.stop,
+            stop_on_eos=not self.ignore_eos,
+            page_hashes=tuple(page_hashes),
+        )
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
@@ -116,11 +96,11 @@ def _int_field(body: dict[str, Any], name: str, minimum: int | None = None) -> i
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    """A float field in [low, high] (None means the default)."""
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    """A float field in [low, high]; None when absent (the engine's default applies)."""
     value = body.get(name)
     if value is None:
-        return default
+        return None
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
@@ -182,30 +162,40 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return max_tokens
 
 
-def parse_sampling(body: dict[str, Any], chat: bool, vocab_size: int) -> SamplingFields:
+def parse_settings(body: dict[str, Any], vocab_size: int) -> SamplerSettings:
+    """The sampler settings of a body; a field it leaves out keeps ``SamplerSettings``' own
+    default (OpenAI's defaults are the same neutral ones)."""
+    top_k = _int_field(body, "top_k", minimum=-1)
+    values = {
+        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1e-9, 1.0),
+        "top_k": 0 if top_k == -1 else top_k,
+        "min_p": _number(body, "min_p", 0.0, 0.999),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.01, 10.0),
+        "token_bias": _logit_bias(body, vocab_size) or None,
+    }
+    return SamplerSettings(**{k: v for k, v in values.items() if v is not None})
+
+
+def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
     """Validate the generation fields shared by both routes."""
     n = _int_field(body, "n", minimum=1) or 1
     if n > MAX_CHOICES:
         raise OpenAIError(f"'n' must be <= {MAX_CHOICES}, got {n}", param="n")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise OpenAIError("'stream_options' must be an object", param="stream_options")
-    top_k = _int_field(body, "top_k", minimum=-1)
-    return SamplingFields(
+    return RequestFields(
+        settings=parse_settings(body, vocab_size),
         max_tokens=_max_tokens(body, chat),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=0 if top_k in (None, -1) else top_k,
-        min_p=_number(body, "min_p", 0.0, 0.0, 0.999),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
-        logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
         seed=_int_field(body, "seed"),
         stop=_stop(body),
         n=n,
         ignore_eos=_bool_field(body, "ignore_eos"),
-        min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
         stream=_bool_field(body, "stream"),
         include_usage=_bool_field(options, "include_usage"),
     )
@@ -325,49 +315,3 @@ def sse(data: dict[str, Any] | str) -> str:
 def server_error(exc: BaseException) -> OpenAIError:
     logger.error("request failed", exc_info=exc)
     return OpenAIError(f"internal error: {exc}", status=500, type_="server_error")
-
-
-# -- the replica side ------------------------------------------------------------------------
-
-
-def job_arguments(
-    request: dict[str, Any], eos_token_ids: frozenset[int], choice: int = 0
-) -> dict[str, Any]:
-    """DynamicJob keyword arguments for choice ``choice`` of an engine request dict (from
-    ``engine_request``).
-
-    Raises ValueError (naming the value) for anything the engine cannot run.
-    """
-    from engine.sampling import SamplerSettings
-
-    token_ids = [int(t) for t in request["token_ids"]]
-    settings = SamplerSettings(
-        temperature=float(request.get("temperature", 1.0)),
-        top_p=float(request.get("top_p", 1.0)),
-        top_k=int(request.get("top_k", 0)),
-        min_p=float(request.get("min_p", 0.0)),
-        presence_penalty=float(request.get("presence_penalty", 0.0)),
-        frequency_penalty=float(request.get("frequency_penalty", 0.0)),
-        repetition_penalty=float(request.get("repetition_penalty", 1.0)),
-        token_bias={int(k): float(v) for k, v in (request.get("logit_bias") or {}).items()},
-    )
-    stops: list[int | str] = [] if request.get("ignore_eos") else sorted(eos_token_ids)
-    stops += [str(s) for s in request.get("stop") or () if s]
-    seed = request.get("seed")
-    identifier = request.get("identifier")
-    return {
-        "input_ids": token_ids,
-        "max_new_tokens": int(request["max_new_tokens"]),
-        "min_new_tokens": int(request.get("min_new_tokens", 0)),
-        "stop_conditions": stops,
-        "gen_settings": settings,
-        "seed": None if seed is None else int(seed) + choice,
-        "identifier": identifier if choice == 0 else f"{identifier}/{choice}",
-    }
-
-
-def choice_count(request: dict[str, Any]) -> int:
-    n = request.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-        raise ValueError(f"n must be an int in [1, {MAX_CHOICES}], got {n!r}")
-    return n

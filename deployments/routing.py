@@ -1,8 +1,8 @@
 """Prefix-aware request routing for ``LLMServer`` replicas (see DESIGN.md section 6).
 
-The ingress sends each request with ``page_hashes``: the chained hashes of its prompt's full
-pages (``engine.cache.prefix_hash``), the same keys the replicas' page tables use. The router
-believes a replica holds a page when
+The ingress sends each request (an ``engine.request.GenerationRequest``) with ``page_hashes``:
+the chained hashes of its prompt's full pages (``engine.cache.prefix_hash``), the same keys the
+replicas' page tables use. The router believes a replica holds a page when
 
 * this router sent it a request with that page that is still in flight, or finished less than
   ``routed_grace_s`` before the replica's latest report (optimistic: the replica is computing
@@ -32,10 +32,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.prefix_index import (
-    PrefixPolicy,
-    RouterSettings,
-)
+from deployments.prefix_index import PrefixPolicy, RouterSettings
+from engine.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,15 +41,12 @@ logger = logging.getLogger("ray.serve")
 # -- the Ray Serve adapter ---------------------------------------------------------------------
 
 
-def request_hashes(pending_request: PendingRequest | None) -> list[int]:
-    """``page_hashes`` of an ``LLMServer.generate(request)`` call; [] for anything else."""
+def request_hashes(pending_request: PendingRequest | None) -> tuple[int, ...]:
+    """``page_hashes`` of an ``LLMServer.generate(request)`` call; () for any other call."""
     if pending_request is None or not pending_request.args:
-        return []
+        return ()
     request = pending_request.args[0]
-    if not isinstance(request, dict):
-        return []
-    hashes = request.get("page_hashes")
-    return hashes if isinstance(hashes, list) else []
+    return request.page_hashes if isinstance(request, GenerationRequest) else ()
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -117,30 +112,6 @@ class PrefixAwareRouter(RequestRouter):
             and queue_len is not None
             and (queue_len >= replica.max_ongoing_requests)
         )
-
-    def _fulfill_next_pending_request(
-        self, replica: RunningReplica, request_metadata: Any = None
-    ) -> None:
-        """Workaround for Ray Serve 2.60's out-of-order matching (private API).
-
-        Serve indexes pending requests by ``internal_request_id``, which every handle call made
-        while serving one HTTP request shares (e.g. a deployment fanning out several calls).
-        Only the first of them is indexed; the others would never be matched and their routing
-        tasks would spin forever. Give the replica to the oldest pending request with that id.
-        """
-        if request_metadata is None or (
-            self._get_pending_request_matching_internal_request_id(request_metadata) is not None
-        ):
-            super()._fulfill_next_pending_request(replica, request_metadata)
-            return
-        wanted = request_metadata.internal_request_id
-        for pending in self._pending_requests_to_fulfill:
-            if not pending.future.done() and pending.metadata.internal_request_id == wanted:
-                self._cancel_routing_task_for_pending_request(pending)
-                self._record_queue_wait_time(pending)
-                pending.future.set_result(replica)
-                self._remove_pending_request_from_indices(pending)
-                return
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

@@ -9,7 +9,7 @@ attention, sampling, stop tokens) runs exactly as it would with a real model.
 Public API:
     DemoModelSpec        -- the knobs (seed and shapes); frozen and validated.
     ensure_demo_model()  -- build (once, atomically) and return the model folder.
-    resolve_model_path() -- turn a config ``model:`` section into a model folder.
+    demo_spec()          -- the spec a preset's ``model.demo`` section names.
 """
 
 from __future__ import annotations
@@ -429,7 +429,8 @@ def ensure_demo_model(
 # Config presets
 
 
-def _spec_from_overrides(overrides: Any) -> DemoModelSpec:
+def demo_spec(overrides: Any) -> DemoModelSpec:
+    """The spec a preset's ``model.demo`` section names (None, true or {} mean the defaults)."""
     if overrides is None or overrides is True:
         return DemoModelSpec()  # `demo:` or `demo: true` means the defaults
     if not isinstance(overrides, dict):
@@ -442,23 +443,3 @@ def _spec_from_overrides(overrides: Any) -> DemoModelSpec:
             f"(known: {', '.join(sorted(known))})"
         )
     return DemoModelSpec(**overrides)
-
-
-def resolve_model_path(
-    model_section: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None
-) -> pathlib.Path:
-    """Model folder for a config's ``model:`` section: ``path:`` wins, else ``demo:``."""
-    if not isinstance(model_section, dict):
-        raise ValueError(f"model section must be a mapping, got {model_section!r}")
-    path = model_section.get("path")
-    if path is not None:
-        folder = pathlib.Path(str(path)).expanduser()
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"model.path {str(path)!r} is not a folder with a config.json")
-        if "demo" in model_section:
-            logger.warning("model.path is set; ignoring model.demo")
-        return folder
-    if "demo" in model_section:
-        spec = _spec_from_overrides(model_section["demo"])
-        return ensure_demo_model(spec, cache_dir=cache_dir)
-    raise ValueError("model section needs either `path:` (an HF model folder) or `demo:`")

@@ -184,11 +184,20 @@ def _settle(future: asyncio.Future, value: Any, error: Exception | None) -> None
 
 class DynamicJobAsync:
     """``async for result in DynamicJobAsync(generator, input_ids=..., ...)``: enqueues itself
-    at once and yields the job's results until the final one."""
+    at once and yields the job's results until the final one. ``job=`` takes a ready
+    ``DynamicJob`` instead of its arguments (e.g. ``DynamicJob.from_request(request, i)``)."""
 
-    def __init__(self, generator: DynamicGeneratorAsync, *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        generator: DynamicGeneratorAsync,
+        *args: Any,
+        job: DynamicJob | None = None,
+        **kwargs: Any,
+    ):
+        if job is not None and (args or kwargs):
+            raise ValueError("pass either a DynamicJob (job=) or its arguments, not both")
         self.generator = generator
-        self.job = DynamicJob(*args, **kwargs)
+        self.job = job if job is not None else DynamicJob(*args, **kwargs)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[dict[str, Any] | Exception] = asyncio.Queue()
         self.finished = False

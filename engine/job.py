@@ -8,6 +8,7 @@ stop string or an incomplete UTF-8 character, and is never lost: every finish fl
 
 from __future__ import annotations
 
+import enum
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import Sequence
 from engine.stop_strings import StopStringMatcher
@@ -22,6 +24,16 @@ from engine.stop_strings import StopStringMatcher
 PREFIX_CONTEXT_TOKENS = 8  # prompt tokens given to the detokenizer as context (leading spaces)
 
 EOS_REASONS = ("stop_token", "stop_string", "max_new_tokens", "end_filter", "cancelled")
+
+
+class StopCondition(enum.Enum):
+    """Markers that may stand in a ``stop_conditions`` list beside token ids and strings."""
+
+    MODEL_EOS = "model_eos"  # the model's end-of-sequence tokens (what ``None`` means)
+
+
+# ``stop_conditions=[MODEL_EOS, "\n\n"]``: the model's EOS tokens plus a stop string.
+MODEL_EOS = StopCondition.MODEL_EOS
 
 
 class DynamicJob:
@@ -32,7 +44,7 @@ class DynamicJob:
         input_ids: torch.Tensor | Seq[int],
         max_new_tokens: int,
         min_new_tokens: int = 0,
-        stop_conditions: Seq[int | str] | None = None,
+        stop_conditions: Seq[int | str | StopCondition] | None = None,
         gen_settings: SamplerSettings | None = None,
         seed: int | None = None,
         identifier: Any = None,
@@ -46,8 +58,9 @@ class DynamicJob:
         _check_counts(max_new_tokens, min_new_tokens, return_top_tokens)
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
-        self.stop_tokens, self.stop_strings = _split_stop_conditions(stop_conditions)
-        self.uses_default_stops = stop_conditions is None
+        self.stop_tokens, self.stop_strings, self.uses_default_stops = _split_stop_conditions(
+            stop_conditions
+        )
         # Copied so a settings object shared between jobs can never carry state across them.
         self.gen_settings = _copy_settings(gen_settings)
         self.rng = random.Random(seed)
@@ -68,6 +81,26 @@ class DynamicJob:
         self._matcher: StopStringMatcher | None = None
         self._times: dict[str, float] = {}
 
+    @classmethod
+    def from_request(
+        cls, request: GenerationRequest, choice: int = 0, **options: Any
+    ) -> DynamicJob:
+        """Choice ``choice`` of ``request``: its own seed (``seed + choice``) and identifier.
+        ``options``: the job's other keyword arguments (``return_probs``, ...)."""
+        if not 0 <= choice < request.n:
+            raise ValueError(f"choice {choice} is outside the request's n={request.n}")
+        eos = [MODEL_EOS] if request.stop_on_eos else []
+        return cls(
+            list(request.prompt_ids),
+            request.max_new_tokens,
+            min_new_tokens=request.min_new_tokens,
+            stop_conditions=[*eos, *request.stop_strings],
+            gen_settings=request.settings,
+            seed=request.choice_seed(choice),
+            identifier=request.choice_id(choice),
+            **options,
+        )
+
     # -- lifecycle (called by the generator) --------------------------------------------------
 
     def bind(self, serial: int, tokenizer, default_stop_tokens: Seq[int]) -> None:
@@ -76,7 +109,7 @@ class DynamicJob:
             raise ValueError(f"job {self.identifier!r} is already enqueued (serial {self.serial})")
         self.serial = serial
         if self.uses_default_stops:
-            self.stop_tokens = frozenset(default_stop_tokens)
+            self.stop_tokens = self.stop_tokens | frozenset(default_stop_tokens)
         self._detok = tokenizer.detokenizer(
             self.input_ids[-PREFIX_CONTEXT_TOKENS:], self.decode_special_tokens
         )
@@ -247,24 +280,28 @@ def _check_counts(max_new_tokens: int, min_new_tokens: int, return_top_tokens: i
 
 
 def _split_stop_conditions(
-    conditions: Seq[int | str] | None,
-) -> tuple[frozenset[int], tuple[str, ...]]:
+    conditions: Seq[int | str | StopCondition] | None,
+) -> tuple[frozenset[int], tuple[str, ...], bool]:
+    """(stop token ids, stop strings, whether the model's EOS tokens stop too)."""
     if conditions is None:
-        return frozenset(), ()
+        return frozenset(), (), True
     if isinstance(conditions, (str, int)):
         raise ValueError(f"stop_conditions must be a list, got {conditions!r}")
     tokens: set[int] = set()
     strings: list[str] = []
+    model_eos = False
     for c in conditions:
-        if isinstance(c, bool) or not isinstance(c, (int, str)):
+        if c is MODEL_EOS:
+            model_eos = True
+        elif isinstance(c, bool) or not isinstance(c, (int, str)):
             raise ValueError(f"stop condition {c!r} is neither a token id (int) nor a string")
-        if isinstance(c, int):
+        elif isinstance(c, int):
             tokens.add(c)
         elif c == "":
             raise ValueError("an empty stop string would stop before the first token")
         else:
             strings.append(c)
-    return frozenset(tokens), tuple(strings)
+    return frozenset(tokens), tuple(strings), model_eos
 
 
 def _copy_settings(settings: SamplerSettings | None) -> SamplerSettings:

@@ -14,67 +14,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(slots=True)
-class SamplerSettings:
-    """Per-job sampling parameters. The defaults are neutral: plain sampling at temperature 1.
-
-    temperature: 0 means greedy. top_k: 0 disables. top_p, typical: 1.0 disables.
-    min_p: 0 disables. Penalties: repetition_penalty 1.0, frequency/presence 0.0 disable;
-    they look at the last ``penalty_range`` tokens of the context (prompt included), or the
-    whole context when ``penalty_range`` is 0. token_bias: {token id: added logit}.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    typical: float = 1.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    penalty_range: int = 0
-    token_bias: dict[int, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", self)
-        _check(self.top_k >= 0, "top_k", self)
-        _check(0.0 < self.top_p <= 1.0, "top_p", self)
-        _check(0.0 <= self.min_p < 1.0, "min_p", self)
-        _check(0.0 < self.typical <= 1.0, "typical", self)
-        _check(self.repetition_penalty > 0, "repetition_penalty", self)
-        _check(math.isfinite(self.frequency_penalty), "frequency_penalty", self)
-        _check(math.isfinite(self.presence_penalty), "presence_penalty", self)
-        _check(self.penalty_range >= 0, "penalty_range", self)
-        for token, bias in self.token_bias.items():
-            # -inf bans a token; +inf would turn the whole row into NaN after softmax
-            if not isinstance(token, int) or token < 0 or math.isnan(bias) or bias == math.inf:
-                raise ValueError(f"token_bias entry {token!r}: {bias!r} is not a valid bias")
-
-    @classmethod
-    def greedy(cls) -> SamplerSettings:
-        return cls(temperature=0.0)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
-
-
-def _check(ok: bool, name: str, settings: SamplerSettings) -> None:
-    if not ok:
-        raise ValueError(f"invalid {name}={getattr(settings, name)!r}")
+from engine.request import SamplerSettings
 
 
 @dataclass(slots=True)

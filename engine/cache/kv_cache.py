@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.page_table import PageTable
+from engine.cache.page_table import PageTable, whole_pages
 from engine.config import ModelConfig
 
 KVPages = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_pages, v_pages)
@@ -57,16 +57,10 @@ class PagedCache:
             raise ValueError(
                 f"cache quant {quant!r} is not supported yet; choose one of {CACHE_QUANTS}"
             )
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
-        if max_num_tokens < page_size:
-            raise ValueError(
-                f"max_num_tokens ({max_num_tokens}) must hold at least one page of {page_size}"
-            )
         self.model = model
         self.page_size = page_size
         self.quant = quant
-        self.num_pages = max_num_tokens // page_size
+        self.num_pages = whole_pages(max_num_tokens, page_size)
         self.max_num_tokens = self.num_pages * page_size
         self.kv: KVPages = model.allocate_kv(self.num_pages, page_size)
         self.page_table = PageTable(self.num_pages, page_size)

@@ -188,3 +188,15 @@ class PageTable:
             if page.hash is not None:
                 assert self._by_hash.get(page.hash) == page.index, "hash index out of sync"
         assert len(self._by_hash) == sum(p.hash is not None for p in self.pages)
+
+
+def whole_pages(max_num_tokens: int, page_size: int) -> int:
+    """Pages in a cache of ``max_num_tokens``: whole pages only, so a cache of 1000 tokens in
+    pages of 16 holds 62 pages (992 tokens). The one place a cache size is rounded."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if max_num_tokens < page_size:
+        raise ValueError(
+            f"max_num_tokens ({max_num_tokens}) must hold at least one page of {page_size}"
+        )
+    return max_num_tokens // page_size

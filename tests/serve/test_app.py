@@ -18,7 +18,6 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.llm_server import cuda_graphs_option  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -285,13 +284,3 @@ def test_client_disconnect_cancels_the_job_and_frees_pages(base_url: str) -> Non
         time.sleep(0.5)
     assert all(r["pages_in_use"] == 0 for r in replicas), replicas
     assert all(r["requests_active"] == 0 for r in replicas), replicas
-
-
-@pytest.mark.parametrize(("engine", "expected"), [({}, None), ({"cuda_graphs": False}, False)])
-def test_cuda_graphs_option(engine: dict, expected: bool | None) -> None:
-    assert cuda_graphs_option(engine) is expected
-
-
-def test_cuda_graphs_option_must_be_a_bool() -> None:
-    with pytest.raises(ValueError, match=r"engine\.cuda_graphs"):
-        cuda_graphs_option({"cuda_graphs": "yes"})

@@ -39,6 +39,8 @@ from deployments.batch_records import (
     read_done,
     repair_tail,
 )
+from deployments.preset import Preset
+from engine.request import GenerationRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
@@ -107,30 +109,34 @@ def validator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Validator]:
     """The ingress's PromptBuilder on the demo model (built into a tmp cache)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("pagedserve-cache")))
-        yield batch.make_validator("configs/demo.yaml")
+        yield batch.make_validator(Preset.load("configs/demo.yaml"))
 
 
 @dataclass
 class FakeServer:
-    """Stands in for the LLMServer handle: two deltas per request, or a failure."""
+    """Stands in for the LLMServer handle: two deltas per choice, or a failure."""
 
     fail_on: str | None = None
     active: int = 0
     peak: int = 0
     calls: int = 0
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        assert isinstance(request, GenerationRequest)
         self.calls += 1
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:
             await asyncio.sleep(0.01)
-            if self.fail_on and self.fail_on in str(request["stop"]):
+            if self.fail_on and self.fail_on in request.stop_strings:
                 raise RuntimeError("replica died")
-            yield {"text": "Hello", "token_ids": [1], "eos": False}
+            for index in range(request.n):
+                yield {"index": index, "text": "Hello", "token_ids": [1], "eos": False}
             final = {"eos_reason": "max_new_tokens", "new_tokens": 2, "cached_tokens": 16}
-            prompt = {"prompt_tokens": len(request["token_ids"])}
-            yield {"text": " world", "token_ids": [2], "eos": True, **final, **prompt}
+            prompt = {"prompt_tokens": len(request.prompt_ids)}
+            for index in range(request.n):
+                message = {"index": index, "text": " world", "token_ids": [2], "eos": True}
+                yield {**message, **final, **prompt}
         finally:
             self.active -= 1
 
@@ -184,7 +190,8 @@ def test_run_batch_records(tmp_path: Path, validator: Validator) -> None:
     assert "duplicate id 'a'" in records["line:8"]["error"]["message"]
     assert records["other-model"]["error"]["code"] == "model_not_found"
     assert (summary.lines, summary.ok, summary.invalid, summary.failed) == (9, 3, 5, 0)
-    assert server.peak <= 3  # 2 lines in flight, one of them with n=2 choices
+    assert server.peak <= 2  # 2 lines in flight; n=2 choices go in one call
+    assert server.calls == 3
 
 
 def test_resume_skips_done_lines(tmp_path: Path, validator: Validator) -> None:

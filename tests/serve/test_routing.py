@@ -27,6 +27,7 @@ from deployments.prefix_index import (
 )
 from deployments.routing import PrefixAwareRouter, request_hashes
 from engine.cache.prefix_hash import prefix_hashes
+from engine.request import GenerationRequest
 
 PAGE = 16
 
@@ -349,6 +350,10 @@ class FakeRequest:
     metadata: FakeMetadata
 
 
+def generation(hashes: list[int]) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=(1,), max_new_tokens=1, page_hashes=tuple(hashes))
+
+
 def _router() -> PrefixAwareRouter:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
@@ -372,7 +377,7 @@ async def _adapter_scenario() -> None:
     b = FakeReplica("b", {"load": 0, "page_hashes": []})
     router.update_replicas([a, b])
     await asyncio.sleep(0)  # let Serve's probes of the new replicas land
-    request = FakeRequest([{"page_hashes": shared, "token_ids": []}], FakeMetadata("r1"))
+    request = FakeRequest([generation(shared)], FakeMetadata("r1"))
     assert _ids(await router.choose_replicas([b, a], request)) == [["a"], ["b"]]
     router.on_request_routed(request, b.replica_id, None)
     assert router.policy.load(b.replica_id) == 1
@@ -400,34 +405,12 @@ def test_router_adapter_ranks_by_reported_pages_and_tracks_requests() -> None:
     asyncio.run(_adapter_scenario())
 
 
-async def _shared_id_scenario() -> list[str]:
-    from ray.serve._private.common import RequestMetadata
-    from ray.serve.request_router import PendingRequest
-
-    router = _router()
-    router.update_replicas([FakeReplica("a"), FakeReplica("b")])
-    job = {"page_hashes": pages(1, 4)}
-    pending = [
-        PendingRequest(args=[job], kwargs={}, metadata=RequestMetadata("r", "same-id"))
-        for _ in range(3)
-    ]
-    choices = [router._choose_replica_for_request(p) for p in pending]
-    replicas = await asyncio.wait_for(asyncio.gather(*choices), timeout=10)
-    return [r.replica_id.unique_id for r in replicas]
-
-
-def test_calls_sharing_an_internal_request_id_all_get_a_replica() -> None:
-    """Regression: with Serve 2.60's out-of-order matching, n choices of one HTTP request
-    (same internal id) left all but one request routing forever."""
-    assert len(asyncio.run(_shared_id_scenario())) == 3
-
-
 def test_request_hashes_reads_the_first_argument() -> None:
     meta = FakeMetadata("x")
-    assert request_hashes(None) == []
-    assert request_hashes(FakeRequest([{"page_hashes": [1, 2]}], meta)) == [1, 2]  # type: ignore[arg-type]
-    assert request_hashes(FakeRequest(["text"], meta)) == []  # type: ignore[arg-type]
-    assert request_hashes(FakeRequest([{"page_hashes": "bad"}], meta)) == []  # type: ignore[arg-type]
+    assert request_hashes(None) == ()
+    assert request_hashes(FakeRequest([generation([1, 2])], meta)) == (1, 2)  # type: ignore[arg-type]
+    assert request_hashes(FakeRequest(["text"], meta)) == ()  # type: ignore[arg-type]
+    assert request_hashes(FakeRequest([{"page_hashes": [1]}], meta)) == ()  # type: ignore[arg-type]
 
 
 # -- simulation: 2 replicas with LRU page caches -----------------------------------------------

