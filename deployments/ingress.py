@@ -13,6 +13,7 @@ non-FastAPI ASGI app whose routes need the deployment instance).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -33,14 +34,14 @@ from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     OpenAIError,
     RequestFields,
-    ResponseFormat,
-    finish_reason,
+    parse_body,
     parse_fields,
     parse_messages,
-    read_body,
+    read_body_bytes,
     server_error,
-    sse,
+    text_value,
 )
+from deployments.responses import ResponseFormat, finish_reason, sse
 from engine.cache.prefix_hash import prefix_hashes
 from engine.config import ModelConfig
 from engine.request import GenerationRequest
@@ -71,6 +72,9 @@ class PromptBuilder:
         self.page_size = preset.engine.page_size
         self.model_id = preset.model_id
         self.add_bos = wants_bos(self.tokenizer, folder)
+        # No token covers more bytes of text than the longest one decodes to, so a text longer
+        # than context x that cannot fit: refused before spending time tokenizing it.
+        self.max_prompt_chars = self.context_length * _longest_token_bytes(self.tokenizer)
 
     def completion_ids(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -81,6 +85,7 @@ class PromptBuilder:
             if any(not 0 <= t < self.config.vocab_size for t in ids):
                 raise OpenAIError("'prompt' has token ids outside the vocabulary", param="prompt")
         elif isinstance(prompt, str):
+            self.check_text_length(len(text_value(prompt, "prompt", "'prompt'")), "prompt")
             ids = self.tokenizer.encode(prompt, add_bos=self.add_bos)[0].tolist()
         else:
             raise OpenAIError("'prompt' must be a string or a list of token ids", param="prompt")
@@ -88,12 +93,22 @@ class PromptBuilder:
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
         messages = parse_messages(body)
+        self.check_text_length(sum(len(m["content"] or "") for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # jinja errors and the template's raise_exception
             raise OpenAIError(f"chat template failed: {e}", param="messages") from None
         ids = self.tokenizer.encode(text, encode_special_tokens=True)[0].tolist()
         return self.check_prompt(ids, "messages")
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(
+                f"the prompt has {chars} characters, more than this model's context of "
+                f"{self.context_length} tokens can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_prompt(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -130,6 +145,10 @@ class PromptBuilder:
             return fields, fields.generation(ids, max_new, prefix_hashes(ids, self.page_size))
         except ValueError as e:  # a limit the field checks above did not foresee
             raise OpenAIError(f"invalid request: {e}") from None
+
+
+def _longest_token_bytes(tokenizer: Tokenizer) -> int:
+    return max(len(tokenizer.decode([i], True).encode()) for i in range(tokenizer.vocab_size))
 
 
 def _is_token(value: Any) -> bool:
@@ -188,9 +207,10 @@ class Ingress:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
-            body = await read_body(request)
-            self._check_model(body)
-            fields, generation = self.prompts.request(body, chat)
+            raw = await read_body_bytes(request)
+            # Parsing and tokenizing run in a worker thread: a big prompt must not stall the
+            # event loop (and with it /health and every other stream of this ingress).
+            fields, generation = await asyncio.to_thread(self._prepare, raw, chat)
         except OpenAIError as e:
             return e.response()
         fmt = ResponseFormat.new(chat, self.model_id)
@@ -200,13 +220,18 @@ class Ingress:
             return StreamingResponse(events, media_type="text/event-stream")
         return await _collect(stream, fields.n, fmt)
 
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[RequestFields, GenerationRequest]:
+        body = parse_body(raw)
+        self._check_model(body)
+        return self.prompts.request(body, chat)
+
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise OpenAIError("'model' must be a string", param="model")
+        if model is not None:
+            text_value(model, "model", "'model'")
         if model not in (None, self.model_id):
             raise OpenAIError(
-                f"The model `{model}` does not exist.",
+                f"The model `{model[:100]}` does not exist.",
                 status=404,
                 param="model",
                 code="model_not_found",
@@ -241,7 +266,7 @@ async def _collect(stream, n: int, fmt: ResponseFormat) -> Response:
             if message["eos"]:
                 finals[index] = message
     except Exception as e:
-        return server_error(e).response()
+        return server_error(e, fmt.id).response()
     return JSONResponse(fmt.full(["".join(t) for t in texts], finals))
 
 
@@ -260,9 +285,7 @@ async def _events(stream, n: int, fmt: ResponseFormat, include_usage: bool) -> A
         if include_usage:
             yield sse(fmt.usage_chunk(finals))
     except Exception as e:
-        error = server_error(e)
-        body = {"message": error.message, "type": error.type, "param": None, "code": None}
-        yield sse({"error": body})
+        yield sse(server_error(e, fmt.id).body())
     yield sse("[DONE]")
 
 

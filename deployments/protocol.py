@@ -1,9 +1,27 @@
-"""OpenAI request/response shapes: parsing and validation of the HTTP body into the engine's
-``GenerationRequest`` (what the ingress sends to an ``LLMServer`` replica), and the response
-objects.
+"""OpenAI requests: the HTTP body parsed and validated into the engine's ``GenerationRequest``
+(what the ingress sends to an ``LLMServer`` replica). Response shapes are in ``responses``.
 
-Nothing here touches Ray or the model, so every rule is unit-testable. Validation failures are
-``OpenAIError``: the ingress turns them into ``{"error": {...}}`` bodies with a 4xx status.
+Every check a request can fail happens here, before it reaches a replica: a value that could
+fail inside a replica's step would end the step for other people's requests too. Nothing here
+touches Ray or the model, so every rule is unit-testable. Failures are ``OpenAIError``: the
+ingress turns them into ``{"error": {...}}`` bodies with a 4xx status.
+
+Limits (beyond the model's context and vocabulary):
+
+=====================  =======================================================================
+body                   at most ``MAX_BODY_BYTES`` (413 beyond), JSON nested at most
+                       ``MAX_JSON_DEPTH`` deep, strings valid Unicode (no lone surrogates)
+fields                 only the ones this server honours; an unsupported OpenAI feature
+                       (``logprobs``, ``tools``, ...) set to anything but its neutral value is
+                       refused by name, an unknown field likewise
+``n``                  1 .. ``MAX_CHOICES``
+``top_k``              -1 or 0 (off) .. the vocabulary size
+``seed``               a signed 64-bit integer
+``stop``               at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_CHARS``
+``logit_bias``         at most ``MAX_LOGIT_BIAS`` entries, token ids in the vocabulary, [-100, 100]
+``min_tokens``         0 .. ``MAX_TOKENS_FIELD`` (then capped by ``max_tokens``)
+``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content
+=====================  =======================================================================
 """
 
 from __future__ import annotations
@@ -11,11 +29,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -23,8 +42,43 @@ from engine.request import MAX_CHOICES, GenerationRequest, SamplerSettings
 
 logger = logging.getLogger("ray.serve")
 
-FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 1024
+MAX_TOKENS_FIELD = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)
+ROLES = frozenset({"system", "user", "assistant"})
+MESSAGE_KEYS = frozenset({"role", "content"})
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
+        "ignore_eos", "min_tokens", "stream", "stream_options", "user",
+    }
+)  # fmt: skip
+FIELDS = {
+    False: _COMMON_FIELDS | {"prompt"},
+    True: _COMMON_FIELDS | {"messages", "max_completion_tokens"},
+}
+# OpenAI features this server does not implement, with the values that ask for nothing.
+UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class OpenAIError(Exception):
@@ -46,9 +100,30 @@ class OpenAIError(Exception):
         self.code = code
         self.type = type_
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def server_error(exc: BaseException, request_id: str | None = None) -> OpenAIError:
+    """What a client sees of a failure on our side: a short message and an id to quote. The
+    details (tracebacks, process and node ids) go to the server log under that id only."""
+    request_id = request_id or uuid.uuid4().hex
+    cause = getattr(exc, "cause", None) or exc  # a Ray task error wraps the replica's error
+    if isinstance(cause, ValueError):  # a replica refused the request: the caller's to fix
+        logger.warning("request %s refused by a replica: %s", request_id, cause)
+        return OpenAIError(_first_line(cause), param=None)
+    logger.error("request %s failed", request_id, exc_info=exc)
+    message = f"the server failed to complete the request (request id {request_id})"
+    return OpenAIError(message, status=500, type_="server_error")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:500] if text else type(exc).__name__
 
 
 # -- request fields --------------------------------------------------------------------------
@@ -85,15 +160,50 @@ class RequestFields:
         )
 
 
-def _int_field(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def check_field_names(body: dict[str, Any], chat: bool) -> None:
+    """Refuse what would otherwise be silently ignored: unsupported features and unknown
+    fields (a field set to null counts as absent)."""
+    for name, value in body.items():
+        if name in FIELDS[chat] or value is None:
+            continue
+        if name in UNSUPPORTED:
+            if any(
+                value == neutral and type(value) is type(neutral) for neutral in UNSUPPORTED[name]
+            ):
+                continue
+            raise OpenAIError(f"'{name}' is not supported by this server", param=name)
+        raise OpenAIError(f"unknown field '{name}'", param=name)
+
+
+def text_value(value: Any, param: str, what: str) -> str:
+    """A string that can be encoded (JSON lets a lone surrogate such as "\\ud800" through)."""
+    if not isinstance(value, str):
+        raise OpenAIError(f"{what} must be a string, got {type(value).__name__}", param=param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OpenAIError(f"{what} is not valid Unicode text", param=param) from None
+    return value
+
+
+def _int_field(
+    body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OpenAIError(f"'{name}' must be an integer, got {value!r}", param=name)
+        raise OpenAIError(f"'{name}' must be an integer, got {_short(value)}", param=name)
     if minimum is not None and value < minimum:
         raise OpenAIError(f"'{name}' must be >= {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise OpenAIError(f"'{name}' must be <= {maximum}, got {_short(value)}", param=name)
     return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -107,7 +217,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
         or not math.isfinite(value)
         or not low <= value <= high
     ):
-        message = f"'{name}' must be a number in [{low}, {high}], got {value!r}"
+        message = f"'{name}' must be a number in [{low}, {high}], got {_short(value)}"
         raise OpenAIError(message, param=name)
     return float(value)
 
@@ -117,8 +227,14 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     if value is None:
         return ()
     values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not all(isinstance(s, str) for s in values):
+    if not isinstance(values, list):
         raise OpenAIError("'stop' must be a string or a list of strings", param="stop")
+    if len(values) > MAX_STOP_STRINGS:
+        raise OpenAIError(f"'stop' has more than {MAX_STOP_STRINGS} strings", param="stop")
+    for s in values:
+        text_value(s, "stop", "each stop sequence")
+        if len(s) > MAX_STOP_CHARS:
+            raise OpenAIError(f"a stop string is longer than {MAX_STOP_CHARS}", param="stop")
     return tuple(s for s in values if s)
 
 
@@ -127,7 +243,7 @@ def _bool_field(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise OpenAIError(f"'{name}' must be a boolean, got {value!r}", param=name)
+        raise OpenAIError(f"'{name}' must be a boolean, got {_short(value)}", param=name)
     return value
 
 
@@ -137,15 +253,16 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float]:
         return {}
     if not isinstance(value, dict):
         raise OpenAIError("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        message = f"'logit_bias' has more than {MAX_LOGIT_BIAS} entries"
+        raise OpenAIError(message, param="logit_bias")
     bias: dict[int, float] = {}
     for key, amount in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise OpenAIError(
-                f"logit_bias key {key!r} is not a token id", param="logit_bias"
-            ) from None
-        if not 0 <= token < vocab_size:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
+            message = f"logit_bias key {_short(key)} is not a token id"
+            raise OpenAIError(message, param="logit_bias")
+        token = int(key)
+        if token >= vocab_size:
             raise OpenAIError(f"logit_bias token {token} is out of range", param="logit_bias")
         if isinstance(amount, bool) or not isinstance(amount, int | float):
             raise OpenAIError(f"logit_bias[{key}] must be a number", param="logit_bias")
@@ -156,16 +273,16 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float]:
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
-    max_tokens = _int_field(body, "max_tokens", minimum=1)
+    max_tokens = _int_field(body, "max_tokens", minimum=1, maximum=MAX_TOKENS_FIELD)
     if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = _int_field(body, "max_completion_tokens", minimum=1)
+        max_tokens = _int_field(body, "max_completion_tokens", 1, MAX_TOKENS_FIELD)
     return max_tokens
 
 
 def parse_settings(body: dict[str, Any], vocab_size: int) -> SamplerSettings:
     """The sampler settings of a body; a field it leaves out keeps ``SamplerSettings``' own
     default (OpenAI's defaults are the same neutral ones)."""
-    top_k = _int_field(body, "top_k", minimum=-1)
+    top_k = _int_field(body, "top_k", minimum=-1, maximum=vocab_size)
     values = {
         "temperature": _number(body, "temperature", 0.0, 2.0),
         "top_p": _number(body, "top_p", 1e-9, 1.0),
@@ -179,139 +296,123 @@ def parse_settings(body: dict[str, Any], vocab_size: int) -> SamplerSettings:
     return SamplerSettings(**{k: v for k, v in values.items() if v is not None})
 
 
-def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
-    """Validate the generation fields shared by both routes."""
-    n = _int_field(body, "n", minimum=1) or 1
-    if n > MAX_CHOICES:
-        raise OpenAIError(f"'n' must be <= {MAX_CHOICES}, got {n}", param="n")
+def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
     options = body.get("stream_options")
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise OpenAIError("'stream_options' must be an object", param="stream_options")
+    unknown = sorted(k for k, v in options.items() if k != "include_usage" and v is not None)
+    if unknown:
+        raise OpenAIError(f"unknown stream option {unknown[0]!r}", param="stream_options")
+    return options
+
+
+def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
+    """Validate the generation fields shared by both routes."""
+    check_field_names(body, chat)
+    n = _int_field(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
+    if body.get("user") is not None:
+        text_value(body["user"], "user", "'user'")
     return RequestFields(
         settings=parse_settings(body, vocab_size),
         max_tokens=_max_tokens(body, chat),
-        min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
-        seed=_int_field(body, "seed"),
+        min_tokens=_int_field(body, "min_tokens", minimum=0, maximum=MAX_TOKENS_FIELD) or 0,
+        seed=_int_field(body, "seed", *SEED_RANGE),
         stop=_stop(body),
         n=n,
         ignore_eos=_bool_field(body, "ignore_eos"),
         stream=_bool_field(body, "stream"),
-        include_usage=_bool_field(options, "include_usage"),
+        include_usage=_bool_field(_stream_options(body), "include_usage"),
     )
 
 
+# -- chat messages ---------------------------------------------------------------------------
+
+
 def _message_content(content: Any, index: int) -> str | None:
+    param, what = "messages", f"messages[{index}].content"
     if content is None or isinstance(content, str):
-        return content
+        return None if content is None else text_value(content, param, what)
     if isinstance(content, list):  # content parts: only text is supported
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    raise OpenAIError(f"messages[{index}].content must be a string or text parts", param="messages")
+            return "".join(text_value(t, param, what) for t in texts)
+    raise OpenAIError(f"{what} must be a string or text parts", param=param)
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("'messages' must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise OpenAIError(f"'messages' has more than {MAX_MESSAGES} entries", param="messages")
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise OpenAIError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        parsed.append({**message, "content": _message_content(message.get("content"), i)})
+        if message["role"] not in ROLES:
+            role = _short(message["role"])
+            raise OpenAIError(
+                f"messages[{i}].role {role} is not one of {sorted(ROLES)}", param="messages"
+            )
+        extra = sorted(k for k, v in message.items() if k not in MESSAGE_KEYS and v is not None)
+        if extra:
+            message_text = f"messages[{i}].{extra[0]} is not supported by this server"
+            raise OpenAIError(message_text, param="messages")
+        parsed.append(
+            {"role": message["role"], "content": _message_content(message.get("content"), i)}
+        )
     return parsed
 
 
-async def read_body(request: Request) -> dict[str, Any]:
+# -- the body --------------------------------------------------------------------------------
+
+
+async def read_body_bytes(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The raw body, refused with 413 past ``limit`` (checked before and while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        f"request body is larger than {limit} bytes", status=413, code="request_too_large"
+    )
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """JSON object from the raw body; nesting deeper than ``MAX_JSON_DEPTH`` is refused before
+    parsing (Python's parser would recurse until it fails)."""
+    if _nesting_depth(raw) > MAX_JSON_DEPTH:
+        raise OpenAIError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"request body is not valid JSON: {e}") from None
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise OpenAIError(f"request body is not valid JSON: {_first_line(e)}") from None
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object")
     return body
 
 
-# -- response shapes -------------------------------------------------------------------------
+def _nesting_depth(raw: bytes) -> int:
+    """The JSON nesting depth of ``raw``, counted on the brackets outside strings (vectorised:
+    a 4 MB body takes milliseconds)."""
+    brackets = raw.translate(None, _NOT_BRACKETS)
+    if len(brackets) <= MAX_JSON_DEPTH:  # cannot be deeper than its bracket count
+        return len(brackets)
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max(initial=0))
 
 
-def usage_of(finals: list[dict[str, Any]]) -> dict[str, Any]:
-    """OpenAI usage for one prompt and its choices: the prompt counts once."""
-    prompt = int(finals[0]["prompt_tokens"])
-    completion = sum(int(f["new_tokens"]) for f in finals)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(finals[0].get("cached_tokens", 0))},
-    }
-
-
-def finish_reason(final: dict[str, Any]) -> str:
-    return FINISH_REASONS.get(final.get("eos_reason"), "stop")
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseFormat:
-    """OpenAI object shapes of one response (chat or text completion)."""
-
-    chat: bool
-    model: str
-    id: str
-    created: int
-
-    @classmethod
-    def new(cls, chat: bool, model: str) -> ResponseFormat:
-        prefix = "chatcmpl" if chat else "cmpl"
-        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
-
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def chunk(
-        self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0
-    ) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": index, "delta": delta, "logprobs": None}
-            choice["finish_reason"] = finish_reason
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {
-            "index": index,
-            "text": delta.get("content", ""),
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        return self._envelope("text_completion", [choice])
-
-    def usage_chunk(self, finals: list[dict[str, Any]]) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(kind, []), "usage": usage_of(finals)}
-
-    def full(self, texts: list[str], finals: list[dict[str, Any]]) -> dict[str, Any]:
-        choices = []
-        for index, (text, final) in enumerate(zip(texts, finals, strict=True)):
-            choice: dict[str, Any] = {"index": index, "logprobs": None}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choice["finish_reason"] = finish_reason(final)
-            choices.append(choice)
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(kind, choices), "usage": usage_of(finals)}
-
-
-def sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def server_error(exc: BaseException) -> OpenAIError:
-    logger.error("request failed", exc_info=exc)
-    return OpenAIError(f"internal error: {exc}", status=500, type_="server_error")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

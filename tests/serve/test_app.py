@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -284,3 +286,168 @@ def test_client_disconnect_cancels_the_job_and_frees_pages(base_url: str) -> Non
         time.sleep(0.5)
     assert all(r["pages_in_use"] == 0 for r in replicas), replicas
     assert all(r["requests_active"] == 0 for r in replicas), replicas
+
+
+# -- hostile input: every request gets a 4xx with an OpenAI error body and no internals -------
+
+DEEP = b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+CHAT = {"messages": MESSAGES}
+CHAT_ROUTE = "chat/completions"
+J = "application/json"
+
+
+def user(content: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+HOSTILE: list[tuple[str, str, bytes | dict | list | str, int]] = [
+    # (route, content type, body, status)
+    ("completions", J, b"", 400),
+    ("completions", J, b"null", 400),
+    ("completions", J, b"[]", 400),
+    ("completions", J, b'"text"', 400),
+    ("completions", J, b"\xff\xfe\x00", 400),
+    ("completions", J, b'{"prompt": "Hi",}', 400),
+    ("completions", J, b'{"prompt": NaN}', 400),
+    ("completions", J, DEEP, 400),
+    (CHAT_ROUTE, J, b"[" * 100_000, 400),
+    ("completions", "text/plain", b"prompt=Hi", 400),
+    ("completions", "application/x-www-form-urlencoded", b"prompt=Hi&max_tokens=2", 400),
+    ("completions", J, {"prompt": "Hi", "top_k": 2**63}, 400),
+    ("completions", J, {"prompt": "Hi", "top_k": 10**30}, 400),
+    ("completions", J, {"prompt": "Hi", "top_k": -2}, 400),
+    ("completions", J, {"prompt": "Hi", "seed": 2**64}, 400),
+    ("completions", J, {"prompt": "Hi", "seed": -(2**70)}, 400),
+    ("completions", J, {"prompt": "Hi", "seed": "1"}, 400),
+    ("completions", J, {"prompt": "Hi", "n": 10**12}, 400),
+    ("completions", J, {"prompt": "Hi", "n": True}, 400),
+    ("completions", J, {"prompt": "Hi", "max_tokens": 2**100}, 400),
+    ("completions", J, {"prompt": "Hi", "max_tokens": 0}, 400),
+    ("completions", J, {"prompt": "Hi", "max_tokens": 1.0}, 400),
+    ("completions", J, {"prompt": "Hi", "min_tokens": -1}, 400),
+    ("completions", J, {"prompt": "Hi", "min_tokens": 2**40}, 400),
+    ("completions", J, {"prompt": "Hi", "temperature": -1}, 400),
+    ("completions", J, {"prompt": "Hi", "temperature": 1e308}, 400),
+    ("completions", J, {"prompt": "Hi", "temperature": [1]}, 400),
+    ("completions", J, {"prompt": "Hi", "top_p": 0}, 400),
+    ("completions", J, {"prompt": "Hi", "min_p": 1}, 400),
+    ("completions", J, {"prompt": "Hi", "repetition_penalty": 0}, 400),
+    ("completions", J, {"prompt": "Hi", "frequency_penalty": 3}, 400),
+    ("completions", J, {"prompt": "Hi", "stop": "x" * 10_000}, 400),
+    ("completions", J, {"prompt": "Hi", "stop": ["a"] * 100}, 400),
+    ("completions", J, {"prompt": "Hi", "stop": {"a": 1}}, 400),
+    ("completions", J, {"prompt": "Hi", "stop": "\ud800"}, 400),
+    ("completions", J, {"prompt": "Hi", "logit_bias": [1, 2]}, 400),
+    ("completions", J, {"prompt": "Hi", "logit_bias": {"-1": 1}}, 400),
+    ("completions", J, {"prompt": "Hi", "logit_bias": {"1e3": 1}}, 400),
+    ("completions", J, {"prompt": "Hi", "logit_bias": {"5": 1000}}, 400),
+    ("completions", J, {"prompt": "Hi", "logit_bias": {"5": "up"}}, 400),
+    ("completions", J, {"prompt": "Hi", "logit_bias": {"9" * 40: 1}}, 400),
+    ("completions", J, {"prompt": "Hi", "ignore_eos": "yes"}, 400),
+    ("completions", J, {"prompt": "Hi", "stream": 1}, 400),
+    ("completions", J, {"prompt": "Hi", "stream_options": []}, 400),
+    ("completions", J, {"prompt": "Hi", "stream_options": {"x": 1}}, 400),
+    ("completions", J, {"prompt": "Hi", "logprobs": 5}, 400),
+    ("completions", J, {"prompt": "Hi", "echo": True}, 400),
+    ("completions", J, {"prompt": "Hi", "best_of": 3}, 400),
+    ("completions", J, {"prompt": "Hi", "suffix": "end"}, 400),
+    ("completions", J, {"prompt": "Hi", "messages": MESSAGES}, 400),
+    ("completions", J, {"prompt": "Hi", "frobnicate": 1}, 400),
+    ("completions", J, {"prompt": "\ud800"}, 400),
+    ("completions", J, {"prompt": ["a", "b"]}, 400),
+    ("completions", J, {"prompt": [1, "a"]}, 400),
+    ("completions", J, {"prompt": [-1]}, 400),
+    ("completions", J, {"prompt": [True]}, 400),
+    ("completions", J, {"prompt": ""}, 400),
+    ("completions", J, {"prompt": {"text": "Hi"}}, 400),
+    ("completions", J, {"prompt": "Hi", "model": 5}, 400),
+    ("completions", J, {"prompt": "Hi", "model": "\ud800"}, 400),
+    ("completions", J, {"prompt": "Hi", "model": "x" * 100_000}, 404),
+    ("completions", J, {"prompt": "Hi", "user": ["me"]}, 400),
+    ("completions", J, {"prompt": "x" * 3_000_000}, 400),
+    ("completions", J, {"prompt": "x" * 5_000_000}, 413),
+    (CHAT_ROUTE, J, {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    (CHAT_ROUTE, J, {"messages": [{"role": "tool", "content": "x"}]}, 400),
+    (CHAT_ROUTE, J, {"messages": [{"role": "user"}], "tools": [{}]}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "logprobs": True}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "top_logprobs": 3}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "functions": [{"name": "f"}]}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "response_format": {"type": "json_object"}}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "tool_choice": "auto"}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "prompt": "Hi"}, 400),
+    (CHAT_ROUTE, J, {**CHAT, "max_completion_tokens": -5}, 400),
+    (CHAT_ROUTE, J, user("\udfff"), 400),
+    (CHAT_ROUTE, J, user(5), 400),
+    (CHAT_ROUTE, J, user([{"type": "image_url"}]), 400),
+    (CHAT_ROUTE, J, {"messages": [{**MESSAGES[0], "name": "bob"}]}, 400),
+    (CHAT_ROUTE, J, {"messages": [{"role": ["user"], "content": "x"}]}, 400),
+    (CHAT_ROUTE, J, {"messages": MESSAGES * 2000}, 400),
+    (CHAT_ROUTE, J, {"messages": [["user", "x"]]}, 400),
+    (CHAT_ROUTE, J, {"messages": {"role": "user"}}, 400),
+]  # fmt: skip
+INTERNALS = ("Traceback", "pid=", "actor_id", "ray::", "ip=", 'File "', "Error(")
+
+
+def _send(url: str, method: str, data: bytes | None, content_type: str) -> tuple[int, bytes]:
+    headers = {"Content-Type": content_type}
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _assert_clean_error(status: int, body: bytes, expected: int) -> None:
+    assert status == expected, body[:300]
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert not any(marker in error["message"] for marker in INTERNALS), error
+
+
+@pytest.mark.parametrize(("route", "content_type", "body", "status"), HOSTILE)
+def test_hostile_requests_get_clean_4xx(
+    base_url: str, route: str, content_type: str, body: Any, status: int
+) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    _assert_clean_error(*_send(f"{base_url}/v1/{route}", "POST", data, content_type), status)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/completions", 405),
+        ("PUT", "/v1/chat/completions", 405),
+        ("DELETE", "/v1/models", 405),
+        ("POST", "/v1/nothing", 404),
+        ("GET", "/../../etc/passwd", 404),
+    ],
+)
+def test_wrong_methods_and_paths(base_url: str, method: str, path: str, status: int) -> None:
+    data = b"{}" if method in ("POST", "PUT") else None
+    _assert_clean_error(*_send(base_url + path, method, data, "application/json"), status)
+
+
+def test_health_stays_fast_while_big_prompts_are_refused(base_url: str) -> None:
+    """Tokenizing and validating happen off the event loop: /health answers in < 100 ms while
+    big prompts are being parsed and refused."""
+    big = json.dumps({"prompt": "word " * 700_000, "max_tokens": 2}).encode()  # ~3.5 MB
+    results: list[tuple[int, bytes]] = []
+
+    def send() -> None:
+        results.append(_send(f"{base_url}/v1/completions", "POST", big, J))
+
+    senders = [threading.Thread(target=send) for _ in range(3)]
+    for sender in senders:
+        sender.start()
+    latencies = []
+    while any(s.is_alive() for s in senders):
+        start = time.perf_counter()
+        with urllib.request.urlopen(f"{base_url}/health", timeout=10) as r:
+            assert r.status == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    for sender in senders:
+        sender.join()
+    assert [status for status, _ in results] == [400] * 3
+    assert len(latencies) >= 3 and max(latencies) < 0.1, latencies

@@ -1,0 +1,87 @@
+"""OpenAI response shapes: completion and chat objects, stream chunks, usage, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+
+
+def usage_of(finals: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI usage for one prompt and its choices: the prompt counts once."""
+    prompt = int(finals[0]["prompt_tokens"])
+    completion = sum(int(f["new_tokens"]) for f in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(finals[0].get("cached_tokens", 0))},
+    }
+
+
+def finish_reason(final: dict[str, Any]) -> str:
+    return FINISH_REASONS.get(final.get("eos_reason"), "stop")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """OpenAI object shapes of one response (chat or text completion)."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> ResponseFormat:
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(
+        self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": index, "delta": delta, "logprobs": None}
+            choice["finish_reason"] = finish_reason
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {
+            "index": index,
+            "text": delta.get("content", ""),
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, finals: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(kind, []), "usage": usage_of(finals)}
+
+    def full(self, texts: list[str], finals: list[dict[str, Any]]) -> dict[str, Any]:
+        choices = []
+        for index, (text, final) in enumerate(zip(texts, finals, strict=True)):
+            choice: dict[str, Any] = {"index": index, "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["finish_reason"] = finish_reason(final)
+            choices.append(choice)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(kind, choices), "usage": usage_of(finals)}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
