@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployments.protocol import OpenAIError, finish_reason, usage_of
+from deployments.protocol import OpenAIError
+from deployments.responses import finish_reason, usage_of
 
 logger = logging.getLogger("pagedserve.batch")
 
