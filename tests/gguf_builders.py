@@ -71,7 +71,8 @@ def write_model_gguf(
     """Convert an HF folder (config.json + model.safetensors) into a GGUF file.
 
     ``tensor_hook(gguf_name, float32 values)`` may replace a tensor's values before encoding
-    (it returns values, or raw block bytes for K types). K types get random blocks.
+    (it returns values, raw block bytes of ``qtype``, or None to leave the tensor out).
+    ``metadata_hook(writer)`` runs after the metadata is written. K types get random blocks.
     """
     config = json.loads((hf_folder / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
@@ -86,6 +87,8 @@ def write_model_gguf(
         tensor_type = qtype if values.ndim == 2 else Q.F32
         if tensor_hook is not None:
             values = tensor_hook(gguf_name, values)
+        if values is None:  # the hook dropped it
+            continue
         if values.dtype == np.uint8:  # raw blocks from the hook
             writer.add_tensor(gguf_name, values, raw_dtype=qtype)
         elif tensor_type in K_QUANTS:

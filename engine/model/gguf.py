@@ -64,17 +64,29 @@ def gguf_targets(
     return result
 
 
+def check_tensor_types(tensors: list[ReaderTensor]) -> None:
+    """Refuse tensors stored in types the loader does not dequantize, naming each."""
+    bad = [
+        f"{t.name!r} ({t.tensor_type.name})"
+        for t in tensors
+        if t.tensor_type not in SUPPORTED_TYPES
+    ]
+    if bad:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(
+            f"GGUF tensors of unsupported types: {', '.join(bad[:5])}{more}; supported: {supported}"
+        )
+
+
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     """A GGUF tensor as float32 in PyTorch layout (rows = ggml's last dimension)."""
-    qtype = tensor.tensor_type
-    if qtype not in SUPPORTED_TYPES:
-        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}; supported: {supported}"
-        )
-    values = dequantize(tensor.data, qtype)
+    check_tensor_types([tensor])
+    values = dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dim first
-    return values.reshape(shape).astype(np.float32, copy=False)
+    values = values.reshape(shape).astype(np.float32, copy=False)
+    # F32 tensors come back as views of the read-only file mapping; torch wants writable memory
+    return values if values.flags.writeable else values.copy()
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -91,6 +103,7 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def load_gguf_weights(network: LlamaForCausalLM, reader: GGUFReader) -> None:
     """Copy every tensor of ``reader`` into ``network``; fail listing missing/unexpected ones."""
+    check_tensor_types(reader.tensors)  # before any work
     config = network.cfg
     targets = gguf_targets(network.weight_targets(), config, architecture(reader))
     loaded: set[str] = set()
