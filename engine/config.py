@@ -1,4 +1,4 @@
-"""Model configuration parsed from a Hugging Face ``config.json``.
+"""Model configuration parsed from a Hugging Face ``config.json`` or a GGUF file's metadata.
 
 Only the Llama family is supported (llama, mistral, qwen2, qwen3). Anything we cannot run
 exactly fails here, at load, with a ``ValueError`` that names it: a model that loads must
@@ -11,7 +11,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -98,12 +101,26 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        """From an HF folder's ``config.json``, or a ``.gguf`` file (or a folder holding one and
+        no ``config.json``)."""
+        from engine.gguf_file import find_gguf_file, open_gguf
+
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            return cls.from_gguf(open_gguf(gguf_file))
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"no config.json in model folder {str(path)!r}")
         with open(config_file, encoding="utf-8") as f:
             raw = json.load(f)
         return cls.from_dict(raw, generation_config=_read_generation_config(Path(path)))
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader) -> ModelConfig:
+        """From an open GGUF file's metadata, through the same checks as ``config.json``."""
+        from engine.gguf_file import hf_config_dict
+
+        return cls.from_dict(hf_config_dict(reader))
 
     @classmethod
     def from_dict(

@@ -1,4 +1,5 @@
-"""Tokenizer: Hugging Face ``tokenizer.json`` encode/decode, chat templates, streaming text.
+"""Tokenizer: Hugging Face ``tokenizer.json`` (or GGUF metadata) encode/decode, chat templates,
+streaming text.
 
 Uses only ``tokenizers`` and jinja2 at run time; the tests check that the output matches
 transformers. ``IncrementalDetokenizer`` turns a stream of ids into text chunks that add up to
@@ -24,6 +25,8 @@ import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
+
+from engine.gguf_file import find_gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +123,21 @@ class Tokenizer:
         self.eos_token_id: int | None = next((ids[0] for ids in eos_lists if ids), None)
         self.eos_token_ids: frozenset[int] = frozenset(i for ids in eos_lists for i in ids)
         self.chat_template = chat_template or _select_template(tok_cfg.get("chat_template"))
+        # Whether a raw prompt starts with BOS, as HF tokenizers do it: the config's
+        # add_bos_token if set, else whenever a BOS token is declared (Llama 3 yes, Qwen no).
+        wants_bos = tok_cfg.get("add_bos_token")
+        if wants_bos is None:
+            wants_bos = "bos_token" in self.special_tokens
+        self.add_bos_token: bool = bool(wants_bos) and self.bos_token_id is not None
+        self.add_eos_token: bool = bool(tok_cfg.get("add_eos_token", False))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load from a Hugging Face model folder; ``tokenizer.json`` is required."""
+        """Load from a Hugging Face model folder (``tokenizer.json`` is required), or from a GGUF
+        file's metadata (a ``.gguf`` path, or a folder holding one and no ``config.json``)."""
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            return cls.from_gguf(gguf_file)
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -137,6 +151,19 @@ class Tokenizer:
             model_config=_read_json(folder / "config.json"),
             generation_config=_read_json(folder / "generation_config.json"),
             chat_template=template,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load from a GGUF file's ``tokenizer.ggml.*`` and ``tokenizer.chat_template``."""
+        from engine.gguf_file import open_gguf
+        from engine.gguf_tokenizer import gguf_tokenizer_parts
+
+        parts = gguf_tokenizer_parts(open_gguf(path))
+        return cls(
+            parts.tokenizer_json,
+            tokenizer_config=parts.tokenizer_config,
+            model_config=parts.model_config,
         )
 
     def _add_config_tokens(self, added_tokens_decoder: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""``Model``: load a Hugging Face Llama-family folder and run ragged, paged forwards."""
+"""``Model``: load a Hugging Face Llama-family folder or a GGUF file; run ragged, paged forwards."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.kv_cache import KVPages, allocate_kv_pages
 from engine.config import ModelConfig
+from engine.gguf_file import find_gguf_file
 from engine.model.llama import LlamaForCausalLM
 from engine.model.weights import load_weights
 from engine.ops import OpSet, select_ops
@@ -64,9 +65,18 @@ class Model:
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> Model:
-        """Load ``config.json`` + safetensors weights (bf16/fp16/fp32 on disk, any run dtype)."""
+        """Load an HF folder (``config.json`` + safetensors: bf16/fp16/fp32 on disk) or a GGUF
+        file (a ``.gguf`` path, or a folder holding one and no ``config.json``), dequantized
+        at load; any run dtype."""
         folder = Path(path)
-        config = ModelConfig.from_pretrained(folder)
+        gguf_file = find_gguf_file(folder)
+        if gguf_file is not None:
+            from engine.gguf_file import open_gguf
+
+            reader = open_gguf(gguf_file)
+            config = ModelConfig.from_gguf(reader)
+        else:
+            config = ModelConfig.from_pretrained(folder)
         dev = resolve_device(device)
         run_dtype = resolve_dtype(dtype, dev)
         if run_dtype == torch.bfloat16 and select_ops(dev).name == "cuda":
@@ -75,8 +85,14 @@ class Model:
             logger.warning("bfloat16 requested with the CUDA kernels: running in float16")
             run_dtype = torch.float16
         network = LlamaForCausalLM(config, run_dtype, dev)
-        ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
-        load_weights(network.weight_targets(), folder, ignore=ignore)
+        if gguf_file is not None:
+            from engine.model.gguf import load_gguf_weights
+
+            load_gguf_weights(network, reader)
+            del reader  # drops the file mapping
+        else:
+            ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
+            load_weights(network.weight_targets(), folder, ignore=ignore)
         network.eval()
         model = cls(config, network, folder)
         if model.ops.name == "cuda" and dev.type == "cuda":

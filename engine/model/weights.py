@@ -87,7 +87,7 @@ def load_weights(
         for name, tensor in iter_checkpoint(files):
             progress.update(1)
             if name in targets:
-                _copy_into(name, tensor, targets[name])
+                copy_into(name, tensor, targets[name])
                 loaded.add(name)
             elif not (name in ignore or name.endswith(IGNORED_SUFFIXES)):
                 unexpected.append(name)
@@ -102,7 +102,7 @@ def load_weights(
     logger.info("loaded %d tensors from %d file(s) in %s", len(loaded), len(files), path)
 
 
-def _copy_into(name: str, tensor: torch.Tensor, target: WeightTarget) -> None:
+def copy_into(name: str, tensor: torch.Tensor, target: WeightTarget) -> None:
     dest = target.param
     if target.offset is not None:
         if tensor.dim() == 0 or target.offset + tensor.shape[0] > dest.shape[0]:
