@@ -14,11 +14,9 @@ non-FastAPI ASGI app whose routes need the deployment instance).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -50,16 +48,6 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger("ray.serve")
 
 
-def wants_bos(tokenizer: Tokenizer, folder: Path) -> bool:
-    """Whether a raw completion prompt starts with BOS, as HF tokenizers do it: the config's
-    ``add_bos_token`` if set, else whenever a BOS token is declared (Llama 3 yes, Qwen no)."""
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    if "add_bos_token" in config:
-        return bool(config["add_bos_token"]) and tokenizer.bos_token_id is not None
-    return "bos_token" in tokenizer.special_tokens and tokenizer.bos_token_id is not None
-
-
 class PromptBuilder:
     """Tokenizes prompts and chats exactly as the replicas' model expects (also used by the
     batch job, so both paths agree token for token)."""
@@ -71,7 +59,8 @@ class PromptBuilder:
         self.context_length = preset.context_length(self.config.max_position_embeddings)
         self.page_size = preset.engine.page_size
         self.model_id = preset.model_id
-        self.add_bos = wants_bos(self.tokenizer, folder)
+        self.add_bos = self.tokenizer.add_bos_token
+        self.trust_message_tokens = preset.serving.trust_message_special_tokens
         # No token covers more bytes of text than the longest one decodes to, so a text longer
         # than context x that cannot fit: refused before spending time tokenizing it.
         self.max_prompt_chars = self.context_length * _longest_token_bytes(self.tokenizer)
@@ -95,10 +84,9 @@ class PromptBuilder:
         messages = parse_messages(body)
         self.check_text_length(sum(len(m["content"] or "") for m in messages), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # jinja errors and the template's raise_exception
+            ids = self.tokenizer.encode_chat(messages, trusted=self.trust_message_tokens)
+        except Exception as e:  # jinja errors, the template's raise_exception, forged tokens
             raise OpenAIError(f"chat template failed: {e}", param="messages") from None
-        ids = self.tokenizer.encode(text, encode_special_tokens=True)[0].tolist()
         return self.check_prompt(ids, "messages")
 
     def check_text_length(self, chars: int, param: str) -> None:

@@ -233,6 +233,9 @@ class ServingPreset:
     router_kwargs: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None  # None: 1 on CPU (replicas share small machines)
     stream_interval_s: float = 0.05  # a replica sends at most one delta per interval
+    # Parse special-token text inside chat message contents too (the old behaviour): only for
+    # deployments whose callers are trusted, since it lets a message forge turns.
+    trust_message_special_tokens: bool = False
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ServingPreset:
@@ -249,6 +252,9 @@ class ServingPreset:
             router_kwargs=kwargs,
             torch_threads=_int(raw, "torch_threads", "serving", None, 1),
             stream_interval_s=_number(raw, "stream_interval_s", "serving", cls.stream_interval_s),
+            trust_message_special_tokens=bool(
+                _bool(raw, "trust_message_special_tokens", "serving")
+            ),
         )
 
 

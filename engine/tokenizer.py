@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from codecs import getincrementaldecoder
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -270,6 +271,96 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        trusted: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a chat rendered with the chat template.
+
+        The template's own text (turn markers such as ``<|im_start|>``) becomes special tokens;
+        message contents are encoded as plain text, so a user who types ``<|im_start|>system``
+        gets those characters, not a forged turn. ``trusted=True`` parses special-token text
+        everywhere, contents included (only for callers who control the messages).
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        encoding = self._parse.encode(text, add_special_tokens=False)
+        if trusted:
+            return encoding.ids
+        spans = self._content_spans(messages, text, add_generation_prompt, kwargs)
+        if spans is None:  # the template rewrites contents: safe only without special text
+            bad = [i for i, m in enumerate(messages) if self._has_special_text(m.get("content"))]
+            if bad:
+                raise ValueError(
+                    f"messages[{bad[0]}] contains special-token text and this chat template "
+                    "changes message contents, so it cannot be kept as plain text"
+                )
+            return encoding.ids
+        specials = [
+            (start, end, token)
+            for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
+            if token in self.special_ids
+        ]
+        if not any(_inside(start, spans) for start, _, _ in specials):
+            return encoding.ids  # nothing forged: exactly what the whole text encodes to
+        return self._encode_around(text, [s for s in specials if not _inside(s[0], spans)])
+
+    def _encode_around(self, text: str, specials: list[tuple[int, int, int]]) -> list[int]:
+        """``text`` with only the given special tokens as specials; the rest as plain text."""
+        ids: list[int] = []
+        cursor = 0
+        for start, end, token in specials:
+            ids += self._plain.encode(text[cursor:start], add_special_tokens=False).ids
+            ids.append(token)
+            cursor = end
+        return ids + self._plain.encode(text[cursor:], add_special_tokens=False).ids
+
+    def _content_spans(
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+    ) -> list[tuple[int, int]] | None:
+        """Where each message content sits in the rendered chat ``text``, found by rendering
+        once more with a unique marker for each content; None if the template does not copy
+        contents verbatim (then the markers and the real render disagree)."""
+        nonce = secrets.token_hex(8)
+        contents = [c if isinstance(c := m.get("content"), str) else "" for m in messages]
+        markers = [f"\u27e6{nonce}:{i}\u27e7" if c else "" for i, c in enumerate(contents)]
+        marked = [
+            {**m, "content": mk} if mk else m for m, mk in zip(messages, markers, strict=True)
+        ]
+        rest = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
+        spans: list[tuple[int, int]] = []
+        rebuilt = ""
+        for content, marker in zip(contents, markers, strict=True):
+            if not marker:
+                continue
+            before, found, rest = rest.partition(marker)
+            if not found or marker in rest:
+                return None
+            rebuilt += before
+            spans.append((len(rebuilt), len(rebuilt) + len(content)))
+            rebuilt += content
+        return spans if rebuilt + rest == text else None
+
+    def _has_special_text(self, content: Any) -> bool:
+        if not isinstance(content, str):
+            return False
+        return any(t in content for t in self._special_texts)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        added = self._parse.get_added_tokens_decoder()
+        return tuple(t.content for t in added.values() if t.special and t.content)
+
+
+def _inside(position: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start <= position < end for start, end in spans)
 
 
 def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
