@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.exceptions import TaskCancelledError
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -46,6 +48,10 @@ from engine.request import GenerationRequest
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ray.serve")
+
+# What a request's handler sees when its client disconnected (Serve cancels the call).
+CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError, RequestCancelledError)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; never seen by the (gone) client
 
 
 class PromptBuilder:
@@ -284,4 +290,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, CLIENT_GONE):  # nobody is left to answer; not a server failure
+        logger.info("client went away before its response: %s", type(exc).__name__)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return server_error(exc).response()
