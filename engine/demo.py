@@ -35,6 +35,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
+from engine.gguf_file import find_gguf_file
+
 logger = logging.getLogger(__name__)
 
 # Bump when the on-disk layout or the generation recipe changes, so old caches are not reused.
@@ -447,14 +449,18 @@ def _spec_from_overrides(overrides: Any) -> DemoModelSpec:
 def resolve_model_path(
     model_section: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None
 ) -> pathlib.Path:
-    """Model folder for a config's ``model:`` section: ``path:`` wins, else ``demo:``."""
+    """Model folder (or GGUF file) for a config's ``model:`` section: ``path:`` wins, else
+    ``demo:``."""
     if not isinstance(model_section, dict):
         raise ValueError(f"model section must be a mapping, got {model_section!r}")
     path = model_section.get("path")
     if path is not None:
         folder = pathlib.Path(str(path)).expanduser()
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"model.path {str(path)!r} is not a folder with a config.json")
+        if not ((folder / "config.json").is_file() or find_gguf_file(folder)):
+            raise ValueError(
+                f"model.path {str(path)!r} is not a folder with a config.json, a .gguf file, "
+                "or a folder holding one .gguf"
+            )
         if "demo" in model_section:
             logger.warning("model.path is set; ignoring model.demo")
         return folder

@@ -332,3 +332,10 @@ def test_corpus_is_packaged() -> None:
     corpus = pathlib.Path(demo.__file__).with_name("demo_corpus.txt")
     assert 5_000 <= len(corpus.read_bytes()) <= 10_000
     assert 'engine = ["*.txt"]' in (REPO_ROOT / "pyproject.toml").read_text()
+
+
+def test_resolve_gguf_path(tmp_path: pathlib.Path) -> None:
+    """A .gguf file, or a folder holding one and no config.json (the file is not read here)."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert resolve_model_path({"path": str(tmp_path / "m.gguf")}) == tmp_path / "m.gguf"
+    assert resolve_model_path({"path": str(tmp_path)}) == tmp_path
