@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.gguf_file import find_gguf_file, hf_config_dict, open_gguf
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
@@ -103,8 +105,6 @@ class ModelConfig:
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
         """From an HF folder's ``config.json``, or a ``.gguf`` file (or a folder holding one and
         no ``config.json``)."""
-        from engine.gguf_file import find_gguf_file, open_gguf
-
         gguf_file = find_gguf_file(path)
         if gguf_file is not None:
             return cls.from_gguf(open_gguf(gguf_file))
@@ -118,8 +118,6 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> ModelConfig:
         """From an open GGUF file's metadata, through the same checks as ``config.json``."""
-        from engine.gguf_file import hf_config_dict
-
         return cls.from_dict(hf_config_dict(reader))
 
     @classmethod

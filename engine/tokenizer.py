@@ -27,7 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.gguf_file import find_gguf_file
+from engine.gguf_file import find_gguf_file, open_gguf
+from engine.gguf_tokenizer import gguf_tokenizer_parts
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +158,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Load from a GGUF file's ``tokenizer.ggml.*`` and ``tokenizer.chat_template``."""
-        from engine.gguf_file import open_gguf
-        from engine.gguf_tokenizer import gguf_tokenizer_parts
-
         parts = gguf_tokenizer_parts(open_gguf(path))
         return cls(
             parts.tokenizer_json,

@@ -12,7 +12,7 @@ import torch
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.kv_cache import KVPages, allocate_kv_pages
 from engine.config import ModelConfig
-from engine.gguf_file import find_gguf_file
+from engine.gguf_file import find_gguf_file, open_gguf
 from engine.model.llama import LlamaForCausalLM
 from engine.model.weights import load_weights
 from engine.ops import OpSet, select_ops
@@ -71,8 +71,6 @@ class Model:
         folder = Path(path)
         gguf_file = find_gguf_file(folder)
         if gguf_file is not None:
-            from engine.gguf_file import open_gguf
-
             reader = open_gguf(gguf_file)
             config = ModelConfig.from_gguf(reader)
         else:
