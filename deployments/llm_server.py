@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -133,6 +134,15 @@ async def _drain(queue: asyncio.Queue) -> list[tuple[int, Any]]:
     return items
 
 
+def current_rss_bytes() -> int:
+    """This process's resident memory now (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class ServerMetrics:
     """Ray metrics of one replica (exported through Ray's Prometheus endpoint)."""
 
@@ -247,6 +257,8 @@ class LLMServer:
             **stats,
             "requests_served": self.requests_served,
             "requests_active": self.requests_active,
+            "rss_bytes": current_rss_bytes(),
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
