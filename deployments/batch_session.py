@@ -15,7 +15,7 @@ from engine.request import GenerationRequest
 
 logger = logging.getLogger("pagedserve.batch")
 
-DEFAULT_CONFIG = "configs/demo.yaml"
+DEFAULT_CONFIG = "configs/smollm2.yaml"
 LLM_DEPLOYMENT = "LLMServer"
 
 # One request in, its stream of LLMServer messages out (a handle, or a fake).
