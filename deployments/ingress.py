@@ -42,7 +42,7 @@ from deployments.protocol import (
     text_value,
 )
 from deployments.responses import ResponseFormat, finish_reason, sse
-from engine.cache.prefix_hash import prefix_hashes
+from engine.cache.prefix_hash import prefix_hashes, salt_root
 from engine.config import ModelConfig
 from engine.request import GenerationRequest
 from engine.tokenizer import Tokenizer
@@ -135,8 +135,9 @@ class PromptBuilder:
         fields = parse_fields(body, chat, self.config.vocab_size)
         ids = self.chat_ids(body) if chat else self.completion_ids(body)
         max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
+        hashes = prefix_hashes(ids, self.page_size, parent=salt_root(fields.cache_salt))
         try:
-            return fields, fields.generation(ids, max_new, prefix_hashes(ids, self.page_size))
+            return fields, fields.generation(ids, max_new, hashes)
         except ValueError as e:  # a limit the field checks above did not foresee
             raise OpenAIError(f"invalid request: {e}") from None
 

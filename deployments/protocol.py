@@ -21,6 +21,7 @@ fields                 only the ones this server honours; an unsupported OpenAI 
 ``logit_bias``         at most ``MAX_LOGIT_BIAS`` entries, token ids in the vocabulary, [-100, 100]
 ``min_tokens``         0 .. ``MAX_TOKENS_FIELD`` (then capped by ``max_tokens``)
 ``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content
+``cache_salt``         a non-empty string of at most ``MAX_CACHE_SALT_CHARS``
 =====================  =======================================================================
 """
 
@@ -49,6 +50,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 1024
+MAX_CACHE_SALT_CHARS = 256
 MAX_TOKENS_FIELD = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 ROLES = frozenset({"system", "user", "assistant"})
@@ -58,7 +60,7 @@ _COMMON_FIELDS = frozenset(
     {
         "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
-        "ignore_eos", "min_tokens", "stream", "stream_options", "user",
+        "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
     }
 )  # fmt: skip
 FIELDS = {
@@ -143,6 +145,7 @@ class RequestFields:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    cache_salt: str | None = None  # only requests with the same salt share cached pages
 
     def generation(
         self, prompt_ids: list[int], max_new_tokens: int, page_hashes: list[int]
@@ -157,6 +160,7 @@ class RequestFields:
             stop_strings=self.stop,
             stop_on_eos=not self.ignore_eos,
             page_hashes=tuple(page_hashes),
+            cache_salt=self.cache_salt,
         )
 
 
@@ -323,7 +327,19 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
         ignore_eos=_bool_field(body, "ignore_eos"),
         stream=_bool_field(body, "stream"),
         include_usage=_bool_field(_stream_options(body), "include_usage"),
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    value = body.get("cache_salt")
+    if value is None:
+        return None
+    text_value(value, "cache_salt", "'cache_salt'")
+    if not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        message = f"'cache_salt' must have 1 to {MAX_CACHE_SALT_CHARS} characters"
+        raise OpenAIError(message, param="cache_salt")
+    return value
 
 
 # -- chat messages ---------------------------------------------------------------------------

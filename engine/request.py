@@ -95,6 +95,8 @@ class GenerationRequest:
     OpenAI ``ignore_eos`` is its negation); ``stop_strings`` are matched across tokens and never
     appear in the text. ``page_hashes``: the prompt's full-page hashes
     (``engine.cache.prefix_hash``), for the prefix-aware router; empty when nobody routes.
+    ``cache_salt``: requests share cached pages only with requests of the same salt (tenant
+    isolation of the prefix cache); ``page_hashes`` must be computed with it.
     """
 
     prompt_ids: tuple[int, ...]
@@ -107,6 +109,7 @@ class GenerationRequest:
     stop_on_eos: bool = True
     page_hashes: tuple[int, ...] = ()
     request_id: str = field(default_factory=new_request_id)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
@@ -130,6 +133,8 @@ class GenerationRequest:
             raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
 
     def choice_seed(self, choice: int) -> int | None:
         return None if self.seed is None else self.seed + choice

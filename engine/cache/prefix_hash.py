@@ -31,6 +31,20 @@ def page_hash(parent: PageHash | None, token_ids: Sequence[int], extra: bytes = 
     return PageHash(int.from_bytes(h.digest(), "little"))
 
 
+def salt_root(cache_salt: str | None) -> PageHash | None:
+    """The parent hash of a salted sequence's first page (None without a salt).
+
+    A salt (a tenant's secret, as vLLM's ``cache_salt``) enters the first page's hash and so,
+    by chaining, every later one: sequences with different salts never share a page, so one
+    tenant cannot learn by timing whether another's prompt is cached. Router and engine both
+    start their chains here.
+    """
+    if cache_salt is None:
+        return None
+    h = hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=_DIGEST_BYTES, person=b"cache-salt")
+    return PageHash(int.from_bytes(h.digest(), "little"))
+
+
 def prefix_hashes(
     token_ids: Sequence[int],
     page_size: int,

@@ -165,3 +165,28 @@ def test_front_end_modules_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- cache_salt: tenant isolation of the prefix cache ----------------------------------------
+
+
+def test_salted_page_hashes_never_meet_other_salts() -> None:
+    from engine.cache.prefix_hash import prefix_hashes, salt_root
+
+    ids = list(range(64))
+    plain = prefix_hashes(ids, 16)
+    alice = prefix_hashes(ids, 16, parent=salt_root("alice"))
+    bob = prefix_hashes(ids, 16, parent=salt_root("bob"))
+    assert prefix_hashes(ids, 16, parent=salt_root(None)) == plain
+    assert prefix_hashes(ids, 16, parent=salt_root("alice")) == alice
+    assert not set(alice) & set(bob) and not set(alice) & set(plain)
+
+
+def test_cache_salt_field() -> None:
+    fields = parse_fields({"cache_salt": "tenant-7"}, chat=False, vocab_size=100)
+    assert fields.generation([1], 4, []).cache_salt == "tenant-7"
+    assert parse_fields({}, chat=False, vocab_size=100).cache_salt is None
+    for bad in ("", "x" * 257, 5, "\ud800"):
+        with pytest.raises(OpenAIError) as raised:
+            parse_fields({"cache_salt": bad}, chat=False, vocab_size=100)
+        assert raised.value.param == "cache_salt"
