@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.sampling import SampleRequest, SamplerSettings
-from engine.scheduler import Sequence
+from engine.scheduler import SeqState
 from engine.stop_strings import StopStringMatcher
 
 PREFIX_CONTEXT_TOKENS = 8  # prompt tokens given to the detokenizer as context (leading spaces)
@@ -59,7 +59,7 @@ class DynamicJob:
         self.return_logits = return_logits
         self.max_skips = max_skips
         self.serial: int | None = None
-        self.seq = Sequence(tokens=list(self.input_ids), owner=self)
+        self.seq = SeqState(tokens=list(self.input_ids), owner=self)
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False

@@ -42,7 +42,7 @@ class SchedulerConfig:
 
 
 @dataclass(eq=False, slots=True)
-class Sequence:
+class SeqState:
     """The scheduler's view of one job: tokens, progress and the pages that hold them."""
 
     tokens: list[int]
@@ -66,7 +66,7 @@ class Sequence:
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:
-    seq: Sequence
+    seq: SeqState
     start: int  # first position computed in this step (== seq.num_computed before it)
     num_tokens: int
 
@@ -79,8 +79,8 @@ class StepEntry:
 @dataclass(slots=True)
 class StepPlan:
     entries: list[StepEntry] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # first admissions only
-    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[SeqState] = field(default_factory=list)  # first admissions only
+    preempted: list[SeqState] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -94,16 +94,16 @@ class Scheduler:
         self.config = config
         self.table = table
         self.page_size = table.page_size
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
         self.preemptions = 0
 
     # -- queue management --------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SeqState) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SeqState) -> None:
         """Drop a sequence (finished or cancelled) and return its pages at once."""
         if seq in self.running:
             self.running.remove(seq)
@@ -170,7 +170,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _make_room_for_oldest(self, seq: Sequence, plan: StepPlan, budget: int) -> int:
+    def _make_room_for_oldest(self, seq: SeqState, plan: StepPlan, budget: int) -> int:
         """The oldest sequence must always progress: preempt newer ones until it can."""
         while len(self.running) > 1:
             self._preempt(self.running[-1], plan)
@@ -186,7 +186,7 @@ class Scheduler:
         Only the first ``admission_window`` waiting jobs are looked at per step, so a step
         costs the same with ten thousand queued requests (say, behind a full cache, or all
         waiting for one in-flight system-prompt page) as with ten."""
-        passed_over: list[Sequence] = []
+        passed_over: list[SeqState] = []
         in_flight = self._in_flight_hashes()
         for seq in list(itertools.islice(self.waiting, self.admission_window)):
             if budget == 0 or len(self.running) >= self.config.max_batch_size:
@@ -210,7 +210,7 @@ class Scheduler:
             plan.entries.append(StepEntry(seq, seq.num_computed, n))
             budget -= n
 
-    def _try_admit(self, seq: Sequence, budget: int) -> int:
+    def _try_admit(self, seq: SeqState, budget: int) -> int:
         """Attach the cached prefix and pages for a first chunk; 0 (no change) if it can't."""
         hashes = self._matchable_hashes(seq)
         hits = self.table.match_prefix(hashes)
@@ -233,7 +233,7 @@ class Scheduler:
         seq.skips = 0
         return n
 
-    def _matchable_hashes(self, seq: Sequence) -> list[PageHash]:
+    def _matchable_hashes(self, seq: SeqState) -> list[PageHash]:
         # At least one token must be computed to produce logits, so the last token's page
         # is never taken from the cache.
         if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
@@ -250,7 +250,7 @@ class Scheduler:
                 in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
         return in_flight
 
-    def _next_page_in_flight(self, seq: Sequence, in_flight: set[PageHash]) -> bool:
+    def _next_page_in_flight(self, seq: SeqState, in_flight: set[PageHash]) -> bool:
         """True when the first page ``seq`` would have to compute is being computed by
         another sequence: waiting a step turns that work into a cache hit."""
         if not in_flight:
@@ -261,12 +261,12 @@ class Scheduler:
 
     # -- pages -------------------------------------------------------------------------------
 
-    def _room(self, seq: Sequence) -> int:
+    def _room(self, seq: SeqState) -> int:
         """Tokens ``seq`` could add now: slack in its pages plus every available page."""
         slack = len(seq.pages) * self.page_size - seq.num_computed
         return slack + self.table.num_available * self.page_size
 
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    def _grow(self, seq: SeqState, n: int) -> bool:
         """Make the pages cover ``n`` more tokens; False (no change) if the table can't."""
         need = -(-(seq.num_computed + n) // self.page_size) - len(seq.pages)
         if need <= 0:
@@ -277,7 +277,7 @@ class Scheduler:
         seq.pages.extend(fresh)
         return True
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: SeqState, plan: StepPlan) -> None:
         self.running.remove(seq)
         plan.entries = [e for e in plan.entries if e.seq is not seq]
         self._release_pages(seq)
@@ -286,7 +286,7 @@ class Scheduler:
         self.waiting.appendleft(seq)  # resumes first; its full pages are still cached
         plan.preempted.append(seq)
 
-    def _release_pages(self, seq: Sequence) -> None:
+    def _release_pages(self, seq: SeqState) -> None:
         self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
         seq.pages = []
         seq.page_hashes = []
@@ -301,7 +301,7 @@ class Scheduler:
             seq.num_computed = entry.start + entry.num_tokens
             self._register_full_pages(seq)
 
-    def _register_full_pages(self, seq: Sequence) -> None:
+    def _register_full_pages(self, seq: SeqState) -> None:
         ps = self.page_size
         while len(seq.page_hashes) < seq.num_computed // ps:
             i = len(seq.page_hashes)

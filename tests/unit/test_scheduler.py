@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from engine.cache.page_table import PageTable
 from engine.cache.prefix_hash import prefix_hashes
-from engine.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan
 
 
 class Sim:
@@ -38,22 +38,22 @@ class Sim:
         self.target: dict[int, int] = {}  # id(seq) -> number of tokens to generate
         self.prompt_len: dict[int, int] = {}
         self.produced: dict[int, int] = {}
-        self.finished: list[Sequence] = []
+        self.finished: list[SeqState] = []
         self.plans: list[StepPlan] = []
         self.page_content: dict[int, list[int]] = {}  # page hash -> tokens it was made from
         self.counter = 10_000  # fake sampled tokens never collide with prompt tokens
 
     # -- driving -----------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], generate: int = 1) -> Sequence:
-        seq = Sequence(list(prompt))
+    def add(self, prompt: list[int], generate: int = 1) -> SeqState:
+        seq = SeqState(list(prompt))
         self.target[id(seq)] = generate
         self.prompt_len[id(seq)] = len(prompt)
         self.produced[id(seq)] = 0
         self.sched.add(seq)
         return seq
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: SeqState) -> None:
         self.sched.remove(seq)
         assert not seq.pages and seq.num_computed == 0
 
@@ -370,7 +370,7 @@ def test_remove_waiting_and_running_sequences():
 # -- FIFO with bounded skipping -----------------------------------------------------------------
 
 
-def _blocked_head_setup(max_skips: int) -> tuple[Sim, Sequence, Sequence]:
+def _blocked_head_setup(max_skips: int) -> tuple[Sim, SeqState, SeqState]:
     """A long-running job R holds 4 of 10 pages; the head H needs 7 and cannot be admitted
     while R runs (plus one reserved page)."""
     ps = 4
@@ -417,7 +417,7 @@ def test_admission_looks_at_a_bounded_window_of_the_queue(monkeypatch):
     running = sim.add(list(range(24)), generate=4)  # holds 6-7 of 8 pages (+1 reserved)
     sim.step()
     queued = [sim.add([300 + i] * 12, generate=1) for i in range(300)]  # 3 pages each
-    tried: list[Sequence] = []
+    tried: list[SeqState] = []
     real = sim.sched._try_admit
     monkeypatch.setattr(
         sim.sched, "_try_admit", lambda seq, budget: tried.append(seq) or real(seq, budget)
