@@ -75,6 +75,12 @@ class StepEntry:
         """True when this chunk reaches the end of the tokens, so its logits are sampled."""
         return self.start + self.num_tokens == len(self.seq.tokens)
 
+    @property
+    def logits_rows(self) -> int:
+        """Trailing tokens of this chunk whose logits the forward must return (1 when it
+        samples; 1 + k once k draft tokens are verified)."""
+        return int(self.start + self.num_tokens == len(self.seq.tokens))
+
 
 @dataclass(slots=True)
 class StepPlan:

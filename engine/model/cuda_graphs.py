@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
+from engine.ops import OpSet
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +72,21 @@ class DecodeGraphs:
         max_batch_size: int,
         max_seq_len: int,
         *,
+        ops: OpSet | None = None,
         capture: bool | None = None,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
     ):
-        if model.ops.name != "cuda":
-            # The torch attention reference sizes its masks from per-step host values.
+        ops = model.ops if ops is None else ops
+        if not ops.supports_graphs:
             raise ValueError(
-                f"decode graphs need the CUDA kernel op set, the model runs {model.ops.name!r}"
+                f"decode graphs need an op set that supports graphs; {ops.name!r} does not"
             )
         if capture is None:
             capture = model.device.type == "cuda"
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA-graph capture needs a CUDA device, not {model.device}")
         self.model = model
+        self.ops = ops
         self.kv_pages = kv_pages
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -154,7 +157,7 @@ class DecodeGraphs:
     def _capture(self, bucket: _Bucket, pool) -> None:
         self._stage([], bucket.size)
         self._upload(bucket.size)
-        network, ops = self.model.network, self.model.ops
+        network, ops = self.model.network, self.ops
         # An eager run on a side stream first: it plans the attention (work list and partial
         # buffers, cached on the batch and reused by the graph) and loads every kernel module,
         # so the capture itself launches only.
@@ -177,7 +180,7 @@ class DecodeGraphs:
         if not 1 <= len(seqs) <= self.max_size:
             return False
         return all(
-            len(s.token_ids) == 1 and s.want_logits and s.num_cached < self.max_seq_len
+            len(s.token_ids) == 1 and s.logits_rows == 1 and s.num_cached < self.max_seq_len
             for s in seqs
         )
 
@@ -207,7 +210,7 @@ class DecodeGraphs:
             bucket.graph.replay()
             hidden = bucket.hidden
         else:
-            hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.model.ops)
+            hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.ops)
         return self.model.network.logits(hidden[: len(seqs)])
 
     def _stage(self, seqs: Sequence[SequenceInput], size: int) -> None:

@@ -83,16 +83,17 @@ def test_cancel_from_another_task_wakes_the_consumer(tiny):
 def test_engine_error_fails_running_jobs_and_keeps_serving(tiny):
     async def main():
         gen = _async_generator(tiny)
-        original = gen.generator.model.forward
+        runner = gen.generator.runner
+        original = runner.forward_plan
         calls = {"n": 0}
 
-        def flaky(batch, kv):
+        def flaky(plan):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("boom")
-            return original(batch, kv)
+            return original(plan)
 
-        gen.generator.model.forward = flaky
+        runner.forward_plan = flaky  # the step thread waits: no job yet
         try:
             doomed = DynamicJobAsync(gen, [5, 6, 7, 8, 9], 50, stop_conditions=[])
             with pytest.raises(RuntimeError, match="boom"):
@@ -102,7 +103,7 @@ def test_engine_error_fails_running_jobs_and_keeps_serving(tiny):
             results = await _collect(healthy)
             assert results[-1]["eos_reason"] == "max_new_tokens"
         finally:
-            gen.generator.model.forward = original
+            runner.forward_plan = original
             await gen.close()
 
     asyncio.run(main())

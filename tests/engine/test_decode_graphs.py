@@ -137,7 +137,7 @@ def test_only_decode_steps_that_fit_are_supported(cuda_model):
     assert graphs.supports(_decode_inputs([3, 5]))
     assert not graphs.supports(_decode_inputs([3, 5, 6]))  # more rows than the largest bucket
     assert not graphs.supports([SequenceInput([1, 2], 0, [0])])  # a prefill
-    assert not graphs.supports([SequenceInput([1], 3, [0], want_logits=False)])
+    assert not graphs.supports([SequenceInput([1], 3, [0], logits_rows=0)])
     assert not graphs.supports(_decode_inputs([12]))  # past max_seq_len
     with pytest.raises(ValueError, match="decode step"):
         graphs.run([SequenceInput([1, 2], 0, [0])])
@@ -146,7 +146,7 @@ def test_only_decode_steps_that_fit_are_supported(cuda_model):
 def test_graphs_need_the_kernel_op_set(small, monkeypatch):  # noqa: F811
     monkeypatch.setenv(OPS_ENV, "torch")
     model = Model.from_pretrained(small)
-    with pytest.raises(ValueError, match="CUDA kernel op set"):
+    with pytest.raises(ValueError, match="op set that supports graphs; 'torch'"):
         DecodeGraphs(model, model.allocate_kv(4, PAGE), PAGE, 2, 8, capture=False)
     monkeypatch.setenv(OPS_ENV, "cuda")
     model = Model.from_pretrained(small)
@@ -163,7 +163,7 @@ def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, mon
         generator = DynamicGenerator(
             model, cache, tiny.tokenizer, max_chunk_size=16, max_batch_size=6, cuda_graphs=graphs
         )
-        assert (generator.decode_graphs is not None) == graphs
+        assert (generator.runner.decode_graphs is not None) == graphs
         jobs = [
             DynamicJob(p, 4, gen_settings=SamplerSettings.greedy(), stop_conditions=[])
             for p in prompts
@@ -174,7 +174,7 @@ def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, mon
             generator.iterate()
         assert_no_pages_in_use(generator)
         if graphs:
-            assert generator.decode_graphs.steps >= 3  # every decode step after the prefills
+            assert generator.runner.decode_graphs.steps >= 3  # each decode after the prefills
         return [job.new_token_ids for job in jobs]
 
     with_graphs = greedy(cuda_model, True)
