@@ -48,7 +48,7 @@ class SeqState:
     tokens: list[int]
     owner: Any = None  # the job this sequence belongs to (opaque to the scheduler)
     num_computed: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # see the page-list INVARIANT at _grow
     page_hashes: list[PageHash] = field(default_factory=list)  # of the leading full pages
     skips: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
@@ -272,6 +272,14 @@ class Scheduler:
         slack = len(seq.pages) * self.page_size - seq.num_computed
         return slack + self.table.num_available * self.page_size
 
+    # INVARIANT (page lists): while a sequence keeps one ``pages`` list object, the entries
+    # of its full pages (index < num_computed // page_size, the ones in ``page_hashes``) never
+    # change. The list only changes by (1) ``_grow`` appending pages at its end and (2)
+    # ``_register_full_pages`` swapping entry i for a cached twin in the commit that makes
+    # page i full (so i >= num_computed // page_size at the step's start). Nothing removes or
+    # reorders entries in place: releasing (finish, cancel, preemption) and (re-)admission
+    # assign a new list object. DecodeGraphs._stage_table_row relies on this to rewrite only
+    # the tail of a block-table row whose sequence kept its row; test_scheduler checks it.
     def _grow(self, seq: SeqState, n: int) -> bool:
         """Make the pages cover ``n`` more tokens; False (no change) if the table can't."""
         need = -(-(seq.num_computed + n) // self.page_size) - len(seq.pages)
@@ -294,7 +302,7 @@ class Scheduler:
 
     def _release_pages(self, seq: SeqState) -> None:
         self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
-        seq.pages = []
+        seq.pages = []  # a new list object, never cleared in place (page-list INVARIANT)
         seq.page_hashes = []
         seq.num_computed = 0
 
@@ -313,5 +321,7 @@ class Scheduler:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else None
             h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps])
+            # The only in-place change of an entry: page i just became full (page-list
+            # INVARIANT at _grow); once hashed it is never swapped again.
             seq.pages[i] = self.table.register(seq.pages[i], h)
             seq.page_hashes.append(h)

@@ -7,6 +7,8 @@ ones a graph would replay. The ``gpu`` test at the end captures and replays real
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -14,10 +16,12 @@ from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSetti
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cuda import attention
 from engine.model.cuda_graphs import DecodeGraphs, bucket_sizes
+from engine.model.runner import plan_rows
 from engine.ops import OPS_ENV, TORCH_OPS
 from tests.engine.conftest import assert_no_pages_in_use
 from tests.engine.test_cuda_ops import small  # noqa: F401 - fixture
 from tests.kernels.common import TOL
+from tests.unit.test_scheduler import Sim, content_sampler
 
 PAGE = 4
 
@@ -129,6 +133,39 @@ def test_block_table_rows_follow_growth_swaps_and_row_changes(cuda_model):
     b.append(4)
     step(a, b)
     step(a[:], b)  # a new list object (a re-admitted sequence): the whole row is written
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_tables_staged_from_scheduler_runs_match_the_pages(cuda_model, seed):
+    # The scheduler drives the staging: repeated prompts that decode identically (dedup swaps
+    # of prompt and generated pages), a table small enough to preempt, rows changing hands.
+    # Every decode step is staged as the generator would; each row must equal its pages.
+    rng = random.Random(seed)
+    sim = Sim(20, PAGE, sampler=content_sampler, max_batch_size=4, max_chunk_size=10)
+    graphs = DecodeGraphs(
+        cuda_model, cuda_model.allocate_kv(1, PAGE), PAGE, 4, max_seq_len=80, capture=False
+    )
+    tables = graphs._np_ints[graphs.max_size :].reshape(graphs.max_size, graphs.max_pages)
+    staged = []
+
+    def stage(plan) -> None:
+        rows = plan_rows(plan)
+        if not graphs.supports(rows):
+            return
+        graphs._stage(rows, graphs.bucket_for(len(rows)))
+        staged.append(len(rows))
+        for i, row in enumerate(rows):
+            assert tables[i, : len(row.pages)].tolist() == list(row.pages)
+
+    sim.on_plan = stage
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    for _ in range(10):
+        sim.add(list(rng.choice(prompts)), generate=rng.randint(3, 30))
+        for _ in range(rng.randint(0, 4)):
+            sim.step()
+    sim.run()
+    sim.check_done()
+    assert len(staged) > 10 and sim.swaps_seen > 0
 
 
 def test_only_decode_steps_that_fit_are_supported(cuda_model):
