@@ -43,7 +43,8 @@ class DynamicGenerator:
         max_skips: int = 4,
         cuda_graphs: bool | None = None,
     ):
-        """``cuda_graphs``: decode steps through CUDA graphs (see ``ModelRunner``); None: on a GPU
+        """``max_skips``: the default for jobs that set none (``DynamicJob.max_skips``).
+        ``cuda_graphs``: decode steps through CUDA graphs (see ``ModelRunner``); None: on a GPU
         with the kernels unless ``ENGINE_CUDA_GRAPHS=0``."""
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")

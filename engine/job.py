@@ -59,7 +59,9 @@ class DynamicJob:
         self.return_logits = return_logits
         self.max_skips = max_skips
         self.serial: int | None = None
-        self.seq = SeqState(tokens=list(self.input_ids), owner=self)
+        # max_skips: how often admission may pass this job over for later ones before it
+        # waits for it (None: the generator's default); the scheduler reads it from seq.
+        self.seq = SeqState(tokens=list(self.input_ids), owner=self, max_skips=max_skips)
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False

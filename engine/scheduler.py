@@ -31,7 +31,7 @@ class SchedulerConfig:
     max_batch_size: int  # sequences running at once
     max_chunk_size: int = 2048  # token budget of one forward (decode + prefill tokens)
     max_q_size: int = 1  # pending tokens a decoding sequence may compute per step
-    max_skips: int = 4  # how often the queue head may be passed over before admission stops
+    max_skips: int = 4  # how often a waiting job may be passed over before admission stops
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_chunk_size", "max_q_size"):
@@ -50,7 +50,8 @@ class SeqState:
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)  # see the page-list INVARIANT at _grow
     page_hashes: list[PageHash] = field(default_factory=list)  # of the leading full pages
-    skips: int = 0
+    skips: int = 0  # later jobs admitted while this one could not start
+    max_skips: int | None = None  # how many it lets pass (None: SchedulerConfig.max_skips)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     cached_pages: int = 0
     admitted: bool = False  # admitted at least once (preempted sequences resume)
@@ -58,6 +59,12 @@ class SeqState:
     # (token count, hashes of the full pages before the last token) so repeated admission
     # attempts and in-flight checks do not rehash the prompt
     hash_cache: tuple[int, list[PageHash]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_skips is not None and (
+            not isinstance(self.max_skips, int) or self.max_skips < 0
+        ):
+            raise ValueError(f"max_skips must be None or an int >= 0, got {self.max_skips!r}")
 
     @property
     def num_pending(self) -> int:
@@ -120,8 +127,13 @@ class Scheduler:
     @property
     def admission_window(self) -> int:
         """Waiting jobs considered per step: enough to fill every batch slot even when each
-        one passed over (``max_skips``) or deferred behind an in-flight page sits in between."""
+        one passed over (``max_skips``) or deferred behind an in-flight page sits in between.
+        (A job with a larger ``max_skips`` of its own is passed over across more steps.)"""
         return 2 * self.config.max_batch_size + self.config.max_skips
+
+    def max_skips(self, seq: SeqState) -> int:
+        """How many later jobs ``seq`` lets pass before admission waits for it."""
+        return self.config.max_skips if seq.max_skips is None else seq.max_skips
 
     @property
     def num_unfinished(self) -> int:
@@ -187,7 +199,8 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """FIFO admission; a job that cannot start yet may be passed over by at most
-        ``max_skips`` later jobs in total, then admission waits for it.
+        ``max_skips`` later jobs in total (its own, else the config's), then admission waits
+        for it.
 
         Only the first ``admission_window`` waiting jobs are looked at per step, so a step
         costs the same with ten thousand queued requests (say, behind a full cache, or all
@@ -199,7 +212,7 @@ class Scheduler:
                 break
             if self._next_page_in_flight(seq, in_flight):
                 continue  # another sequence is computing that page now; reuse it next step
-            if any(s.skips >= self.config.max_skips for s in passed_over):
+            if any(s.skips >= self.max_skips(s) for s in passed_over):
                 break
             n = self._try_admit(seq, budget)
             if n == 0:

@@ -54,8 +54,8 @@ class Sim:
 
     # -- driving -----------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], generate: int = 1) -> SeqState:
-        seq = SeqState(list(prompt))
+    def add(self, prompt: list[int], generate: int = 1, max_skips: int | None = None) -> SeqState:
+        seq = SeqState(list(prompt), max_skips=max_skips)
         self.target[id(seq)] = generate
         self.prompt_len[id(seq)] = len(prompt)
         self.produced[id(seq)] = 0
@@ -257,6 +257,12 @@ def test_prefill_of_a_new_job_fills_only_the_budget_left_by_decodes():
     sim.check_done()
 
 
+def test_sequence_max_skips_validation():
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="max_skips must be None or an int >= 0"):
+            SeqState([1], max_skips=bad)
+
+
 def test_config_validation():
     for bad in (
         {"max_batch_size": 0},
@@ -411,20 +417,26 @@ def test_remove_waiting_and_running_sequences():
 # -- FIFO with bounded skipping -----------------------------------------------------------------
 
 
-def _blocked_head_setup(max_skips: int) -> tuple[Sim, SeqState, SeqState]:
+def _blocked_head_setup(
+    max_skips: int, head_skips: int | None = None
+) -> tuple[Sim, SeqState, SeqState]:
     """A long-running job R holds 4 of 10 pages; the head H needs 7 and cannot be admitted
     while R runs (plus one reserved page)."""
     ps = 4
     sim = Sim(10, ps, max_batch_size=8, max_chunk_size=64, max_skips=max_skips)
     r = sim.add(list(range(16)), generate=12)
     sim.step()
-    h = sim.add(list(range(100, 128)), generate=1)  # 28 tokens = 7 pages
+    h = sim.add(list(range(100, 128)), generate=1, max_skips=head_skips)  # 28 tokens = 7 pages
     return sim, r, h
 
 
-@pytest.mark.parametrize("max_skips", [0, 1, 3])
-def test_head_lets_at_most_max_skips_jobs_pass(max_skips):
-    sim, _r, h = _blocked_head_setup(max_skips)
+@pytest.mark.parametrize(
+    ("config_skips", "head_skips"), [(0, None), (1, None), (3, None), (3, 0), (0, 2)]
+)
+def test_head_lets_at_most_max_skips_jobs_pass(config_skips, head_skips):
+    # the head's own max_skips, when set, replaces the config's
+    max_skips = config_skips if head_skips is None else head_skips
+    sim, _r, h = _blocked_head_setup(config_skips, head_skips)
     passed = []
     small = []
     for i in range(8):  # one small job arrives per step
