@@ -21,8 +21,6 @@ from engine.stop_strings import StopStringMatcher
 
 PREFIX_CONTEXT_TOKENS = 8  # prompt tokens given to the detokenizer as context (leading spaces)
 
-EOS_REASONS = ("stop_token", "stop_string", "max_new_tokens", "end_filter", "cancelled")
-
 
 class DynamicJob:
     """A generation request. Create it, then ``generator.enqueue(job)``."""
