@@ -40,7 +40,7 @@ class SequenceInput:
             raise ValueError("a sequence in a forward batch needs at least one new token")
         if self.num_cached < 0:
             raise ValueError(f"num_cached must be >= 0, got {self.num_cached}")
-        if not 0 <= self.logits_rows <= n:
+        if self.logits_rows != 1 and not 0 <= self.logits_rows <= n:  # 1: always valid
             raise ValueError(
                 f"logits_rows must be in [0, {n}] (the new tokens), got {self.logits_rows}"
             )

@@ -86,7 +86,7 @@ class StepEntry:
     def logits_rows(self) -> int:
         """Trailing tokens of this chunk whose logits the forward must return (1 when it
         samples; 1 + k once k draft tokens are verified)."""
-        return int(self.start + self.num_tokens == len(self.seq.tokens))
+        return 1 if self.start + self.num_tokens == len(self.seq.tokens) else 0
 
 
 @dataclass(slots=True)
