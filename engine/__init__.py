@@ -1,7 +1,8 @@
 """Public API of the engine: a paged, prefix-caching dynamic generator.
 
 Data flow: Tokenizer -> DynamicJob -> DynamicGenerator.iterate(): scheduler (pages) ->
-ragged batch -> Model.forward (ops: cuda | torch) -> on-device sampling -> job results.
+ModelRunner (ragged batch, CUDA graphs or eager forward; ops: cuda | torch) -> on-device
+sampling -> job results.
 """
 
 from engine.cache.kv_cache import PagedCache
