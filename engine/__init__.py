@@ -1,8 +1,7 @@
 """Public API of the engine: a paged, prefix-caching dynamic generator.
 
 Data flow: Tokenizer -> DynamicJob -> DynamicGenerator.iterate(): scheduler (pages) ->
-ModelRunner (ragged batch, CUDA graphs or eager forward; ops: cuda | torch) -> on-device
-sampling -> job results.
+ragged batch -> Model.forward (ops: cuda | torch) -> on-device sampling -> job results.
 """
 
 from engine.cache.kv_cache import PagedCache
