@@ -155,7 +155,7 @@ def bench_case(name, batch, context, prefill, iters, copy_gbs, splits=None, refe
             return paged_attention_cuda(q, k, v, fb, scale, num_splits=splits)
 
     ms, how = time_ms(fn, iters)
-    plans = [p for key, p in fb.scratch.items() if key[0] == "paged_attention_cuda"]
+    plans = list(fb.attention.kernel.values())
     nbytes = useful_bytes(fb, q)
     gbs = nbytes / (ms / 1e3) / 1e9
     row = {

@@ -276,10 +276,11 @@ def ops_env(ops: str) -> Iterator[None]:
 
 def make_model(config: Any, network: Any, page_size: int) -> Any:
     from engine import Model
+    from engine.model.runner import warm_up
 
     model = Model(config, network)
-    if model.ops.name == "cuda" and model.device.type == "cuda":
-        model.warm_up(page_size)  # compile every kernel specialisation outside the timing
+    if model.ops.compiles and model.device.type == "cuda":
+        warm_up(model, model.ops, page_size)  # compile every kernel specialisation untimed
     return model
 
 
@@ -374,7 +375,7 @@ def generator_decode(model: Any, tokenizer: Any, batch: int, wl: Workload, timer
         for _ in range(wl.decode_steps):
             generator.iterate()
     produced = sum(len(job.new_token_ids) for job in jobs) - before
-    graphs = generator.decode_graphs
+    graphs = generator.runner.decode_graphs
     for job in jobs:
         generator.cancel(job, emit_result=False)
     return {
@@ -392,7 +393,7 @@ def generator_decode(model: Any, tokenizer: Any, batch: int, wl: Workload, timer
 
 def forward_decode(model: Any, batch: int, wl: Workload, timer: Timer) -> dict:
     """Time Model.forward on one decode batch: B sequences with ``ctx`` cached tokens each."""
-    from engine.batch import SequenceInput, build_forward_batch
+    from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
 
     ctx, size = wl.decode_context, wl.page_size
     per_seq = -(-(ctx + 1) // size)
@@ -404,7 +405,7 @@ def forward_decode(model: Any, batch: int, wl: Workload, timer: Timer) -> dict:
     forward_batch = build_forward_batch(seqs, size, model.device)
 
     def step() -> None:
-        forward_batch.scratch.clear()  # per-forward scratch, as a fresh batch would have
+        forward_batch.attention = AttentionPlan()  # planned per forward, as a fresh batch is
         model.forward(forward_batch, kv)
 
     for _ in range(wl.warmup_steps):

@@ -8,14 +8,21 @@ start, how long its context is and which pages hold it.
     sequence b: [ cached tokens (num_cached[b]) | new tokens (q_len[b]) ]  -> seq_len[b]
     token t of sequence b sits at position num_cached[b] + i and is written to slot
     block_table[b][pos // page_size] * page_size + pos % page_size.
+
+A sequence asks for the logits of its last ``logits_rows`` new tokens: 1 for a decode token
+or a prompt's last chunk, 0 for a chunk mid-prompt, 1 + k to verify k draft tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.cuda.attention import KernelPlan, KernelPlanKey, PaddedLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +32,32 @@ class SequenceInput:
     token_ids: Sequence[int]  # the new tokens computed in this pass
     num_cached: int  # tokens of this sequence already in KV storage (their positions come first)
     pages: Sequence[int]  # page ids holding positions [0, num_cached + len(token_ids))
-    want_logits: bool = True  # logits for the last new token (prefill chunks mid-prompt: False)
+    logits_rows: int = 1  # logits wanted for this many trailing new tokens (0: none)
 
     def __post_init__(self) -> None:
-        if len(self.token_ids) == 0:
+        n = len(self.token_ids)
+        if n == 0:
             raise ValueError("a sequence in a forward batch needs at least one new token")
         if self.num_cached < 0:
             raise ValueError(f"num_cached must be >= 0, got {self.num_cached}")
+        if self.logits_rows != 1 and not 0 <= self.logits_rows <= n:  # 1: always valid
+            raise ValueError(
+                f"logits_rows must be in [0, {n}] (the new tokens), got {self.logits_rows}"
+            )
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Attention metadata of one forward, shared by every layer: the first layer that needs a
+    part builds it from the batch, the later layers reuse it. Each op set fills its own fields.
+    A batch reused for another forward with other values needs a fresh plan (decode-graph
+    buckets keep theirs: it is sized for the longest context they allow)."""
+
+    # CUDA kernel: launch plan (work list, split count, partial buffers) per shape and window
+    kernel: dict[KernelPlanKey, KernelPlan] = field(default_factory=dict)
+    # torch reference: flat <-> padded row maps, and the boolean mask per sliding window
+    layout: PaddedLayout | None = None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -47,13 +73,12 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [B + 1] int32: row offsets of each sequence
     seq_lens: torch.Tensor  # [B] int32: context length after this pass (cached + new)
     block_tables: torch.Tensor  # [B, P] int32, padded with 0 (masked by seq_lens)
-    logits_indices: torch.Tensor  # [N] long: rows whose logits the caller wants
+    logits_indices: torch.Tensor  # [N] long: rows whose logits the caller wants, in order
     # Host copies: the attention paths need these sizes without a device sync.
     q_lens: tuple[int, ...] = ()
     seq_lens_host: tuple[int, ...] = ()
     page_size: int = 16
-    # Per-forward scratch shared by all layers (e.g. masks of the torch attention reference).
-    scratch: dict = field(default_factory=dict)
+    attention: AttentionPlan = field(default_factory=AttentionPlan)
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +107,7 @@ def build_forward_batch(
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
-    logits_rows: list[int] = []
+    wanted: list[int] = []
     for seq in seqs:
         _check_pages(seq, page_size)
         for i, token in enumerate(seq.token_ids):
@@ -91,8 +116,7 @@ def build_forward_batch(
             positions.append(pos)
             slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
         starts.append(len(input_ids))
-        if seq.want_logits:
-            logits_rows.append(len(input_ids) - 1)
+        wanted.extend(range(len(input_ids) - seq.logits_rows, len(input_ids)))
     q_lens = tuple(len(s.token_ids) for s in seqs)
     seq_lens = tuple(s.num_cached + len(s.token_ids) for s in seqs)
     max_pages = max(len(s.pages) for s in seqs)
@@ -108,7 +132,7 @@ def build_forward_batch(
         query_start_loc=tensor(starts, torch.int32),
         seq_lens=tensor(list(seq_lens), torch.int32),
         block_tables=tensor(table, torch.int32),
-        logits_indices=tensor(logits_rows, torch.long),
+        logits_indices=tensor(wanted, torch.long),
         q_lens=q_lens,
         seq_lens_host=seq_lens,
         page_size=page_size,

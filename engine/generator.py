@@ -6,30 +6,28 @@
             ...
 
 Each ``iterate()`` asks the scheduler for a plan (decode tokens + prefill chunks under a token
-budget), runs ONE model forward, samples every row that reached the end of its tokens on the
-device, and turns the tokens into per-job results (see DESIGN.md section 5 for the keys).
+budget), has the model runner run ONE forward for it, samples every row that reached the end
+of its tokens on the device, and turns the tokens into per-job results (see DESIGN.md section
+5 for the keys).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from engine.batch import SequenceInput, build_forward_batch
 from engine.cache.kv_cache import PagedCache
 from engine.job import DynamicJob
-from engine.model.cuda_graphs import DecodeGraphs
+from engine.model.runner import ModelRunner
 from engine.sampling import SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
 
 MAX_DERIVED_BATCH_SIZE = 256
-GRAPHS_ENV = "ENGINE_CUDA_GRAPHS"
 
 
 class DynamicGenerator:
@@ -45,6 +43,9 @@ class DynamicGenerator:
         max_skips: int = 4,
         cuda_graphs: bool | None = None,
     ):
+        """``max_skips``: the default for jobs that set none (``DynamicJob.max_skips``).
+        ``cuda_graphs``: decode steps through CUDA graphs (see ``ModelRunner``); None: on a GPU
+        with the kernels unless ``ENGINE_CUDA_GRAPHS=0``."""
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")
         self.model = model
@@ -63,26 +64,13 @@ class DynamicGenerator:
         self._undelivered: list[dict[str, Any]] = []  # results produced outside iterate()
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
-        self.decode_graphs = self._make_decode_graphs(cuda_graphs)
-
-    def _make_decode_graphs(self, wanted: bool | None) -> DecodeGraphs | None:
-        """Decode steps as CUDA graphs: on by default with the CUDA kernels on a GPU
-        (``ENGINE_CUDA_GRAPHS=0`` turns them off); ``True`` on CPU runs the same padded static
-        batches eagerly under the simulator (tests)."""
-        if wanted is None:
-            wanted = (
-                self.model.device.type == "cuda"
-                and self.model.ops.name == "cuda"
-                and os.environ.get(GRAPHS_ENV, "1").strip() != "0"
-            )
-        if not wanted:
-            return None
-        return DecodeGraphs(
-            self.model,
-            self.cache.kv,
-            self.cache.page_size,
-            self.max_batch_size,
-            self.max_seq_len,
+        self.runner = ModelRunner(
+            model,
+            cache.kv,
+            cache.page_size,
+            max_batch_size=max_batch_size,
+            max_seq_len=self.max_seq_len,
+            cuda_graphs=cuda_graphs,
         )
 
     @property
@@ -152,7 +140,7 @@ class DynamicGenerator:
         results = [self._start(seq.owner) for seq in plan.admitted]
         if not plan.entries:
             return results
-        logits = self._forward(plan)
+        logits = self.runner.forward_plan(plan)
         prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
@@ -164,23 +152,6 @@ class DynamicGenerator:
         self._prompt_tokens_total += job.prompt_tokens
         self._cached_tokens_total += job.seq.cached_tokens
         return job.started_result()
-
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        inputs = [
-            SequenceInput(
-                token_ids=e.seq.tokens[e.start : e.start + e.num_tokens],
-                num_cached=e.start,
-                pages=e.seq.pages,
-                want_logits=e.samples,
-            )
-            for e in plan.entries
-        ]
-        if self.decode_graphs is not None:
-            logits = self.decode_graphs.try_run(inputs)
-            if logits is not None:
-                return logits
-        batch = build_forward_batch(inputs, self.cache.page_size, self.model.device)
-        return self.model.forward(batch, self.cache.kv)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[dict[str, Any]]:
         jobs = [e.seq.owner for e in plan.entries if e.samples]
@@ -281,7 +252,7 @@ class DynamicGenerator:
             "evictions": table.evictions,
             "cached_tokens_total": self._cached_tokens_total,
             "prompt_tokens_total": self._prompt_tokens_total,
-            "decode_graph_steps": self.decode_graphs.steps if self.decode_graphs else 0,
+            "decode_graph_steps": self.runner.decode_graph_steps,
         }
 
 

@@ -18,12 +18,10 @@ import torch
 
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
-from engine.scheduler import Sequence
+from engine.scheduler import SeqState
 from engine.stop_strings import StopStringMatcher
 
 PREFIX_CONTEXT_TOKENS = 8  # prompt tokens given to the detokenizer as context (leading spaces)
-
-EOS_REASONS = ("stop_token", "stop_string", "max_new_tokens", "end_filter", "cancelled")
 
 
 class StopCondition(enum.Enum):
@@ -72,7 +70,9 @@ class DynamicJob:
         self.return_logits = return_logits
         self.max_skips = max_skips
         self.serial: int | None = None
-        self.seq = Sequence(tokens=list(self.input_ids), owner=self)
+        # max_skips: how often admission may pass this job over for later ones before it
+        # waits for it (None: the generator's default); the scheduler reads it from seq.
+        self.seq = SeqState(tokens=list(self.input_ids), owner=self, max_skips=max_skips)
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False

@@ -8,6 +8,7 @@ Matmuls are not in the table: they always go to torch (cuBLAS on GPU, MKL/oneDNN
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,10 @@ OPS_CHOICES = ("auto", "torch", "cuda")
 
 @dataclass(frozen=True, slots=True)
 class OpSet:
-    """The ops a forward pass calls; see each reference for shapes and semantics."""
+    """The ops a forward pass calls; see each reference for shapes and semantics.
+
+    Callers ask the capabilities below, never the name (which is for logs and reports).
+    """
 
     name: str
     rms_norm: Any
@@ -32,6 +36,19 @@ class OpSet:
     rotary_cache_write: Any
     paged_attention: Any
     silu_mul: Any
+    # The ops compile per specialisation on first launch: warm them up before serving.
+    compiles: bool = False
+    # A forward's launches depend only on device buffers and on values fixed when its
+    # attention plan is made, so a padded static batch can be captured and replayed as a
+    # CUDA graph. The torch reference sizes its masks from each step's host values: False.
+    supports_graphs: bool = False
+    # Run dtypes the ops take (None: any).
+    dtypes: tuple[torch.dtype, ...] | None = None
+    # Compiles what a warm-up forward cannot reach: (config, dtype, device, page_size).
+    warm_up_extra: Callable[[Any, torch.dtype, torch.device, int], None] | None = None
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
 
 
 TORCH_OPS = OpSet(
@@ -46,6 +63,7 @@ TORCH_OPS = OpSet(
 
 def cuda_ops() -> OpSet:
     """The Numba CUDA kernels as an op set (imported on first use: it loads numba)."""
+    from engine.cuda._launch import KERNEL_DTYPES
     from engine.cuda.activation import silu_mul_cuda
     from engine.cuda.attention import paged_attention_cuda
     from engine.cuda.norm import add_rms_norm_cuda, rms_norm_cuda
@@ -58,6 +76,20 @@ def cuda_ops() -> OpSet:
         rotary_cache_write=rotary_cache_write_cuda,
         paged_attention=paged_attention_cuda,
         silu_mul=silu_mul_cuda,
+        compiles=True,
+        supports_graphs=True,
+        dtypes=KERNEL_DTYPES,
+        warm_up_extra=_warm_up_split_merge,
+    )
+
+
+def _warm_up_split_merge(config, dtype: torch.dtype, device: torch.device, page_size: int):
+    """Short warm-up contexts never split the attention's key range: compile the merge kernel
+    here, or the first long-context decode would compile it mid-request."""
+    from engine.cuda.attention import warm_up_split_merge
+
+    warm_up_split_merge(
+        dtype, device, config.num_heads, config.num_kv_heads, config.head_dim, page_size
     )
 
 

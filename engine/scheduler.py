@@ -31,7 +31,7 @@ class SchedulerConfig:
     max_batch_size: int  # sequences running at once
     max_chunk_size: int = 2048  # token budget of one forward (decode + prefill tokens)
     max_q_size: int = 1  # pending tokens a decoding sequence may compute per step
-    max_skips: int = 4  # how often the queue head may be passed over before admission stops
+    max_skips: int = 4  # how often a waiting job may be passed over before admission stops
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_chunk_size", "max_q_size"):
@@ -42,15 +42,16 @@ class SchedulerConfig:
 
 
 @dataclass(eq=False, slots=True)
-class Sequence:
+class SeqState:
     """The scheduler's view of one job: tokens, progress and the pages that hold them."""
 
     tokens: list[int]
     owner: Any = None  # the job this sequence belongs to (opaque to the scheduler)
     num_computed: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # see the page-list INVARIANT at _grow
     page_hashes: list[PageHash] = field(default_factory=list)  # of the leading full pages
-    skips: int = 0
+    skips: int = 0  # later jobs admitted while this one could not start
+    max_skips: int | None = None  # how many it lets pass (None: SchedulerConfig.max_skips)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     cached_pages: int = 0
     admitted: bool = False  # admitted at least once (preempted sequences resume)
@@ -59,6 +60,12 @@ class Sequence:
     # attempts and in-flight checks do not rehash the prompt
     hash_cache: tuple[int, list[PageHash]] | None = None
 
+    def __post_init__(self) -> None:
+        if self.max_skips is not None and (
+            not isinstance(self.max_skips, int) or self.max_skips < 0
+        ):
+            raise ValueError(f"max_skips must be None or an int >= 0, got {self.max_skips!r}")
+
     @property
     def num_pending(self) -> int:
         return len(self.tokens) - self.num_computed
@@ -66,7 +73,7 @@ class Sequence:
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:
-    seq: Sequence
+    seq: SeqState
     start: int  # first position computed in this step (== seq.num_computed before it)
     num_tokens: int
 
@@ -75,12 +82,18 @@ class StepEntry:
         """True when this chunk reaches the end of the tokens, so its logits are sampled."""
         return self.start + self.num_tokens == len(self.seq.tokens)
 
+    @property
+    def logits_rows(self) -> int:
+        """Trailing tokens of this chunk whose logits the forward must return (1 when it
+        samples; 1 + k once k draft tokens are verified)."""
+        return 1 if self.start + self.num_tokens == len(self.seq.tokens) else 0
+
 
 @dataclass(slots=True)
 class StepPlan:
     entries: list[StepEntry] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # first admissions only
-    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[SeqState] = field(default_factory=list)  # first admissions only
+    preempted: list[SeqState] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -94,16 +107,16 @@ class Scheduler:
         self.config = config
         self.table = table
         self.page_size = table.page_size
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
         self.preemptions = 0
 
     # -- queue management --------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SeqState) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SeqState) -> None:
         """Drop a sequence (finished or cancelled) and return its pages at once."""
         if seq in self.running:
             self.running.remove(seq)
@@ -114,8 +127,13 @@ class Scheduler:
     @property
     def admission_window(self) -> int:
         """Waiting jobs considered per step: enough to fill every batch slot even when each
-        one passed over (``max_skips``) or deferred behind an in-flight page sits in between."""
+        one passed over (``max_skips``) or deferred behind an in-flight page sits in between.
+        (A job with a larger ``max_skips`` of its own is passed over across more steps.)"""
         return 2 * self.config.max_batch_size + self.config.max_skips
+
+    def max_skips(self, seq: SeqState) -> int:
+        """How many later jobs ``seq`` lets pass before admission waits for it."""
+        return self.config.max_skips if seq.max_skips is None else seq.max_skips
 
     @property
     def num_unfinished(self) -> int:
@@ -170,7 +188,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _make_room_for_oldest(self, seq: Sequence, plan: StepPlan, budget: int) -> int:
+    def _make_room_for_oldest(self, seq: SeqState, plan: StepPlan, budget: int) -> int:
         """The oldest sequence must always progress: preempt newer ones until it can."""
         while len(self.running) > 1:
             self._preempt(self.running[-1], plan)
@@ -181,19 +199,20 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """FIFO admission; a job that cannot start yet may be passed over by at most
-        ``max_skips`` later jobs in total, then admission waits for it.
+        ``max_skips`` later jobs in total (its own, else the config's), then admission waits
+        for it.
 
         Only the first ``admission_window`` waiting jobs are looked at per step, so a step
         costs the same with ten thousand queued requests (say, behind a full cache, or all
         waiting for one in-flight system-prompt page) as with ten."""
-        passed_over: list[Sequence] = []
+        passed_over: list[SeqState] = []
         in_flight = self._in_flight_hashes()
         for seq in list(itertools.islice(self.waiting, self.admission_window)):
             if budget == 0 or len(self.running) >= self.config.max_batch_size:
                 break
             if self._next_page_in_flight(seq, in_flight):
                 continue  # another sequence is computing that page now; reuse it next step
-            if any(s.skips >= self.config.max_skips for s in passed_over):
+            if any(s.skips >= self.max_skips(s) for s in passed_over):
                 break
             n = self._try_admit(seq, budget)
             if n == 0:
@@ -210,7 +229,7 @@ class Scheduler:
             plan.entries.append(StepEntry(seq, seq.num_computed, n))
             budget -= n
 
-    def _try_admit(self, seq: Sequence, budget: int) -> int:
+    def _try_admit(self, seq: SeqState, budget: int) -> int:
         """Attach the cached prefix and pages for a first chunk; 0 (no change) if it can't."""
         hashes = self._matchable_hashes(seq)
         hits = self.table.match_prefix(hashes)
@@ -233,7 +252,7 @@ class Scheduler:
         seq.skips = 0
         return n
 
-    def _matchable_hashes(self, seq: Sequence) -> list[PageHash]:
+    def _matchable_hashes(self, seq: SeqState) -> list[PageHash]:
         # At least one token must be computed to produce logits, so the last token's page
         # is never taken from the cache.
         if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
@@ -250,7 +269,7 @@ class Scheduler:
                 in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
         return in_flight
 
-    def _next_page_in_flight(self, seq: Sequence, in_flight: set[PageHash]) -> bool:
+    def _next_page_in_flight(self, seq: SeqState, in_flight: set[PageHash]) -> bool:
         """True when the first page ``seq`` would have to compute is being computed by
         another sequence: waiting a step turns that work into a cache hit."""
         if not in_flight:
@@ -261,12 +280,20 @@ class Scheduler:
 
     # -- pages -------------------------------------------------------------------------------
 
-    def _room(self, seq: Sequence) -> int:
+    def _room(self, seq: SeqState) -> int:
         """Tokens ``seq`` could add now: slack in its pages plus every available page."""
         slack = len(seq.pages) * self.page_size - seq.num_computed
         return slack + self.table.num_available * self.page_size
 
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    # INVARIANT (page lists): while a sequence keeps one ``pages`` list object, the entries
+    # of its full pages (index < num_computed // page_size, the ones in ``page_hashes``) never
+    # change. The list only changes by (1) ``_grow`` appending pages at its end and (2)
+    # ``_register_full_pages`` swapping entry i for a cached twin in the commit that makes
+    # page i full (so i >= num_computed // page_size at the step's start). Nothing removes or
+    # reorders entries in place: releasing (finish, cancel, preemption) and (re-)admission
+    # assign a new list object. DecodeGraphs._stage_table_row relies on this to rewrite only
+    # the tail of a block-table row whose sequence kept its row; test_scheduler checks it.
+    def _grow(self, seq: SeqState, n: int) -> bool:
         """Make the pages cover ``n`` more tokens; False (no change) if the table can't."""
         need = -(-(seq.num_computed + n) // self.page_size) - len(seq.pages)
         if need <= 0:
@@ -277,7 +304,7 @@ class Scheduler:
         seq.pages.extend(fresh)
         return True
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: SeqState, plan: StepPlan) -> None:
         self.running.remove(seq)
         plan.entries = [e for e in plan.entries if e.seq is not seq]
         self._release_pages(seq)
@@ -286,9 +313,9 @@ class Scheduler:
         self.waiting.appendleft(seq)  # resumes first; its full pages are still cached
         plan.preempted.append(seq)
 
-    def _release_pages(self, seq: Sequence) -> None:
+    def _release_pages(self, seq: SeqState) -> None:
         self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
-        seq.pages = []
+        seq.pages = []  # a new list object, never cleared in place (page-list INVARIANT)
         seq.page_hashes = []
         seq.num_computed = 0
 
@@ -301,11 +328,13 @@ class Scheduler:
             seq.num_computed = entry.start + entry.num_tokens
             self._register_full_pages(seq)
 
-    def _register_full_pages(self, seq: Sequence) -> None:
+    def _register_full_pages(self, seq: SeqState) -> None:
         ps = self.page_size
         while len(seq.page_hashes) < seq.num_computed // ps:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else None
             h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps])
+            # The only in-place change of an entry: page i just became full (page-list
+            # INVARIANT at _grow); once hashed it is never swapped again.
             seq.pages[i] = self.table.register(seq.pages[i], h)
             seq.page_hashes.append(h)

@@ -64,6 +64,3 @@ class PagedCache:
         self.max_num_tokens = self.num_pages * page_size
         self.kv: KVPages = model.allocate_kv(self.num_pages, page_size)
         self.page_table = PageTable(self.num_pages, page_size)
-
-    def bytes_allocated(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)

@@ -80,9 +80,6 @@ class PageTable:
             found.append(index)
         return found
 
-    def lookup(self, page_hash: PageHash) -> int | None:
-        return self._by_hash.get(page_hash)
-
     def recent_hashes(self, limit: int) -> list[PageHash]:
         """Up to ``limit`` hashes the table can serve now, most recently registered first
         (a bounded summary for the router)."""

@@ -41,9 +41,9 @@ def paged_attention_reference(
     """
     layout = _padded_layout(batch)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout["q_index"]]
-    k = _gather_pages(k_pages, batch, layout["num_blocks"])
-    v = _gather_pages(v_pages, batch, layout["num_blocks"])
+    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
+    k = _gather_pages(k_pages, batch, layout.num_blocks)
+    v = _gather_pages(v_pages, batch, layout.num_blocks)
     mask = _mask(batch, layout, sliding_window)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
@@ -54,7 +54,7 @@ def paged_attention_reference(
         enable_gqa=num_heads != k.shape[2],
     )
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, H, D]
-    return out[layout["out_rows"]]
+    return out[layout.out_rows]
 
 
 def _gather_pages(pages: torch.Tensor, batch: ForwardBatch, num_blocks: int) -> torch.Tensor:
@@ -65,10 +65,22 @@ def _gather_pages(pages: torch.Tensor, batch: ForwardBatch, num_blocks: int) -> 
     return gathered.view(b, n * s, kv, d)
 
 
-def _padded_layout(batch: ForwardBatch) -> dict:
-    """Index tensors mapping flat rows <-> [B, max_q] padded rows; cached for all layers."""
-    if "attn_layout" in batch.scratch:
-        return batch.scratch["attn_layout"]
+@dataclass(frozen=True, slots=True)
+class PaddedLayout:
+    """The torch reference's map between flat rows and [B, max_q] padded rows (per forward)."""
+
+    q_index: torch.Tensor  # [B, max_q] flat row of each padded row (T: the zero row)
+    out_rows: torch.Tensor  # [T] padded row of each flat row
+    valid: torch.Tensor  # [B, max_q] bool: the padded row is a real query
+    q_pos: torch.Tensor  # [B, max_q] absolute position of each padded query row
+    num_blocks: int  # pages gathered per sequence
+    kv_pos: torch.Tensor  # [num_blocks * page_size] key positions
+
+
+def _padded_layout(batch: ForwardBatch) -> PaddedLayout:
+    """Index tensors mapping flat rows <-> [B, max_q] padded rows; built once per forward."""
+    if batch.attention.layout is not None:
+        return batch.attention.layout
     device = batch.input_ids.device
     num_seqs, max_q = batch.num_seqs, batch.max_query_len
     q_lens = torch.tensor(batch.q_lens, device=device)
@@ -76,38 +88,34 @@ def _padded_layout(batch: ForwardBatch) -> dict:
     starts = batch.query_start_loc[:-1].long()
     col = torch.arange(max_q, device=device)
     valid = col[None, :] < q_lens[:, None]  # [B, max_q]
-    # padding rows point at the extra zero row appended to q (index T)
-    q_index = torch.where(valid, starts[:, None] + col[None, :], batch.num_tokens)
-    rows = (torch.arange(num_seqs, device=device)[:, None] * max_q + col[None, :])[valid]
     num_blocks = -(-batch.max_seq_len // batch.page_size)
-    layout = {
-        "q_index": q_index,
-        "out_rows": rows,
-        "valid": valid,
-        # absolute position of each padded query row
-        "q_pos": (seq_lens - q_lens)[:, None] + col[None, :],
-        "num_blocks": num_blocks,
-        "kv_pos": torch.arange(num_blocks * batch.page_size, device=device),
-        "seq_lens": seq_lens,
-    }
-    batch.scratch["attn_layout"] = layout
+    layout = PaddedLayout(
+        # padding rows point at the extra zero row appended to q (index T)
+        q_index=torch.where(valid, starts[:, None] + col[None, :], batch.num_tokens),
+        out_rows=(torch.arange(num_seqs, device=device)[:, None] * max_q + col[None, :])[valid],
+        valid=valid,
+        q_pos=(seq_lens - q_lens)[:, None] + col[None, :],
+        num_blocks=num_blocks,
+        kv_pos=torch.arange(num_blocks * batch.page_size, device=device),
+    )
+    batch.attention.layout = layout
     return layout
 
 
-def _mask(batch: ForwardBatch, layout: dict, sliding_window: int | None) -> torch.Tensor:
+def _mask(batch: ForwardBatch, layout: PaddedLayout, sliding_window: int | None) -> torch.Tensor:
     """Boolean [B, 1, max_q, max_kv] mask (True = attend), one per window size per forward."""
-    key = ("attn_mask", sliding_window)
-    if key in batch.scratch:
-        return batch.scratch[key]
-    q_pos = layout["q_pos"][:, :, None]  # [B, max_q, 1]
-    kv_pos = layout["kv_pos"][None, None, :]  # [1, 1, max_kv]
+    mask = batch.attention.masks.get(sliding_window)
+    if mask is not None:
+        return mask
+    q_pos = layout.q_pos[:, :, None]  # [B, max_q, 1]
+    kv_pos = layout.kv_pos[None, None, :]  # [1, 1, max_kv]
     mask = kv_pos <= q_pos
     if sliding_window is not None:
         mask &= kv_pos > q_pos - sliding_window
     # Padding query rows would see no key and turn into NaN; give them key 0 (rows are dropped).
-    mask[:, :, 0] |= ~layout["valid"]
+    mask[:, :, 0] |= ~layout.valid
     mask = mask[:, None]
-    batch.scratch[key] = mask
+    batch.attention.masks[sliding_window] = mask
     return mask
 
 
@@ -132,7 +140,7 @@ def _mask(batch: ForwardBatch, layout: dict, sliding_window: int | None) -> torc
 #
 # All per-forward metadata (the work list, split count, chunk length, partial buffers) comes
 # from ``_plan``: computed once per forward with device-side torch ops, sized from the host
-# ints the batch carries, cached in ``batch.scratch`` and shared by every layer.
+# ints the batch carries, kept in ``batch.attention.kernel`` and shared by every layer.
 # --------------------------------------------------------------------------------------------
 
 _NUM_WARPS = 2 if SIMULATOR else 4  # threads per attention block / 32
@@ -365,8 +373,12 @@ def _merge_kernel(head_dim: int):
     return merge
 
 
+# (num_heads, num_kv_heads, head_dim, sliding_window, forced num_splits)
+KernelPlanKey = tuple[int, int, int, int | None, int | None]
+
+
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class KernelPlan:
     """Per-forward launch data of the CUDA attention, shared by every layer."""
 
     q_tile: int  # query tokens per work item
@@ -420,9 +432,9 @@ def _plan(
     sliding_window: int | None,
     num_splits: int | None,
     device: torch.device,
-) -> _Plan:
-    key = ("paged_attention_cuda", num_heads, num_kv_heads, head_dim, sliding_window, num_splits)
-    plan = batch.scratch.get(key)
+) -> KernelPlan:
+    key = (num_heads, num_kv_heads, head_dim, sliding_window, num_splits)
+    plan = batch.attention.kernel.get(key)
     if plan is not None:
         return plan
     group = num_heads // num_kv_heads
@@ -462,8 +474,8 @@ def _plan(
     else:
         part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=device)
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
-    plan = _Plan(q_tile, lanes, num_items, splits, min_chunk, chunk, work, part_ml, part_o)
-    batch.scratch[key] = plan
+    plan = KernelPlan(q_tile, lanes, num_items, splits, min_chunk, chunk, work, part_ml, part_o)
+    batch.attention.kernel[key] = plan
     return plan
 
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
+from engine.ops import OpSet
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 PAD_SLOT = -1
-_TAIL_REWRITE = 2  # trailing block-table entries rewritten for a sequence that kept its row
 
 
 @dataclass(slots=True)
@@ -71,19 +71,21 @@ class DecodeGraphs:
         max_batch_size: int,
         max_seq_len: int,
         *,
+        ops: OpSet | None = None,
         capture: bool | None = None,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
     ):
-        if model.ops.name != "cuda":
-            # The torch attention reference sizes its masks from per-step host values.
+        ops = model.ops if ops is None else ops
+        if not ops.supports_graphs:
             raise ValueError(
-                f"decode graphs need the CUDA kernel op set, the model runs {model.ops.name!r}"
+                f"decode graphs need an op set that supports graphs; {ops.name!r} does not"
             )
         if capture is None:
             capture = model.device.type == "cuda"
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA-graph capture needs a CUDA device, not {model.device}")
         self.model = model
+        self.ops = ops
         self.kv_pages = kv_pages
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -113,9 +115,10 @@ class DecodeGraphs:
         self._np_ints = self._host_ints.numpy()
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(n, dtype=torch.long, device=device)
-        # Which pages list each block-table row holds, and how many entries were written.
+        # Which pages list each block-table row holds, and how many of its leading entries
+        # can no longer change (full pages when the row was last written).
         self._row_pages: list[Sequence[int] | None] = [None] * n
-        self._row_written = [0] * n
+        self._row_frozen = [0] * n
 
     def _make_bucket(self, size: int) -> _Bucket:
         tables = self._ints[self.max_size :].view(self.max_size, self.max_pages)
@@ -154,7 +157,7 @@ class DecodeGraphs:
     def _capture(self, bucket: _Bucket, pool) -> None:
         self._stage([], bucket.size)
         self._upload(bucket.size)
-        network, ops = self.model.network, self.model.ops
+        network, ops = self.model.network, self.ops
         # An eager run on a side stream first: it plans the attention (work list and partial
         # buffers, cached on the batch and reused by the graph) and loads every kernel module,
         # so the capture itself launches only.
@@ -177,7 +180,7 @@ class DecodeGraphs:
         if not 1 <= len(seqs) <= self.max_size:
             return False
         return all(
-            len(s.token_ids) == 1 and s.want_logits and s.num_cached < self.max_seq_len
+            len(s.token_ids) == 1 and s.logits_rows == 1 and s.num_cached < self.max_seq_len
             for s in seqs
         )
 
@@ -207,7 +210,7 @@ class DecodeGraphs:
             bucket.graph.replay()
             hidden = bucket.hidden
         else:
-            hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.model.ops)
+            hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.ops)
         return self.model.network.logits(hidden[: len(seqs)])
 
     def _stage(self, seqs: Sequence[SequenceInput], size: int) -> None:
@@ -225,26 +228,27 @@ class DecodeGraphs:
             longs[1, i] = pos
             longs[2, i] = pages[pos // ps] * ps + pos % ps
             ints[i] = pos + 1
-            self._stage_table_row(i, pages)
+            self._stage_table_row(i, pages, pos // ps)
         longs[:, n:size] = 0
         longs[2, n:size] = PAD_SLOT
         ints[n:size] = 0
 
-    def _stage_table_row(self, row: int, pages: Sequence[int]) -> None:
-        """Row ``row`` of the block tables. A sequence that had this row before (the same
-        pages list object) rewrites only its tail: the scheduler only appends pages to a
-        running sequence's list, and dedup on registration swaps only pages that were not
-        full yet when this row was last written (the last one then, or later ones), so
-        rewriting from ``_TAIL_REWRITE`` entries (one would do) before the old end is enough.
-        That makes a step cost O(batch), not O(batch x context pages)."""
+    def _stage_table_row(self, row: int, pages: Sequence[int], full: int) -> None:
+        """Row ``row`` of the block tables; ``full``: pages of the sequence already full.
+
+        A sequence that had this row before (the same pages list object) rewrites only the
+        entries from its full-page count then: by the scheduler's page-list INVARIANT (see
+        ``Scheduler._grow`` in engine/scheduler.py) the entries of full pages never change
+        while the list object lives; pages only get appended, and dedup swaps only a page in
+        the commit that fills it. That makes a step cost O(batch), not O(batch x pages)."""
         used = min(len(pages), self.max_pages)
         start = 0
         if self._row_pages[row] is pages:
-            start = max(0, min(self._row_written[row], used) - _TAIL_REWRITE)
+            start = min(self._row_frozen[row], used)
         base = self.max_size + row * self.max_pages
         self._np_ints[base + start : base + used] = pages[start:used]
         self._row_pages[row] = pages
-        self._row_written[row] = used
+        self._row_frozen[row] = full
 
     def _upload(self, size: int) -> None:
         tables = self.max_size + size * self.max_pages

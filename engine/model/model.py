@@ -48,7 +48,11 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 class Model:
-    """A loaded decoder: config, weights on a device, and the op set that runs it."""
+    """A loaded decoder: config, weights on a device, and the op set that runs it by default.
+
+    ``forward`` / ``logits`` are direct forwards (tests, benchmarks); the generator runs the
+    model through an ``engine.model.runner.ModelRunner``, which also warms the kernels up.
+    """
 
     def __init__(self, config: ModelConfig, network: LlamaForCausalLM, path: Path | None = None):
         self.config = config
@@ -77,10 +81,11 @@ class Model:
             config = ModelConfig.from_pretrained(folder)
         dev = resolve_device(device)
         run_dtype = resolve_dtype(dtype, dev)
-        if run_dtype == torch.bfloat16 and select_ops(dev).name == "cuda":
+        ops = select_ops(dev)
+        if not ops.supports_dtype(run_dtype):
             # The Numba kernels take fp16/fp32 (the simulator has no bf16); bf16 weights are
             # converted tensor by tensor at load, which fp16's range covers for LLM weights.
-            logger.warning("bfloat16 requested with the CUDA kernels: running in float16")
+            logger.warning("%s requested with the %s ops: running in float16", run_dtype, ops.name)
             run_dtype = torch.float16
         network = LlamaForCausalLM(config, run_dtype, dev)
         if gguf_file is not None:
@@ -93,8 +98,6 @@ class Model:
             load_weights(network.weight_targets(), folder, ignore=ignore)
         network.eval()
         model = cls(config, network, folder)
-        if model.ops.name == "cuda" and dev.type == "cuda":
-            model.warm_up()
         logger.info(
             "loaded %s model from %s (%.1fM parameters, %s on %s)",
             config.architecture,
@@ -104,22 +107,6 @@ class Model:
             dev,
         )
         return model
-
-    def warm_up(self, page_size: int = 16) -> None:
-        """Run a prefill and a decode forward once, so every kernel specialisation the engine
-        needs is compiled and loaded now, never mid-request (or during CUDA-graph capture)."""
-        kv = self.allocate_kv(2, page_size)
-        prompt = SequenceInput([0] * (page_size + 1), num_cached=0, pages=[0, 1])
-        self.forward_sequences([prompt], kv, page_size)
-        decode = SequenceInput([0], num_cached=page_size + 1, pages=[0, 1])
-        self.forward_sequences([decode], kv, page_size)
-        if self.ops.name == "cuda":
-            from engine.cuda.attention import warm_up_split_merge
-
-            cfg = self.config
-            warm_up_split_merge(
-                self.dtype, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size
-            )
 
     def allocate_kv(self, num_pages: int, page_size: int = 16) -> KVPages:
         """Paged K/V storage for this model on its device, in its dtype."""
@@ -131,22 +118,13 @@ class Model:
         [len(batch.logits_indices), vocab]."""
         return self.network(batch, kv_pages, self.ops)
 
-    def forward_sequences(
-        self, seqs: Sequence[SequenceInput], kv_pages: KVPages, page_size: int
-    ) -> torch.Tensor:
-        """Convenience: build the batch from host values, then ``forward``."""
-        return self.forward(build_forward_batch(seqs, page_size, self.device), kv_pages)
-
     def logits(self, input_ids: torch.Tensor | Sequence[int], page_size: int = 16) -> torch.Tensor:
         """Float32 logits [n, vocab] of every position of one sequence (no cache kept)."""
         ids = _flat_ids(input_ids)
         num_pages = -(-len(ids) // page_size)
         kv = self.allocate_kv(num_pages, page_size)
-        batch = build_forward_batch(
-            [SequenceInput(ids, num_cached=0, pages=range(num_pages))], page_size, self.device
-        )
-        batch.logits_indices = torch.arange(len(ids), device=self.device)
-        return self.forward(batch, kv)
+        row = SequenceInput(ids, num_cached=0, pages=range(num_pages), logits_rows=len(ids))
+        return self.forward(build_forward_batch([row], page_size, self.device), kv)
 
 
 def _flat_ids(input_ids: torch.Tensor | Sequence[int]) -> list[int]:

@@ -1,9 +1,14 @@
-"""DynamicGeneratorAsync: a step thread off the event loop, cancellation, failures, close."""
+"""DynamicGeneratorAsync: a step thread off the event loop, cancellation, failures, close.
+
+Every wait is bounded: a hung step thread fails the test with what it was waiting for, and
+no test relies on a fixed sleep for its timing.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -16,8 +21,40 @@ def _async_generator(tiny, **kwargs) -> DynamicGeneratorAsync:
     return DynamicGeneratorAsync(tiny.model, cache, tiny.tokenizer, **kwargs)
 
 
+DEADLINE_S = 60.0  # far above any healthy run on a slow CI machine
+
+
+async def _within(awaitable: Awaitable, what: str, timeout: float = DEADLINE_S):
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}", pytrace=False)
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = DEADLINE_S):
+    """Poll ``check`` until it is true; fail the test once ``timeout`` has passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}", pytrace=False)
+        await asyncio.sleep(0.005)
+
+
+async def _stats(gen: DynamicGeneratorAsync) -> dict[str, int]:
+    """A consistent read, made by the step thread between two steps."""
+    return await _within(gen.call(lambda g: g.stats()), "a stats read")
+
+
 async def _collect(job: DynamicJobAsync) -> list[dict]:
-    return [r async for r in job]
+    async def results() -> list[dict]:
+        return [r async for r in job]
+
+    return await _within(results(), f"the results of job {job.job.identifier!r}")
+
+
+async def _close(gen: DynamicGeneratorAsync) -> None:
+    await _within(gen.close(), "the step thread to stop")
 
 
 def test_64_concurrent_async_jobs_match_sync(tiny):
@@ -37,8 +74,8 @@ def test_64_concurrent_async_jobs_match_sync(tiny):
 
         # jobs are created from many tasks at once
         out = await asyncio.gather(*(one(ids) for ids in prompts))
-        assert gen.stats()["pages_in_use"] == 0
-        await gen.close()
+        assert (await _stats(gen))["pages_in_use"] == 0
+        await _close(gen)
         return out
 
     assert asyncio.run(main()) == sync
@@ -57,7 +94,7 @@ def test_iterate_runs_off_the_event_loop(tiny):
 
         gen.generator.iterate = spy
         await _collect(DynamicJobAsync(gen, [5, 6, 7], 4, stop_conditions=[]))
-        await gen.close()
+        await _close(gen)
         assert seen and loop_thread not in seen
 
     asyncio.run(main())
@@ -68,14 +105,18 @@ def test_cancel_from_another_task_wakes_the_consumer(tiny):
         gen = _async_generator(tiny)
         job = DynamicJobAsync(gen, [5, 6, 7, 8], 480, stop_conditions=[])
         consumer = asyncio.create_task(_collect(job))
-        while gen.stats()["jobs_running"] == 0:
-            await asyncio.sleep(0.01)
-        await job.cancel()
-        assert gen.stats()["pages_in_use"] == 0  # freed by the time cancel returns
-        results = await asyncio.wait_for(consumer, 10)
+
+        async def running() -> bool:
+            return (await _stats(gen))["jobs_running"] == 1
+
+        await _until(running, "the job to start running")
+        await _within(job.cancel(), "the cancellation")
+        assert (await _stats(gen))["pages_in_use"] == 0  # freed by the time cancel returns
+        results = await consumer
         assert results[-1]["eos_reason"] == "cancelled"
-        await job.cancel()  # cancelling a finished job is harmless
-        await gen.close()
+        assert len(job.job.new_token_ids) < 480  # cancelled mid-generation, not finished
+        await _within(job.cancel(), "a second cancellation")  # harmless on a finished job
+        await _close(gen)
 
     asyncio.run(main())
 
@@ -83,27 +124,28 @@ def test_cancel_from_another_task_wakes_the_consumer(tiny):
 def test_engine_error_fails_running_jobs_and_keeps_serving(tiny):
     async def main():
         gen = _async_generator(tiny)
-        original = gen.generator.model.forward
+        runner = gen.generator.runner
+        original = runner.forward_plan
         calls = {"n": 0}
 
-        def flaky(batch, kv):
+        def flaky(plan):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("boom")
-            return original(batch, kv)
+            return original(plan)
 
-        gen.generator.model.forward = flaky
+        runner.forward_plan = flaky  # the step thread waits: no job yet
         try:
             doomed = DynamicJobAsync(gen, [5, 6, 7, 8, 9], 50, stop_conditions=[])
             with pytest.raises(RuntimeError, match="boom"):
                 await _collect(doomed)
-            assert gen.stats()["pages_in_use"] == 0
+            assert (await _stats(gen))["pages_in_use"] == 0
             healthy = DynamicJobAsync(gen, [5, 6, 7], 4, stop_conditions=[])
             results = await _collect(healthy)
             assert results[-1]["eos_reason"] == "max_new_tokens"
         finally:
-            gen.generator.model.forward = original
-            await gen.close()
+            runner.forward_plan = original
+            await _close(gen)
 
     asyncio.run(main())
 
@@ -117,7 +159,7 @@ def test_invalid_job_raises_in_the_caller(tiny):
             DynamicJobAsync(gen, [1], -3)
         ok = await _collect(DynamicJobAsync(gen, [1, 2], 2, stop_conditions=[]))
         assert ok[-1]["eos"]
-        await gen.close()
+        await _close(gen)
 
     asyncio.run(main())
 
@@ -127,12 +169,16 @@ def test_close_cancels_everything(tiny):
         gen = _async_generator(tiny)
         jobs = [DynamicJobAsync(gen, [5, 6, i], 480, stop_conditions=[]) for i in range(3)]
         consumers = [asyncio.create_task(_collect(j)) for j in jobs]
-        await asyncio.sleep(0.05)
-        await gen.close()
+
+        async def all_running() -> bool:
+            return (await _stats(gen))["jobs_running"] == len(jobs)
+
+        await _until(all_running, "all jobs to start running")
+        await _close(gen)
         for consumer in consumers:
-            results = await asyncio.wait_for(consumer, 10)
+            results = await consumer
             assert results[-1]["eos_reason"] == "cancelled"
-        assert gen.stats()["pages_in_use"] == 0
+        assert gen.stats()["pages_in_use"] == 0  # the step thread has stopped: a stable read
         with pytest.raises(RuntimeError, match="closed"):
             DynamicJobAsync(gen, [1, 2], 2)
 

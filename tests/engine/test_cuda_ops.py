@@ -60,14 +60,3 @@ def test_ops_env_is_validated(monkeypatch):
     assert select_ops("cpu").name == "torch"
     monkeypatch.delenv(OPS_ENV)
     assert select_ops("cpu").name == "torch"  # auto: references off CUDA
-
-
-def test_model_warm_up_runs_every_kernel_once(small, monkeypatch):
-    # prefill + decode forwards, plus a split decode for the merge kernel
-    from engine.cuda import attention
-
-    monkeypatch.setenv(OPS_ENV, "cuda")
-    model = Model.from_pretrained(small)  # no warm-up here: that runs on CUDA devices only
-    attention._merge_kernel.cache_clear()
-    model.warm_up(page_size=4)
-    assert attention._merge_kernel.cache_info().currsize == 1

@@ -7,6 +7,8 @@ ones a graph would replay. The ``gpu`` test at the end captures and replays real
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -14,10 +16,12 @@ from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSetti
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cuda import attention
 from engine.model.cuda_graphs import DecodeGraphs, bucket_sizes
+from engine.model.runner import plan_rows
 from engine.ops import OPS_ENV, TORCH_OPS
 from tests.engine.conftest import assert_no_pages_in_use
 from tests.engine.test_cuda_ops import small  # noqa: F401 - fixture
 from tests.kernels.common import TOL
+from tests.unit.test_scheduler import Sim, content_sampler
 
 PAGE = 4
 
@@ -131,13 +135,46 @@ def test_block_table_rows_follow_growth_swaps_and_row_changes(cuda_model):
     step(a[:], b)  # a new list object (a re-admitted sequence): the whole row is written
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_block_tables_staged_from_scheduler_runs_match_the_pages(cuda_model, seed):
+    # The scheduler drives the staging: repeated prompts that decode identically (dedup swaps
+    # of prompt and generated pages), a table small enough to preempt, rows changing hands.
+    # Every decode step is staged as the generator would; each row must equal its pages.
+    rng = random.Random(seed)
+    sim = Sim(20, PAGE, sampler=content_sampler, max_batch_size=4, max_chunk_size=10)
+    graphs = DecodeGraphs(
+        cuda_model, cuda_model.allocate_kv(1, PAGE), PAGE, 4, max_seq_len=80, capture=False
+    )
+    tables = graphs._np_ints[graphs.max_size :].reshape(graphs.max_size, graphs.max_pages)
+    staged = []
+
+    def stage(plan) -> None:
+        rows = plan_rows(plan)
+        if not graphs.supports(rows):
+            return
+        graphs._stage(rows, graphs.bucket_for(len(rows)))
+        staged.append(len(rows))
+        for i, row in enumerate(rows):
+            assert tables[i, : len(row.pages)].tolist() == list(row.pages)
+
+    sim.on_plan = stage
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    for _ in range(10):
+        sim.add(list(rng.choice(prompts)), generate=rng.randint(3, 30))
+        for _ in range(rng.randint(0, 4)):
+            sim.step()
+    sim.run()
+    sim.check_done()
+    assert len(staged) > 10 and sim.swaps_seen > 0
+
+
 def test_only_decode_steps_that_fit_are_supported(cuda_model):
     kv = cuda_model.allocate_kv(16, PAGE)
     graphs = DecodeGraphs(cuda_model, kv, PAGE, max_batch_size=2, max_seq_len=12, capture=False)
     assert graphs.supports(_decode_inputs([3, 5]))
     assert not graphs.supports(_decode_inputs([3, 5, 6]))  # more rows than the largest bucket
     assert not graphs.supports([SequenceInput([1, 2], 0, [0])])  # a prefill
-    assert not graphs.supports([SequenceInput([1], 3, [0], want_logits=False)])
+    assert not graphs.supports([SequenceInput([1], 3, [0], logits_rows=0)])
     assert not graphs.supports(_decode_inputs([12]))  # past max_seq_len
     with pytest.raises(ValueError, match="decode step"):
         graphs.run([SequenceInput([1, 2], 0, [0])])
@@ -146,7 +183,7 @@ def test_only_decode_steps_that_fit_are_supported(cuda_model):
 def test_graphs_need_the_kernel_op_set(small, monkeypatch):  # noqa: F811
     monkeypatch.setenv(OPS_ENV, "torch")
     model = Model.from_pretrained(small)
-    with pytest.raises(ValueError, match="CUDA kernel op set"):
+    with pytest.raises(ValueError, match="op set that supports graphs; 'torch'"):
         DecodeGraphs(model, model.allocate_kv(4, PAGE), PAGE, 2, 8, capture=False)
     monkeypatch.setenv(OPS_ENV, "cuda")
     model = Model.from_pretrained(small)
@@ -163,7 +200,7 @@ def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, mon
         generator = DynamicGenerator(
             model, cache, tiny.tokenizer, max_chunk_size=16, max_batch_size=6, cuda_graphs=graphs
         )
-        assert (generator.decode_graphs is not None) == graphs
+        assert (generator.runner.decode_graphs is not None) == graphs
         jobs = [
             DynamicJob(p, 4, gen_settings=SamplerSettings.greedy(), stop_conditions=[])
             for p in prompts
@@ -174,7 +211,7 @@ def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, mon
             generator.iterate()
         assert_no_pages_in_use(generator)
         if graphs:
-            assert generator.decode_graphs.steps >= 3  # every decode step after the prefills
+            assert generator.runner.decode_graphs.steps >= 3  # each decode after the prefills
         return [job.new_token_ids for job in jobs]
 
     with_graphs = greedy(cuda_model, True)

@@ -258,6 +258,8 @@ def test_enqueue_validation(tiny):
         DynamicJob([1], 4, stop_conditions=[1.5])
     with pytest.raises(ValueError, match="min_new_tokens"):
         DynamicJob([1], 4, min_new_tokens=5)
+    with pytest.raises(ValueError, match="max_skips must be None or an int >= 0, got -1"):
+        DynamicJob([1], 4, max_skips=-1)
     job = DynamicJob([1, 2], 4)
     generator.enqueue(job)
     with pytest.raises(ValueError, match="already enqueued"):
@@ -285,6 +287,27 @@ def test_generate_drives_only_its_own_jobs(tiny):
         "the cat sat", max_new_tokens=4, completion_only=True, return_last_results=True
     )
     assert completion == last["full_completion"]
+    assert_no_pages_in_use(generator)
+
+
+@pytest.mark.parametrize(("own", "passed"), [(None, 2), (0, 0), (3, 3)])
+def test_a_jobs_max_skips_is_honoured(tiny, own, passed):
+    # A running job holds 3 of the 10 pages, so a 7-page prompt cannot start; small jobs
+    # behind it start until it has been passed over max_skips times (its own, else the
+    # generator's). Pages are enough for 3 of the small jobs.
+    generator = tiny.generator(max_num_tokens=40, page_size=4, max_skips=2)
+    running = DynamicJob(list(range(1, 9)), 20, stop_conditions=[])
+    generator.enqueue(running)
+    generator.iterate()
+    blocked = DynamicJob(list(range(100, 128)), 1, max_skips=own, stop_conditions=[])
+    generator.enqueue(blocked)
+    small = [DynamicJob([50 + i, 1, 2], 1, stop_conditions=[]) for i in range(4)]
+    for job in small:
+        generator.enqueue(job)
+    started = [r["job"] for r in generator.iterate() if r["stage"] == "started"]
+    assert started == small[:passed]
+    while generator.num_remaining_jobs():
+        generator.iterate()
     assert_no_pages_in_use(generator)
 
 

@@ -6,6 +6,8 @@ they agree to rounding; fp16 rounds inputs and outputs to 11 bits, so 2e-3 (the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.cuda import _launch
@@ -13,6 +15,23 @@ from engine.cuda import _launch
 DEVICE = "cpu" if _launch.SIMULATOR else "cuda"
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def assert_warmed_up(specialisations: list[tuple[Callable, tuple]], *launches: Callable) -> None:
+    """Checks after a warm-up (its kernel factories' caches cleared before it): each
+    ``functools.cache``'d factory holds exactly the one specialisation (factory, args) it was
+    meant to make -- on a GPU a dispatcher with one overload, compiled from the explicit
+    signature -- and ``launches`` (calls as the model makes them) compile nothing more."""
+    factories = [factory for factory, _ in specialisations]
+    assert [f.cache_info().currsize for f in factories] == [1] * len(factories)
+    misses = [f.cache_info().misses for f in factories]
+    for factory, args in specialisations:
+        kernel = factory(*args)
+        if not _launch.SIMULATOR:
+            assert len(kernel.overloads) == 1
+    for launch in launches:
+        launch()
+    assert [f.cache_info().misses for f in factories] == misses, "compiled after the warm-up"
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

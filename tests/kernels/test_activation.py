@@ -8,7 +8,7 @@ import torch
 
 from engine.cuda import activation as act_mod
 from engine.cuda.activation import silu_mul_cuda, silu_mul_reference
-from tests.kernels.common import DEVICE, DTYPES, TOL, max_rel_err
+from tests.kernels.common import DEVICE, DTYPES, TOL, assert_warmed_up, max_rel_err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,8 +62,11 @@ def test_validation_errors():
         silu_mul_cuda(torch.zeros(2, 8, device="meta"))
 
 
-def test_warm_up():
+def test_warm_up_compiles_the_kernel_for_the_dtype():
+    act_mod._silu_mul_kernel.cache_clear()
     act_mod.warm_up(torch.float16, DEVICE)
+    gate_up = torch.randn(3, 40).to(torch.float16).to(DEVICE)
+    assert_warmed_up([(act_mod._silu_mul_kernel, (torch.float16,))], lambda: silu_mul_cuda(gate_up))
 
 
 @pytest.mark.gpu

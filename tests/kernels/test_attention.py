@@ -93,7 +93,7 @@ def test_decode_splits_fp32():
         num_splits=3,
         seed=2,
     )
-    plans = [p for key, p in batch.scratch.items() if key[0] == "paged_attention_cuda"]
+    plans = list(batch.attention.kernel.values())
     assert [p.num_splits for p in plans] == [3]
 
 
@@ -109,7 +109,7 @@ def test_decode_each_tile_splits_its_own_range_fp32():
         num_splits=4,
         seed=9,
     )
-    (plan,) = [p for key, p in batch.scratch.items() if key[0] == "paged_attention_cuda"]
+    (plan,) = batch.attention.kernel.values()
     assert plan.num_splits == 4 and plan.min_chunk == 1
 
 
@@ -332,7 +332,7 @@ def test_gpu_decode_batch64_ctx4k():
 def test_gpu_decode_ragged_long_contexts_auto_split():
     q, k, v, batch = _llama8b_case([(4000, 1), (17, 1), (2500, 1)], seed=1)
     out = paged_attention_cuda(q, k, v, batch, 0.1)
-    plans = [p for key, p in batch.scratch.items() if key[0] == "paged_attention_cuda"]
+    plans = list(batch.attention.kernel.values())
     assert plans[0].num_splits > 1  # 3 x 8 blocks on 132 SMs: split
     ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, 0.1)
     assert rel_error(out, ref) <= TOL[torch.float16]

@@ -18,7 +18,7 @@ from engine.cuda.norm import (
     rms_norm_cuda,
     rms_norm_reference,
 )
-from tests.kernels.common import DEVICE, DTYPES, TOL, max_rel_err
+from tests.kernels.common import DEVICE, DTYPES, TOL, assert_warmed_up, max_rel_err
 
 EPS = 1e-6
 
@@ -177,8 +177,17 @@ def test_validation_errors():
         rms_norm_cuda(x.to(other), w, EPS)
 
 
-def test_warm_up():
+def test_warm_up_compiles_both_kernels_for_the_dtype():
+    factories = (norm_mod._rms_norm_kernel, norm_mod._add_rms_norm_kernel)
+    for factory in factories:
+        factory.cache_clear()
     norm_mod.warm_up(torch.float16, DEVICE)
+    x, w = _randn(3, 48, dtype=torch.float16), _randn(48, dtype=torch.float16)
+    assert_warmed_up(
+        [(factory, (torch.float16,)) for factory in factories],
+        lambda: rms_norm_cuda(x, w, EPS),
+        lambda: add_rms_norm_cuda(x, x.clone(), w, EPS),
+    )
 
 
 # --------------------------------------------------------------------------------------------

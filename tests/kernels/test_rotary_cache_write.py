@@ -8,7 +8,7 @@ import torch
 
 from engine.cuda import rotary as rotary_mod
 from engine.cuda.rotary import rotary_cache_write_cuda, rotary_cache_write_reference
-from tests.kernels.common import DEVICE, DTYPES, TOL, max_rel_err
+from tests.kernels.common import DEVICE, DTYPES, TOL, assert_warmed_up, max_rel_err
 
 
 def make_inputs(
@@ -148,8 +148,16 @@ def test_validation_errors():
         rotary_cache_write_cuda(*args, out=q[:1])
 
 
-def test_warm_up():
-    rotary_mod.warm_up(torch.float16, DEVICE)
+def test_warm_up_compiles_the_kernel_for_the_dtype_and_slot_dtype():
+    factory = rotary_mod._rotary_cache_write_kernel
+    factory.cache_clear()
+    rotary_mod.warm_up(torch.float16, DEVICE)  # int64 slots, as the model's slot mapping
+    inputs = make_inputs(3, 4, 2, 16, 2, 4, torch.float16)
+    slots = torch.tensor([1, 6, -1], device=DEVICE)
+    assert_warmed_up(
+        [(factory, (torch.float16, torch.int64))],
+        lambda: rotary_cache_write_cuda(*inputs, slots),
+    )
 
 
 @pytest.mark.gpu

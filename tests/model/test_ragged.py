@@ -117,16 +117,32 @@ def test_shared_prefix_pages_are_reused(models):
     assert relative_error(suffix_logits, whole[len(prefix) :]) <= TOLERANCE
 
 
-def test_want_logits_selects_rows(models):
+def test_logits_rows_selects_rows(models):
     model, _ = models
     pool = PagePool(16)
     kv = model.allocate_kv(16, PAGE)
     s1, s2 = Seq(_ids(6, 1), pool), Seq(_ids(5, 2), pool)
     inputs = [s1.step(6), s2.step(5)]
-    inputs[0] = SequenceInput(inputs[0].token_ids, 0, inputs[0].pages, want_logits=False)
+    inputs[0] = SequenceInput(inputs[0].token_ids, 0, inputs[0].pages, logits_rows=0)
     logits = model.forward(build_forward_batch(inputs, PAGE), kv)
     assert logits.shape == (1, model.config.vocab_size)
     assert relative_error(logits[0], model.logits(s2.ids)[-1]) <= TOLERANCE
+
+
+def test_multi_token_rows_return_trailing_logits(models):
+    # Verification rows of speculative decoding: 1 + k new tokens after a cached prefix, the
+    # logits of all k + 1 wanted; rows of other sequences keep their own counts, in order.
+    model, _ = models
+    pool = PagePool(16)
+    kv = model.allocate_kv(16, PAGE)
+    s1, s2 = Seq(_ids(9, 3), pool), Seq(_ids(8, 4), pool)
+    _run(model, kv, [(s1, 5), (s2, 7)])
+    verify, decode = s1.step(4), s2.step(1)
+    verify = SequenceInput(verify.token_ids, verify.num_cached, verify.pages, logits_rows=3)
+    logits = model.forward(build_forward_batch([verify, decode], PAGE), kv)
+    assert logits.shape == (4, model.config.vocab_size)
+    assert relative_error(logits[:3], model.logits(s1.ids)[-3:]) <= TOLERANCE
+    assert relative_error(logits[3], model.logits(s2.ids)[-1]) <= TOLERANCE
 
 
 def test_batch_validation():
@@ -134,5 +150,7 @@ def test_batch_validation():
         build_forward_batch([SequenceInput([1, 2, 3], num_cached=2, pages=[0])], PAGE)
     with pytest.raises(ValueError, match="at least one new token"):
         SequenceInput([], num_cached=0, pages=[0])
+    with pytest.raises(ValueError, match=r"logits_rows must be in \[0, 2\].*got 3"):
+        SequenceInput([1, 2], num_cached=0, pages=[0], logits_rows=3)
     with pytest.raises(ValueError, match="at least one sequence"):
         build_forward_batch([], PAGE)

@@ -5,7 +5,9 @@ Each simulated step mirrors the real generator: ``plan = schedule()``, "run the 
 append a fake sampled token to every entry that samples and remove finished sequences.
 The fake K/V store lets the tests check what matters for correctness: every position a
 sequence counts as computed holds that sequence's token in the page it points at, so prefix
-hits, page convergence and preemption never serve wrong or overwritten content.
+hits, page convergence and preemption never serve wrong or overwritten content. Every step
+also checks the page-list INVARIANT (engine/scheduler.py) that the decode graphs' block-table
+staging relies on.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from hypothesis.stateful import (
 
 from engine.cache.page_table import PageTable
 from engine.cache.prefix_hash import prefix_hashes
-from engine.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan
 
 
 class Sim:
     """A scheduler, its table, and a fake generator loop with invariant checks."""
 
-    def __init__(self, num_pages: int, page_size: int, **config):
+    def __init__(self, num_pages: int, page_size: int, sampler=None, **config):
         self.table = PageTable(num_pages, page_size)
         self.ps = page_size
         self.sched = Scheduler(SchedulerConfig(**config), self.table)
@@ -38,22 +40,29 @@ class Sim:
         self.target: dict[int, int] = {}  # id(seq) -> number of tokens to generate
         self.prompt_len: dict[int, int] = {}
         self.produced: dict[int, int] = {}
-        self.finished: list[Sequence] = []
+        self.finished: list[SeqState] = []
         self.plans: list[StepPlan] = []
         self.page_content: dict[int, list[int]] = {}  # page hash -> tokens it was made from
         self.counter = 10_000  # fake sampled tokens never collide with prompt tokens
+        # id(seq) -> (its pages list object, a copy, full pages) when last in a plan
+        self.staged: dict[int, tuple[list[int], list[int], int]] = {}
+        self.swaps_seen = 0  # in-place entry changes the page-list check saw (dedup swaps)
+        # seq -> next token; None: a counter (all generated pages unique). A function of the
+        # tokens makes identical prompts decode identically: generated pages then dedup too.
+        self.sampler = sampler
+        self.on_plan = None  # called with each plan between schedule() and commit()
 
     # -- driving -----------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], generate: int = 1) -> Sequence:
-        seq = Sequence(list(prompt))
+    def add(self, prompt: list[int], generate: int = 1, max_skips: int | None = None) -> SeqState:
+        seq = SeqState(list(prompt), max_skips=max_skips)
         self.target[id(seq)] = generate
         self.prompt_len[id(seq)] = len(prompt)
         self.produced[id(seq)] = 0
         self.sched.add(seq)
         return seq
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: SeqState) -> None:
         self.sched.remove(seq)
         assert not seq.pages and seq.num_computed == 0
 
@@ -62,6 +71,9 @@ class Sim:
         decoding_before = {id(s) for s in sched.running if s.num_pending <= self.config.max_q_size}
         plan = sched.schedule()
         self.check_plan(plan, decoding_before)
+        self.check_page_lists(plan)
+        if self.on_plan is not None:
+            self.on_plan(plan)
         self._forward(plan)
         sched.commit(plan)
         for entry in plan.entries:
@@ -71,7 +83,7 @@ class Sim:
             if not entry.samples:
                 continue
             self.counter += 1
-            seq.tokens.append(self.counter)
+            seq.tokens.append(self.counter if self.sampler is None else self.sampler(seq))
             self.produced[id(seq)] += 1
             if self.produced[id(seq)] == self.target[id(seq)]:
                 sched.remove(seq)
@@ -127,6 +139,34 @@ class Sim:
                 seen_other = True
         for s in plan.admitted:
             assert s.admitted and id(s) in running
+
+    def check_page_lists(self, plan: StepPlan) -> None:
+        """The page-list INVARIANT, between a sequence's last plan and this one (what the
+        decode graphs' staging assumes of a block-table row whose sequence kept its row):
+        with the same list object, nothing was removed, entries of pages full back then are
+        unchanged, and any other changed entry is a page that has since become full and was
+        swapped for its hashed twin. Preemption and re-admission give a new list object."""
+        ps = self.ps
+        for e in plan.entries:
+            seq, before = e.seq, self.staged.get(id(e.seq))
+            if before is None or before[0] is not seq.pages:
+                continue
+            _, old, full = before
+            new = seq.pages
+            assert len(new) >= len(old), "entries removed from a pages list in place"
+            assert new[:full] == old[:full], "an entry of a full page changed"
+            for i in range(full, len(old)):
+                if new[i] != old[i]:
+                    self.swaps_seen += 1
+                    assert i < seq.num_computed // ps, "a page swapped before it was full"
+                    assert self.table.pages[new[i]].hash == seq.page_hashes[i]
+        for seq in plan.preempted:
+            before = self.staged.get(id(seq))
+            assert before is None or before[0] is not seq.pages, "preempted, same list"
+        self.staged = {
+            id(e.seq): (e.seq.pages, list(e.seq.pages), e.seq.num_computed // ps)
+            for e in plan.entries
+        }
 
     def check_state(self) -> None:
         table, sched, ps = self.table, self.sched, self.ps
@@ -215,6 +255,12 @@ def test_prefill_of_a_new_job_fills_only_the_budget_left_by_decodes():
     assert [(e.seq, e.num_tokens) for e in plan.entries] == [(a, 1), (b, 1), (c, 4)]
     sim.run()
     sim.check_done()
+
+
+def test_sequence_max_skips_validation():
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="max_skips must be None or an int >= 0"):
+            SeqState([1], max_skips=bad)
 
 
 def test_config_validation():
@@ -313,6 +359,7 @@ def test_concurrently_computed_identical_pages_converge():
     assert sim.table.pages[a.pages[1]].ref_count == 2
     sim.run()
     sim.check_done()
+    assert sim.swaps_seen == 1  # b's page 1, swapped in the commit that filled it
 
 
 # -- preemption --------------------------------------------------------------------------------
@@ -370,20 +417,26 @@ def test_remove_waiting_and_running_sequences():
 # -- FIFO with bounded skipping -----------------------------------------------------------------
 
 
-def _blocked_head_setup(max_skips: int) -> tuple[Sim, Sequence, Sequence]:
+def _blocked_head_setup(
+    max_skips: int, head_skips: int | None = None
+) -> tuple[Sim, SeqState, SeqState]:
     """A long-running job R holds 4 of 10 pages; the head H needs 7 and cannot be admitted
     while R runs (plus one reserved page)."""
     ps = 4
     sim = Sim(10, ps, max_batch_size=8, max_chunk_size=64, max_skips=max_skips)
     r = sim.add(list(range(16)), generate=12)
     sim.step()
-    h = sim.add(list(range(100, 128)), generate=1)  # 28 tokens = 7 pages
+    h = sim.add(list(range(100, 128)), generate=1, max_skips=head_skips)  # 28 tokens = 7 pages
     return sim, r, h
 
 
-@pytest.mark.parametrize("max_skips", [0, 1, 3])
-def test_head_lets_at_most_max_skips_jobs_pass(max_skips):
-    sim, _r, h = _blocked_head_setup(max_skips)
+@pytest.mark.parametrize(
+    ("config_skips", "head_skips"), [(0, None), (1, None), (3, None), (3, 0), (0, 2)]
+)
+def test_head_lets_at_most_max_skips_jobs_pass(config_skips, head_skips):
+    # the head's own max_skips, when set, replaces the config's
+    max_skips = config_skips if head_skips is None else head_skips
+    sim, _r, h = _blocked_head_setup(config_skips, head_skips)
     passed = []
     small = []
     for i in range(8):  # one small job arrives per step
@@ -417,7 +470,7 @@ def test_admission_looks_at_a_bounded_window_of_the_queue(monkeypatch):
     running = sim.add(list(range(24)), generate=4)  # holds 6-7 of 8 pages (+1 reserved)
     sim.step()
     queued = [sim.add([300 + i] * 12, generate=1) for i in range(300)]  # 3 pages each
-    tried: list[Sequence] = []
+    tried: list[SeqState] = []
     real = sim.sched._try_admit
     monkeypatch.setattr(
         sim.sched, "_try_admit", lambda seq, budget: tried.append(seq) or real(seq, budget)
@@ -446,6 +499,23 @@ def test_deferred_jobs_do_not_hide_the_window(monkeypatch):
 # -- random interleavings ---------------------------------------------------------------------
 
 
+def content_sampler(seq: SeqState) -> int:
+    """A next token that depends only on the tokens so far (like greedy decoding)."""
+    return 20_000 + sum(seq.tokens[-3:]) % 3
+
+
+def test_identical_greedy_continuations_dedup_while_decoding():
+    # Two copies of a prompt decode the same tokens: the second copy's generated pages are
+    # swapped for the first copy's in the commits that fill them, while both decode.
+    sim = Sim(32, 4, sampler=content_sampler, max_batch_size=2, max_chunk_size=16)
+    a = sim.add([1, 2, 3, 4, 5, 6], generate=14)
+    b = sim.add([1, 2, 3, 4, 5, 6], generate=14)
+    sim.run()
+    sim.check_done()
+    assert a.tokens == b.tokens
+    assert sim.swaps_seen >= 2  # generated pages 2 and 3 at least (page 1 too, maybe)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random enqueues, steps and cancellations on a small table; a drain at the end."""
 
@@ -460,11 +530,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch=st.integers(1, 4),
         chunk=st.integers(1, 16),
         skips=st.integers(0, 3),
+        echo=st.booleans(),
     )
-    def setup(self, num_pages, batch, chunk, skips):
+    def setup(self, num_pages, batch, chunk, skips, echo):
         self.sim = Sim(
             num_pages,
             self.PAGE_SIZE,
+            sampler=content_sampler if echo else None,
             max_batch_size=batch,
             max_chunk_size=chunk,
             max_skips=skips,
