@@ -294,4 +294,3 @@ def test_corpus_is_packaged() -> None:
     corpus = pathlib.Path(demo.__file__).with_name("demo_corpus.txt")
     assert 5_000 <= len(corpus.read_bytes()) <= 10_000
     assert 'engine = ["*.txt"]' in (REPO_ROOT / "pyproject.toml").read_text()
-
