@@ -22,7 +22,7 @@ import torch
 from engine.cache.kv_cache import PagedCache
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
-from engine.sampling import SamplerSettings, sample
+from engine.sampling import SampleOutput, SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class DynamicGenerator:
         bad = [t for t in job.input_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        _check_settings(job.gen_settings, vocab)
         if job.serial is not None:
             raise ValueError(f"job {job.identifier!r} was already enqueued (serial {job.serial})")
 
@@ -140,7 +141,11 @@ class DynamicGenerator:
         results = [self._start(seq.owner) for seq in plan.admitted]
         if not plan.entries:
             return results
-        logits = self.runner.forward_plan(plan)
+        try:
+            logits = self.runner.forward_plan(plan)
+        except Exception as error:  # the forward failed: its jobs end, the generator goes on
+            logger.exception("forward failed; ending the %d jobs of this step", len(plan.entries))
+            return results + [self._fail(e.seq.owner, error) for e in plan.entries]
         prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
@@ -157,22 +162,59 @@ class DynamicGenerator:
         jobs = [e.seq.owner for e in plan.entries if e.samples]
         if not jobs:
             return []
-        out = sample(logits, [job.sample_request() for job in jobs], self.tokenizer.vocab_size)
+        try:
+            requests = [job.sample_request() for job in jobs]
+            out = sample(logits, requests, self.tokenizer.vocab_size)
+        except Exception:  # one row's data or settings: find it, sample the others alone
+            logger.warning("batched sampling failed; sampling row by row", exc_info=True)
+            return self._sample_row_by_row(jobs, logits)
+        return self._receive(jobs, logits, out)
+
+    def _sample_row_by_row(self, jobs: list[DynamicJob], logits: torch.Tensor) -> list[dict]:
+        """The slow path after a failed batch: each job alone, so a failure ends only its job.
+        (Rows that had drawn their random number in the failed batch draw again.)"""
+        results = []
+        for i, job in enumerate(jobs):
+            row = logits[i : i + 1]
+            try:
+                out = sample(row, [job.sample_request()], self.tokenizer.vocab_size)
+            except Exception as error:
+                results.append(self._fail(job, error))
+                continue
+            results += self._receive([job], row, out)
+        return results
+
+    def _receive(
+        self, jobs: list[DynamicJob], logits: torch.Tensor, out: SampleOutput
+    ) -> list[dict[str, Any]]:
+        """Hand each job its token; a job that fails on it (detokenizer, stop strings) ends
+        alone."""
         token_tensors = torch.tensor(out.tokens, dtype=torch.long).view(-1, 1, 1).unbind(0)
         results = []
         for i, job in enumerate(jobs):
-            result = job.receive_token(
-                out.tokens[i],
-                token_tensor=token_tensors[i],
-                prob=out.probs[i] if job.return_probs else None,
-                top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
-                top_probs=out.top_probs[i] if job.return_top_tokens else None,
-                logits=logits[i].cpu() if job.return_logits else None,
-            )
+            try:
+                result = job.receive_token(
+                    out.tokens[i],
+                    token_tensor=token_tensors[i],
+                    prob=out.probs[i] if job.return_probs else None,
+                    top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
+                    top_probs=out.top_probs[i] if job.return_top_tokens else None,
+                    logits=logits[i].cpu() if job.return_logits else None,
+                )
+            except Exception as error:
+                results.append(self._fail(job, error))
+                continue
             if result["eos"]:
                 self._retire(job)
             results.append(result)
         return results
+
+    def _fail(self, job: DynamicJob, error: Exception) -> dict[str, Any]:
+        """End one job with an "error" result and free its pages."""
+        logger.warning("job %r failed: %r", job.identifier, error)
+        if self._jobs.get(job.serial) is job:
+            self._retire(job)
+        return job.error_result(error)
 
     def _retire(self, job: DynamicJob) -> None:
         self.scheduler.remove(job.seq)
@@ -254,6 +296,15 @@ class DynamicGenerator:
             "prompt_tokens_total": self._prompt_tokens_total,
             "decode_graph_steps": self.runner.decode_graph_steps,
         }
+
+
+def _check_settings(settings: SamplerSettings, vocab: int) -> None:
+    """Values a sampler step cannot take are refused at enqueue, not found mid-step."""
+    if settings.top_k > vocab:
+        raise ValueError(f"top_k={settings.top_k} exceeds the vocabulary size {vocab}")
+    bad = [t for t in settings.token_bias if t >= vocab]
+    if bad:
+        raise ValueError(f"token_bias ids {bad[:5]} are outside the vocabulary (size {vocab})")
 
 
 def _resolve_max_seq_len(max_seq_len: int | None, model, cache: PagedCache) -> int:

@@ -6,8 +6,10 @@ inbox drained between steps, so the generator is only ever touched by that threa
 back to each job's asyncio queue with ``loop.call_soon_threadsafe``, so jobs may be created
 from any task (or any loop).
 
-Failure: if a step raises, the jobs that were running in it get the exception and are removed
-(their pages freed); waiting jobs are untouched and the thread keeps serving.
+Failure: a job that fails inside a step (its own data, sampling, detokenizing, or a forward
+that fails) gets the exception and is removed, its pages freed; the other jobs go on. Should a
+whole step still raise, the jobs that were running in it get the exception; waiting jobs are
+untouched and the thread keeps serving.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class DynamicGeneratorAsync:
                 continue
             if result["eos"]:
                 del self._jobs[result["serial"]]
+                if result["eos_reason"] == "error":  # the job failed alone: its consumer raises
+                    async_job.deliver(result["error"])
+                    continue
             async_job.deliver(result)
 
     def _fail(self, jobs: list[DynamicJob], error: Exception) -> None:

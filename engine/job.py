@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.cache.prefix_hash import salt_root
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -51,6 +52,7 @@ class DynamicJob:
         return_probs: bool = False,
         return_logits: bool = False,
         max_skips: int | None = None,
+        cache_salt: str | None = None,
     ):
         self.input_ids = _as_id_list(input_ids)
         _check_counts(max_new_tokens, min_new_tokens, return_top_tokens)
@@ -72,7 +74,15 @@ class DynamicJob:
         self.serial: int | None = None
         # max_skips: how often admission may pass this job over for later ones before it
         # waits for it (None: the generator's default); the scheduler reads it from seq.
-        self.seq = SeqState(tokens=list(self.input_ids), owner=self, max_skips=max_skips)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        self.cache_salt = cache_salt  # only jobs with the same salt share cached pages
+        self.seq = SeqState(
+            tokens=list(self.input_ids),
+            owner=self,
+            max_skips=max_skips,
+            hash_root=salt_root(cache_salt),
+        )
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False
@@ -98,6 +108,7 @@ class DynamicJob:
             gen_settings=request.settings,
             seed=request.choice_seed(choice),
             identifier=request.choice_id(choice),
+            cache_salt=request.cache_salt,
             **options,
         )
 
@@ -198,6 +209,18 @@ class DynamicJob:
         keep = self._matcher.partial_suffix_start(held) if stop_checks else len(held)
         self._held_text = held[keep:]
         self._add_text(result, held[:keep])
+        return result
+
+    def error_result(self, error: BaseException) -> dict[str, Any]:
+        """The final result of a job that failed inside a step (its own data, sampling,
+        detokenizing...): ``eos_reason`` "error" and the exception under ``error``. Text still
+        held back is dropped: after a failure it cannot be trusted."""
+        result = self.base_result("streaming")
+        self._held_text = ""
+        self._add_text(result, "")
+        self.finished = True
+        result.update(eos=True, eos_reason="error", error=error)
+        result.update(self._final_stats())
         return result
 
     def cancel_result(self) -> dict[str, Any]:

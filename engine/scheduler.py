@@ -59,6 +59,9 @@ class SeqState:
     # (token count, hashes of the full pages before the last token) so repeated admission
     # attempts and in-flight checks do not rehash the prompt
     hash_cache: tuple[int, list[PageHash]] | None = None
+    # Parent of the first page's hash: a cache salt's root (prefix_hash.salt_root), so only
+    # sequences with the same salt share pages; None for unsalted sequences.
+    hash_root: PageHash | None = None
 
     def __post_init__(self) -> None:
         if self.max_skips is not None and (
@@ -257,7 +260,9 @@ class Scheduler:
         # is never taken from the cache.
         if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
             full_pages = (len(seq.tokens) - 1) // self.page_size
-            hashes = prefix_hashes(seq.tokens[: full_pages * self.page_size], self.page_size)
+            hashes = prefix_hashes(
+                seq.tokens[: full_pages * self.page_size], self.page_size, parent=seq.hash_root
+            )
             seq.hash_cache = (len(seq.tokens), hashes)
         return seq.hash_cache[1]
 
@@ -332,7 +337,7 @@ class Scheduler:
         ps = self.page_size
         while len(seq.page_hashes) < seq.num_computed // ps:
             i = len(seq.page_hashes)
-            parent = seq.page_hashes[-1] if seq.page_hashes else None
+            parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
             h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps])
             # The only in-place change of an entry: page i just became full (page-list
             # INVARIANT at _grow); once hashed it is never swapped again.
