@@ -2,8 +2,8 @@
 streaming text.
 
 Uses only ``tokenizers`` and jinja2 at run time; the tests check that the output matches
-transformers. ``IncrementalDetokenizer`` turns a stream of ids into text chunks that add up to
-exactly ``Tokenizer.decode`` of all the ids, never showing half a character.
+transformers. Streaming text is ``engine.detokenizer``; template rendering helpers are
+``engine.chat_template``.
 """
 
 from __future__ import annotations
@@ -14,37 +14,26 @@ import logging
 import os
 import re
 import secrets
-from codecs import getincrementaldecoder
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import jinja2
-import jinja2.ext
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.chat_template import compile_template, normalise_messages
+from engine.detokenizer import IncrementalDetokenizer, TokenIds, flat_ids
 from engine.gguf_file import find_gguf_file, open_gguf
 from engine.gguf_tokenizer import gguf_tokenizer_parts
 
 logger = logging.getLogger(__name__)
 
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder renders for invalid or incomplete UTF-8
 _BYTE_TOKEN_RE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # The named special tokens transformers passes to chat templates (its ``special_tokens_map``).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token")
 _SPECIAL_TOKEN_NAMES += ("cls_token", "mask_token")
 # transformers copies a message's reasoning under each of these names before rendering.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-TokenIds = torch.Tensor | Iterable[int] | int
-
-
-class ChatTemplateError(jinja2.TemplateError, ValueError):
-    """A chat template refused the conversation (its ``raise_exception`` was called)."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -59,22 +48,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _flat_ids(ids: TokenIds | None) -> list[int]:
-    # config files give ids as int, list or null; callers give tensors or lists
-    if ids is None:
-        return []
-    if isinstance(ids, torch.Tensor):
-        return ids.reshape(-1).tolist()
-    if isinstance(ids, int):
-        return [ids]
-    return [int(i) for i in ids]
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _select_template(value: Any) -> str | None:
@@ -121,7 +94,7 @@ class Tokenizer:
         self.bos_token_id = self._resolve_id("bos_token", configs)
         self.pad_token_id = self._resolve_id("pad_token", configs)
         eos_lists = [self._config_token_ids("eos_token")]
-        eos_lists += [_flat_ids(cfg.get("eos_token_id")) for cfg in configs]
+        eos_lists += [flat_ids(cfg.get("eos_token_id")) for cfg in configs]
         self.eos_token_id: int | None = next((ids[0] for ids in eos_lists if ids), None)
         self.eos_token_ids: frozenset[int] = frozenset(i for ids in eos_lists for i in ids)
         self.chat_template = chat_template or _select_template(tok_cfg.get("chat_template"))
@@ -198,7 +171,7 @@ class Tokenizer:
     def _resolve_id(self, name: str, configs: Iterable[Mapping[str, Any]]) -> int | None:
         # tokenizer_config.json first, then config.json, then generation_config.json
         candidates = [self._config_token_ids(name)]
-        candidates += [_flat_ids(cfg.get(f"{name}_id")) for cfg in configs]
+        candidates += [flat_ids(cfg.get(f"{name}_id")) for cfg in configs]
         return next((ids[0] for ids in candidates if ids), None)
 
     # -- encode / decode ------------------------------------------------------------------
@@ -227,7 +200,7 @@ class Tokenizer:
 
     def decode(self, ids: TokenIds, decode_special_tokens: bool = False) -> str:
         """Text of ``ids`` (any tensor shape is flattened); special tokens skipped by default."""
-        return self.decode_list(_flat_ids(ids), decode_special_tokens)
+        return self.decode_list(flat_ids(ids), decode_special_tokens)
 
     def decode_list(self, ids: list[int], decode_special_tokens: bool = False) -> str:
         """``decode`` for a flat list of ints, unchecked (the detokenizer's hot path)."""
@@ -263,9 +236,9 @@ class Tokenizer:
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
-        template = _compile_template(self.chat_template)
+        template = compile_template(self.chat_template)
         return template.render(
-            messages=_normalise_messages(messages),
+            messages=normalise_messages(messages),
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
@@ -359,192 +332,3 @@ class Tokenizer:
 
 def _inside(position: int, spans: list[tuple[int, int]]) -> bool:
     return any(start <= position < end for start, end in spans)
-
-
-def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # As transformers: keys set to None are dropped (OpenAI clients send content=None), and
-    # reasoning given under any common name is visible under all of them.
-    normalised = []
-    for message in messages:
-        message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        normalised.append(message)
-    return normalised
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise ChatTemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, **kwargs: Any) -> str:
-    # jinja's own tojson HTML-escapes <, >, & and '; templates expect plain json.dumps
-    # (indent, separators, sort_keys pass through, as in transformers)
-    return json.dumps(value, ensure_ascii=ensure_ascii, **kwargs)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) renders its body."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja's declared class attribute)
-
-    def parse(self, parser: Any) -> list[Any]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
-class IncrementalDetokenizer:
-    """Streams text token by token, correct for byte-level BPE (Llama 3, Qwen: a character
-    split over several tokens) and SentencePiece-style byte-fallback vocabularies (Llama 2,
-    Mistral: '▁' spaces that the decoder strips at the start of a decode, ``<0xNN>`` tokens).
-
-    Prefix-offset / read-offset technique: ``ids[p:r]`` is emitted context, ``ids[r:]`` is
-    pending. Each step decodes the window ``ids[p:]`` and emits what it adds to the text of
-    ``ids[p:r]``; because both decodes start at the same token, start-of-decode effects (the
-    stripped leading space) cancel out. Text is held while it ends in U+FFFD (a character still
-    incomplete) or, with a byte-fallback decoder, while the last token is a byte token (a later
-    invalid byte turns the whole run into U+FFFDs). Ids before ``p`` are dropped, so each step
-    costs O(window), not O(sequence).
-
-    Invariant: ``"".join(add(t) for t in ids) + flush() == tokenizer.decode(ids)`` (and with
-    ``prefix_ids``, the part of ``decode(prefix + ids)`` after ``decode(prefix)``), exact as
-    long as no more than ``max_held_tokens`` tokens are held at once. Longer holds (a long
-    byte-fallback run, garbage bytes) are cut at the latest clean token boundary, so latency and
-    work stay bounded; only a run that turns invalid after such a cut can then differ.
-
-    ``prefix_ids`` (e.g. the last few prompt tokens) give context so the first generated
-    token's leading space comes out right; their text is never emitted. Call ``flush()`` once,
-    at the end of the stream.
-    """
-
-    max_held_tokens = 16
-
-    def __init__(
-        self, tokenizer: Tokenizer, prefix_ids: TokenIds = (), decode_special_tokens: bool = False
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._decode_special = decode_special_tokens
-        self._ids = self._kept(prefix_ids)
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(0, self._read_offset)
-        self.text = ""  # everything emitted so far
-
-    def _kept(self, ids: TokenIds) -> list[int]:
-        # decode() drops skipped special tokens before its decoder runs, so dropping them here
-        # changes no text; kept, one could start a window that renders as "", and the window's
-        # first real token would then lose its leading space (a start-of-decode strip).
-        ids = _flat_ids(ids)
-        if self._decode_special:
-            return ids
-        return [i for i in ids if i not in self._tokenizer.special_ids]
-
-    def _decode(self, start: int, end: int) -> str:
-        # These ids are already a flat list of ints, and this runs twice per generated token
-        # of every job: skip decode()'s conversion.
-        return self._tokenizer.decode_list(self._ids[start:end], self._decode_special)
-
-    def add(self, token_ids: TokenIds) -> str:
-        """Append token(s); return the text that became final (may be "")."""
-        new_ids = self._kept(token_ids)
-        if not new_ids:
-            return ""
-        self._ids.extend(new_ids)
-        end = len(self._ids)
-        window = self._decode(self._prefix_offset, end)
-        if self._is_settled(window, end):
-            return self._emit(window, end)
-        if end - self._read_offset > self.max_held_tokens:
-            return self._emit(*self._forced_split(window))
-        return ""
-
-    def flush(self) -> str:
-        """Emit whatever is held, rendered as decode renders it (e.g. U+FFFD for bad bytes)."""
-        end = len(self._ids)
-        if end == self._read_offset:
-            return ""
-        return self._emit(self._decode(self._prefix_offset, end), end)
-
-    def _is_settled(self, window: str, end: int) -> bool:
-        return (
-            not window.endswith(REPLACEMENT_CHAR)
-            and self._ids[end - 1] not in self._tokenizer.byte_tokens
-        )
-
-    def _emit(self, window: str, end: int) -> str:
-        """Emit ``window`` (the text of ids[p:end]) past the prefix text; ids[:end] become read."""
-        if window == self._prefix_text:
-            return ""  # the new tokens rendered nothing yet; keep the context as it is
-        if window.startswith(self._prefix_text):
-            out = window[len(self._prefix_text) :]
-        else:
-            # The window re-rendered context text (e.g. prefix_ids ended mid-character): emit
-            # from where the two diverge; what was already emitted cannot be taken back.
-            common = _common_prefix_len(window, self._prefix_text)
-            logger.debug("window %r does not extend %r", window, self._prefix_text)
-            out = window[common:]
-        start = self._read_offset
-        del self._ids[:start]  # keep only the new context window and anything still pending
-        self._prefix_offset, self._read_offset = 0, end - start
-        self._prefix_text = self._decode(0, self._read_offset)
-        self.text += out
-        return out
-
-    def _forced_split(self, window: str) -> tuple[str, int]:
-        """Too much held: find the latest token boundary whose text no later token can change."""
-        end = len(self._ids)
-        if self._open_run_is_broken():
-            return window, end  # it renders as U+FFFDs whatever follows: no need to wait
-        for split in range(end - 1, self._read_offset, -1):
-            head = self._decode(self._prefix_offset, split)
-            extends = head != self._prefix_text and head.startswith(self._prefix_text)
-            if extends and self._is_clean_split(head, split, window):
-                return head, split
-        logger.debug(
-            "no clean split in %d held tokens; emitting them as is", end - self._read_offset
-        )
-        return window, end
-
-    def _is_clean_split(self, head: str, split: int, window: str) -> bool:
-        """Whether no later token can change ``head``, the text of ids[p:split]."""
-        if not head.endswith(REPLACEMENT_CHAR):
-            return True  # ends in a complete character
-        byte_tokens = self._tokenizer.byte_tokens
-        if self._ids[split - 1] in byte_tokens:
-            # a byte-fallback run renders as a whole: final once a non-byte token closes it
-            return self._ids[split] not in byte_tokens
-        # Bad UTF-8 before the split renders the same whatever follows iff it already does
-        # with the tokens held (the decoder only looks ahead to the next byte to end it).
-        return head + self._decode(split, len(self._ids)) == window
-
-    def _open_run_is_broken(self) -> bool:
-        """Whether the trailing byte-fallback run already holds invalid (not just incomplete)
-        UTF-8: ByteFallback then renders every byte of the run as U+FFFD, whatever follows."""
-        byte_tokens = self._tokenizer.byte_tokens
-        start = len(self._ids)
-        while start > 0 and self._ids[start - 1] in byte_tokens:
-            start -= 1
-        data = bytes(byte_tokens[i] for i in self._ids[start:])
-        try:
-            getincrementaldecoder("utf-8")().decode(data, final=False)
-        except UnicodeDecodeError:
-            return True
-        return False

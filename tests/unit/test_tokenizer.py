@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from engine.chat_template import ChatTemplateError
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.tokenizer_builders import (
     BOS_BL,
     EOT_BL,
