@@ -41,6 +41,12 @@ from engine.model.model import resolve_device
 logger = logging.getLogger("ray.serve")
 
 ROUTING_HASH_LIMIT = REPORTED_HASH_LIMIT  # page hashes reported to the router per replica
+ROUTING_VIEW = "routing"
+ROUTING_VIEW_PERIOD_S = 0.5  # half the router's stats period: a report is at most this old
+
+
+def _routing_view(generator) -> tuple[dict[str, int], list[int]]:
+    return generator.stats(), generator.cache.page_table.recent_hashes(ROUTING_HASH_LIMIT)
 
 
 def configure_torch_threads(option: int | None, device: torch.device) -> None:
@@ -195,6 +201,7 @@ class LLMServer:
             max_chunk_size=engine.max_chunk_size,
             cuda_graphs=engine.cuda_graphs,
         )
+        self.generator.publish(ROUTING_VIEW, _routing_view, ROUTING_VIEW_PERIOD_S)
         self.stream_interval_s = preset.serving.stream_interval_s
         self.metrics = ServerMetrics()
         self.requests_served = 0
@@ -262,13 +269,17 @@ class LLMServer:
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by the Serve controller for the prefix-aware router."""
-        stats, hashes = await self.generator.call(
-            lambda g: (g.stats(), g.cache.page_table.recent_hashes(ROUTING_HASH_LIMIT))
-        )
+        """Polled by the Serve controller for the prefix-aware router (with a 1 s deadline).
+        Answered from the step thread's published view, so a long step (a big prefill on a
+        CPU) never makes the router fall back to stale reports; ``load`` also counts the
+        requests this replica holds right now."""
+        view = self.generator.published(ROUTING_VIEW)
+        if view is None:  # before the step thread's first refresh
+            view = await self.generator.call(_routing_view)
+        stats, hashes = view
         self.metrics.engine_state(stats)
         return {
-            "load": stats["jobs_running"] + stats["jobs_waiting"],
+            "load": max(stats["jobs_running"] + stats["jobs_waiting"], self.requests_active),
             "pages_free": stats["pages_free"] + stats["pages_cached"],
             "pages_total": stats["pages_total"],
             "page_size": stats["page_size"],

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.generator import DynamicGenerator
@@ -38,6 +41,7 @@ class DynamicGeneratorAsync:
         self._wake = threading.Condition()
         self._jobs: dict[int, DynamicJobAsync] = {}  # serial -> async job (step thread only)
         self._closed = False
+        self._views: dict[str, _View] = {}  # published by the step thread, read from anywhere
         self._thread = threading.Thread(target=self._run, name="generator-step", daemon=True)
         self._thread.start()
 
@@ -76,6 +80,18 @@ class DynamicGeneratorAsync:
         self._post("call", (fn, loop, done))
         return await done
 
+    def publish(self, name: str, fn: Callable[[DynamicGenerator], Any], period_s: float) -> None:
+        """Have the step thread compute ``fn(generator)`` between steps, at most every
+        ``period_s`` (and while idle), for ``published(name)`` to read without waiting for a
+        step: for pollers with deadlines (a router's stats) that a long step must not miss."""
+        self._views[name] = _View(fn, period_s)
+        self._post("refresh", None)
+
+    def published(self, name: str) -> Any:
+        """The latest value of a published view (None before its first computation)."""
+        view = self._views.get(name)
+        return None if view is None else view.value
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -91,11 +107,28 @@ class DynamicGeneratorAsync:
         while True:
             if not self._drain_inbox():
                 return
+            self._refresh_views()
             if self.generator.num_remaining_jobs() == 0:
                 with self._wake:
-                    self._wake.wait_for(lambda: bool(self._inbox))
+                    self._wake.wait_for(lambda: bool(self._inbox), timeout=self._idle_wait())
                 continue
             self._step()
+
+    def _refresh_views(self) -> None:
+        now = time.monotonic()
+        for name, view in list(self._views.items()):
+            if now - view.updated >= view.period_s:
+                try:
+                    view.value = view.fn(self.generator)
+                except Exception:  # a broken view must not stop the engine
+                    logger.exception("published view %r failed", name)
+                view.updated = now
+
+    def _idle_wait(self) -> float | None:
+        return min((v.period_s for v in self._views.values()), default=None)
+
+    def _on_refresh(self, payload: None) -> None:
+        """A new view: computed at the next refresh (this only wakes the thread)."""
 
     def _step(self) -> None:
         before = self._running_jobs()
@@ -171,6 +204,14 @@ class DynamicGeneratorAsync:
             self.generator.cancel(async_job.job)
         self._deliver(self.generator.take_undelivered())
         self._jobs.clear()
+
+
+@dataclass(slots=True)
+class _View:
+    fn: Callable[[DynamicGenerator], Any]
+    period_s: float
+    value: Any = None
+    updated: float = -math.inf
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -190,3 +190,37 @@ def test_shared_settings_object_is_not_shared_state(tiny):
     a, b = DynamicJob([1], 2, gen_settings=settings), DynamicJob([1], 2, gen_settings=settings)
     a.gen_settings.token_bias[6] = 2.0
     assert b.gen_settings.token_bias == {5: 1.0} and settings.token_bias == {5: 1.0}
+
+
+def test_published_views_are_read_without_waiting_for_a_step(tiny):
+    """A view the step thread publishes is readable while a long step runs (a poller with a
+    deadline, like the router's stats, never waits for the forward), and refreshes when idle."""
+
+    async def main():
+        gen = _async_generator(tiny)
+        real = gen.generator.runner.forward_plan
+        in_step, release = threading.Event(), threading.Event()
+
+        def slow_forward(plan):
+            in_step.set()
+            release.wait(DEADLINE_S)
+            return real(plan)
+
+        gen.publish("pages", lambda g: g.stats()["pages_in_use"], period_s=0.01)
+        await _until(lambda: _ready(gen.published("pages") == 0), "the first view")
+        gen.generator.runner.forward_plan = slow_forward
+        job = DynamicJobAsync(gen, [5, 6, 7, 8, 9], 4, gen_settings=GREEDY, stop_conditions=[])
+        await _within(asyncio.to_thread(in_step.wait, DEADLINE_S), "the slow step to start")
+        assert gen.published("pages") == 0  # answered at once, mid-step
+        release.set()
+        gen.generator.runner.forward_plan = real
+        await _collect(job)
+        await _until(lambda: _ready(gen.published("pages") == 0), "a refresh while idle")
+        assert gen.published("missing") is None
+        await _close(gen)
+
+    asyncio.run(main())
+
+
+async def _ready(value: bool) -> bool:
+    return value
