@@ -8,6 +8,7 @@ validates, so both formats share one set of checks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -45,7 +46,18 @@ def open_gguf(file: str | os.PathLike) -> GGUFReader:
     """Read a GGUF file's header, metadata and tensor table (tensor data stays memory-mapped).
 
     A truncated or corrupt file raises ``ValueError`` naming it, whatever the reader tripped on.
+    Parsing the metadata of a real model takes seconds (the reader walks ~100k vocabulary
+    strings), so the last few readers are kept per process: the config, the weights and the
+    tokenizer of one file share one parse. A file changed on disk is read again.
     """
+    path = Path(file).resolve()
+    stat = path.stat()
+    return _open_cached(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(file: str, size: int, mtime_ns: int) -> GGUFReader:
+    """``open_gguf`` for one version of a file (size and mtime are part of the key)."""
     try:
         from gguf import GGUFReader
     except ImportError:

@@ -233,3 +233,17 @@ def test_missing_tokenizer_metadata(small_hf, tmp_path):
     gguf_file = write_model_gguf(small_hf, tmp_path / "m.gguf")
     with pytest.raises(ValueError, match=r"no tokenizer metadata \(tokenizer\.ggml\.model"):
         Tokenizer.from_pretrained(gguf_file)
+
+
+def test_one_parse_per_file_version(small_hf, tmp_path):
+    """Config, weights and tokenizer of one file share one parse; a rewritten file is read
+    again (its size and mtime are part of the key)."""
+    from engine.gguf_file import open_gguf
+
+    gguf_file = write_model_gguf(small_hf, tmp_path / "m.gguf")
+    first = open_gguf(gguf_file)
+    assert open_gguf(str(gguf_file)) is first
+    data = gguf_file.read_bytes()
+    gguf_file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated|corrupt"):
+        open_gguf(gguf_file)
