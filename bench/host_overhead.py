@@ -8,10 +8,11 @@ per-job sample requests, batched sampling (torch on the CPU here), detokenizer, 
 and result dicts. What is left per step is what the host adds to every forward.
 
 Model and tokenizer: the demo model (``engine.demo``) with one 64-wide layer and a 32768-wide
-vocabulary, so the logits have a realistic width; its tokenizer (byte-level BPE trained on the
-demo corpus, ~1.9k tokens) decodes the sampled ids; ids past it are masked by the sampler's
-``vocab_limit`` as for any padded embedding table. The EOS ids get -inf logits so no job ends
-while it is timed.
+vocabulary (Llama-2-like width), only for its config and cache shapes; the tokenizer is a
+byte-level BPE of 32000 ids trained here on a synthetic corpus of pseudo-words (the demo corpus
+only supports ~1.9k), with the demo's special tokens and configs, so sampled ids decode like a
+real 32k vocabulary's. The 768 padded ids are masked by the sampler's ``vocab_limit``. The EOS
+ids get -inf logits so no job ends while it is timed.
 
 Each case enqueues ``batch`` jobs with distinct random prompts, runs past prefill and a few
 decode steps, then times decode steps, alternating plain steps (the headline numbers) with
@@ -37,11 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 import engine.generator as generator_module
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
 from engine.batch import build_forward_batch
-from engine.demo import DemoModelSpec, ensure_demo_model
+from engine.demo import SPECIAL_TOKENS, DemoModelSpec, ensure_demo_model
 from engine.job import MODEL_EOS
 from engine.model.runner import plan_rows
 from engine.scheduler import StepPlan
@@ -55,6 +58,8 @@ SPEC = DemoModelSpec(
     num_attention_heads=2,
     num_key_value_heads=1,
 )
+TOKENIZER_VOCAB = 32000
+MAX_CHUNK = 8192  # prefill budget per step (the warm-up only)
 BATCHES = (1, 8, 64, 256, 512)
 QUICK_BATCHES = (1, 4)
 STOP_STRINGS = ("\n\nUser:", "</answer>")
@@ -160,17 +165,46 @@ class StepTimers:
         return parts
 
 
-def load(cache_dir: Path) -> tuple[Model, Tokenizer]:
+def load(cache_dir: Path, tokenizer_vocab: int) -> tuple[Model, Tokenizer]:
     folder = ensure_demo_model(SPEC, cache_dir=cache_dir)
-    return Model.from_pretrained(folder, dtype="float32", device="cpu"), Tokenizer.from_pretrained(
-        folder
+    model = Model.from_pretrained(folder, dtype="float32", device="cpu")
+    return model, synthetic_tokenizer(folder, tokenizer_vocab)
+
+
+def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of ``vocab_size`` ids (the demo's special tokens first) trained on
+    seeded pseudo-words, with the demo model's tokenizer and generation configs."""
+    rng = random.Random(0)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"] + list("aeiou")
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(60000)]
+    lines = [" ".join(rng.choices(words, k=12)) for _ in range(40000)]
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(lines, trainer=trainer)
+    configs = {
+        name: json.loads((folder / f"{name}.json").read_text())
+        for name in ("tokenizer_config", "config", "generation_config")
+    }
+    return Tokenizer(
+        hf.to_str(),
+        tokenizer_config=configs["tokenizer_config"],
+        model_config=configs["config"],
+        generation_config=configs["generation_config"],
     )
 
 
 def make_generator(model, tokenizer, batch: int, seq_len: int) -> DynamicGenerator:
     cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
     generator = DynamicGenerator(
-        model, cache, tokenizer, max_batch_size=batch, max_seq_len=seq_len, max_chunk_size=8192
+        model, cache, tokenizer, max_batch_size=batch, max_seq_len=seq_len, max_chunk_size=MAX_CHUNK
     )
     eos = set(generator.default_stop_tokens)
     generator.runner = NullRunner(
@@ -228,7 +262,9 @@ def timed_steps(generator, steps: int) -> tuple[list[float], list[float], list[d
 def run_case(model, tokenizer, mode: str, batch: int, args) -> CaseResult:
     steps = max(args.min_steps, min(args.max_steps, args.step_budget // batch))
     warm = 3
-    new_tokens = warm + 2 * steps + 8
+    # jobs that finish prefill first decode while the others prefill
+    prefill_steps = batch * args.prompt_len // MAX_CHUNK + 1
+    new_tokens = warm + 2 * steps + prefill_steps + 8
     generator = make_generator(model, tokenizer, batch, args.prompt_len + new_tokens)
     enqueue_jobs(generator, mode, batch, args.prompt_len, new_tokens)
     warm_up(generator, warm)
@@ -298,7 +334,7 @@ def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
             "spec": asdict(SPEC),
             "logits_width": SPEC.vocab_size,
             "tokenizer_vocab": tokenizer.vocab_size,
-            "tokenizer": "demo byte-level BPE (engine.demo)",
+            "tokenizer": "byte-level BPE trained on seeded pseudo-words (synthetic_tokenizer)",
         },
         "workload": {
             "prompt_len": args.prompt_len,
@@ -324,6 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-budget", type=int, default=4096, help="steps ~ budget / batch")
     p.add_argument("--min-steps", type=int, default=15)
     p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--tokenizer-vocab", type=int, default=TOKENIZER_VOCAB)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--label", default="")
     p.add_argument("--output", type=Path, default=RESULTS)
@@ -334,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.batches = args.batches or list(QUICK_BATCHES)
         args.prompt_len, args.min_steps, args.max_steps = 16, 3, 3
+        args.tokenizer_vocab = min(args.tokenizer_vocab, 4000)  # trains in a fraction of a second
     args.batches = args.batches or list(BATCHES)
     return args
 
@@ -341,7 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.cache_dir)
+    model, tokenizer = load(args.cache_dir, args.tokenizer_vocab)
     print_header()
     results = []
     for mode in args.modes:
