@@ -66,7 +66,8 @@ def sample(
         _apply_penalties(logits, requests)
         _apply_bias_and_bans(logits, requests)
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
-    greedy_tokens = logits[:, :limit].argmax(-1)
+    # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
+    greedy_tokens = logits[:, :limit].max(-1).indices
     # Every row draws, greedy or not, so a job's random stream does not depend on its settings.
     draws = [r.rng.random() for r in requests]
     if all(r.settings.is_greedy for r in requests) and not _wants_extras(requests):
@@ -187,7 +188,7 @@ def _top_k(probs: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, _Support]:
     # probabilities are >= 0: a threshold of 0 keeps the whole row (as the k = V-th did)
     kth = torch.where(unlimited, 0.0, values.gather(1, (k - 1).clamp(min=0)))
     covered = values[:, -1:] < kth if values.shape[1] < vocab else torch.ones_like(unlimited)
-    return probs.masked_fill_(probs < kth, 0.0), _Support(ids, covered.squeeze(1))
+    return probs * (probs >= kth), _Support(ids, covered.squeeze(1))
 
 
 def _top_p(
@@ -217,7 +218,7 @@ def _top_p(
             break
         m = min(vocab, 4 * m)
     cut = torch.where(disabled[:, None], 0.0, cut)  # probabilities are >= 0: keep all
-    probs.masked_fill_(probs < cut, 0.0)
+    probs = probs * (probs >= cut)  # (a multiply is faster than masked_fill_ on a CPU)
     # Tokens tied with the cut past the number kept (every one of them is a candidate).
     drop = (values == cut) & (ids > last_id)
     probs.scatter_(1, ids, torch.where(drop, 0.0, probs.gather(1, ids)))
