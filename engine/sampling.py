@@ -2,11 +2,15 @@
 
 One call samples every row of a step's logits at once: penalties, bias, temperature and the
 truncations (top-k, top-p, min-p, typical) run as tensor ops over [B, V]; only the chosen token
-ids (and, when a job asks, their probabilities) come back to the host.
+ids (and, when a job asks, their probabilities) come back to the host. Nothing sorts the
+vocabulary: top-k takes a bounded ``topk``, top-p sums the mass of a candidate set (the top-k
+ids, else a ``topk`` grown until the cut lies inside it), and when every row's non-zero
+probabilities lie in such a set the draw runs over it alone.
 
 Reproducibility: each row draws its uniform random number from its own job's generator (a
 ``random.Random(seed)``) and samples by inverse CDF, so a seeded job picks the same tokens
-whatever else shares the batch.
+whatever else shares the batch. Tokens of exactly equal probability straddling a top-p cut
+are kept lowest ids first (a full sort, as before, kept them in an arbitrary order).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import SamplerSettings
+
+TOP_P_CANDIDATES = 64  # top_p looks at this many most likely tokens first (x4 until enough)
 
 
 @dataclass(slots=True)
@@ -53,23 +59,24 @@ def sample(
     """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-    logits = logits.float().clone()
-    if vocab_limit is not None and vocab_limit < logits.shape[1]:
-        logits[:, vocab_limit:] = -math.inf
-    _apply_penalties(logits, requests)
-    _apply_bias_and_bans(logits, requests)
+    logits = logits.float()
+    limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
+    if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
+        logits = logits.clone()  # the caller's logits stay as they are
+        _apply_penalties(logits, requests)
+        _apply_bias_and_bans(logits, requests)
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
-    greedy_tokens = logits.argmax(-1)
+    # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
+    greedy_tokens = logits[:, :limit].max(-1).indices
     # Every row draws, greedy or not, so a job's random stream does not depend on its settings.
-    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
-    uniforms = torch.tensor(
-        [r.rng.random() for r in requests], dtype=torch.float64, device=logits.device
-    )
+    draws = [r.rng.random() for r in requests]
     if all(r.settings.is_greedy for r in requests) and not _wants_extras(requests):
         return SampleOutput(tokens=greedy_tokens.tolist())
-    probs = _final_distribution(logits, requests)
+    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
+    uniforms = torch.tensor(draws, dtype=torch.float64, device=logits.device)
+    probs, support = _final_distribution(logits, requests, limit)
     greedy = torch.tensor([r.settings.is_greedy for r in requests], device=logits.device)
-    tokens = torch.where(greedy, greedy_tokens, _inverse_cdf(probs, uniforms))
+    tokens = torch.where(greedy, greedy_tokens, _inverse_cdf(probs, uniforms, support))
     return _to_host(tokens, probs, requests)
 
 
@@ -127,42 +134,110 @@ def _apply_bias_and_bans(logits: torch.Tensor, requests: Sequence[SampleRequest]
             logits[i, [t for t in r.banned_tokens if t < vocab]] = -math.inf
 
 
-def _final_distribution(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-    """Probabilities after temperature and truncation, renormalised: [B, V]."""
+def _final_distribution(
+    logits: torch.Tensor, requests: Sequence[SampleRequest], limit: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after temperature and truncation, renormalised: [B, V] (0 from id
+    ``limit`` on); and, when every sampled row's non-zero probabilities are known to lie in a
+    few candidate ids, those ids [B, m] (the draw then runs over them alone), else None."""
     device = logits.device
     temps = torch.tensor(
         [r.settings.temperature if not r.settings.is_greedy else 1.0 for r in requests],
         device=device,
     )
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    scaled = logits / temps[:, None]
+    scaled[:, limit:] = -math.inf
+    probs = torch.softmax(scaled, dim=-1)
     settings = [r.settings for r in requests]
+    support = None  # Support of the rows truncated so far (see _top_k)
     if any(s.top_k > 1 for s in settings):
-        probs = _top_k(probs, [s.top_k for s in settings])
+        probs, support = _top_k(probs, [s.top_k for s in settings])
     if any(s.top_p < 1.0 for s in settings):
-        probs = _top_p(probs, torch.tensor([s.top_p for s in settings], device=device))
+        top_p = torch.tensor([s.top_p for s in settings], device=device)
+        probs, support = _top_p(probs, top_p, support)
+    # min_p and typical only zero more entries: a support stays valid
     if any(s.min_p > 0 for s in settings):
         threshold = torch.tensor([s.min_p for s in settings], device=device)[:, None]
         probs = probs * (probs >= threshold * probs.max(-1, keepdim=True).values)
     if any(s.typical < 1.0 for s in settings):
         probs = _typical(probs, torch.tensor([s.typical for s in settings], device=device))
-    return probs / probs.sum(-1, keepdim=True)
+    if support is not None:
+        # greedy rows take the argmax: where their probabilities lie does not matter
+        greedy = torch.tensor([s.is_greedy for s in settings], device=device)
+        if not bool((support.covered | greedy).all()):
+            support = None
+    return probs / probs.sum(-1, keepdim=True), None if support is None else support.ids
 
 
-def _top_k(probs: torch.Tensor, ks: list[int]) -> torch.Tensor:
+@dataclass(slots=True)
+class _Support:
+    """Candidate ids [B, m] per row; ``covered`` [B]: rows whose every non-zero probability
+    has its id among them."""
+
+    ids: torch.Tensor
+    covered: torch.Tensor
+
+
+def _top_k(probs: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, _Support]:
+    """Keep each row's k most likely tokens (all tokens tied with the k-th too); k = 0 keeps
+    all. One bounded ``topk`` of the largest k (+1, to see whether ties reach past it)."""
     vocab = probs.shape[1]
-    k = torch.tensor([k if k > 0 else vocab for k in ks], device=probs.device).clamp(max=vocab)
-    kth = probs.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
-    return probs * (probs >= kth)
+    k = torch.tensor(ks, device=probs.device).clamp(max=vocab)[:, None]
+    unlimited = k == 0
+    values, ids = probs.topk(min(max(ks) + 1, vocab), dim=-1)
+    # probabilities are >= 0: a threshold of 0 keeps the whole row (as the k = V-th did)
+    kth = torch.where(unlimited, 0.0, values.gather(1, (k - 1).clamp(min=0)))
+    covered = values[:, -1:] < kth if values.shape[1] < vocab else torch.ones_like(unlimited)
+    return probs.mul_(probs >= kth), _Support(ids, covered.squeeze(1))
 
 
-def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_sorted = mass_before < top_p[:, None] * sorted_probs.sum(-1, keepdim=True)
-    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
-    # rows that disabled top_p keep everything (float rounding of the cumsum must not cut)
-    return probs * (keep | (top_p >= 1.0)[:, None])
+def _top_p(
+    probs: torch.Tensor, top_p: torch.Tensor, support: _Support | None
+) -> tuple[torch.Tensor, _Support | None]:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, without sorting
+    the vocabulary: the mass is summed over the most likely candidates only (the ids of an
+    earlier truncation, else a ``topk`` that grows until every row's cut lies inside it).
+
+    Tokens tied with the last one kept are kept in the number the sorted order reaches,
+    lowest ids first (a full sort would order such ties arbitrarily)."""
+    vocab = probs.shape[1]
+    disabled = top_p >= 1.0
+    limit = top_p[:, None] * probs.sum(-1, keepdim=True)
+    usable = support is not None and bool((support.covered | disabled).all())
+    m = min(vocab, TOP_P_CANDIDATES)
+    while True:
+        if usable:
+            values, order = probs.gather(1, support.ids).sort(-1, descending=True)
+            ids = support.ids.gather(1, order)
+        else:
+            values, ids = probs.topk(m, dim=-1)
+        cut, last_id = _top_p_cut(values, ids, limit, vocab)
+        # the cut lies inside the candidates, with every token tied with it
+        inside = (values[:, -1:] < cut) | (values[:, -1:] == 0) | disabled[:, None]
+        if usable or m == vocab or bool(inside.all()):
+            break
+        m = min(vocab, 4 * m)
+    cut = torch.where(disabled[:, None], 0.0, cut)  # probabilities are >= 0: keep all
+    probs.mul_(probs >= cut)  # (in place: as fast as masked_fill_ on large batches, or faster)
+    # Tokens tied with the cut past the number kept (every one of them is a candidate).
+    drop = (values == cut) & (ids > last_id)
+    probs.scatter_(1, ids, torch.where(drop, 0.0, probs.gather(1, ids)))
+    return probs, support if usable else _Support(ids, covered=~disabled)
+
+
+def _top_p_cut(
+    values: torch.Tensor, ids: torch.Tensor, limit: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From candidates sorted by value: the smallest value kept and, among the tokens with
+    that value, the largest id kept ([B, 1] each)."""
+    mass_before = values.cumsum(-1) - values
+    keep = mass_before < limit
+    kept = keep.sum(-1, keepdim=True).clamp(min=1)
+    cut = values.gather(1, kept - 1)
+    tied = values == cut
+    tied_kept = (keep & tied).sum(-1, keepdim=True).clamp(min=1)
+    tied_ids = torch.where(tied, ids, vocab).sort(-1).values
+    return cut, tied_ids.gather(1, tied_kept - 1)
 
 
 def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -180,12 +255,20 @@ def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     return probs * (keep | (mass >= 1.0)[:, None])
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(
+    probs: torch.Tensor, uniforms: torch.Tensor, support: torch.Tensor | None = None
+) -> torch.Tensor:
     """The first token whose cumulative probability exceeds u * total (u in [0, 1)).
 
     In float64 and scaled by the row total, the target stays strictly below the last step of
     the CDF, and the token found always has a non-zero probability (its CDF step is > 0).
+    ``support``: ids [B, m] holding every non-zero probability of each row; the CDF over
+    them in id order has the same steps as the whole row's (the zeros between add nothing).
     """
+    if support is not None:
+        ids = support.sort(-1).values
+        picked = _inverse_cdf(probs.gather(1, ids), uniforms)
+        return ids.gather(1, picked[:, None]).squeeze(1)
     cdf = probs.double().cumsum(-1)
     targets = uniforms[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)

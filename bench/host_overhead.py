@@ -1,0 +1,400 @@
+"""Host overhead of ``DynamicGenerator.iterate()`` with a null forward.
+
+The model runner is replaced by ``NullRunner``: its ``forward_plan(plan)`` builds the step's
+rows and ragged batch on the host as the eager runner does (``plan_rows`` +
+``build_forward_batch``) and returns fixed float32 logits (one row per sampling entry, in plan
+order) without any model compute. Everything else is the real engine: scheduler, page table,
+per-job sample requests, batched sampling (torch on the CPU here), detokenizer, stop strings
+and result dicts. What is left per step is what the host adds to every forward.
+
+Model and tokenizer: the demo model (``engine.demo``) with one 64-wide layer and a 32768-wide
+vocabulary (Llama-2-like width), only for its config and cache shapes; the tokenizer is a
+byte-level BPE of 32000 ids trained here on a synthetic corpus of pseudo-words (the demo corpus
+only supports ~1.9k), with the demo's special tokens and configs, so sampled ids decode like a
+real 32k vocabulary's. The 768 padded ids are masked by the sampler's ``vocab_limit``. The EOS
+ids get -inf logits so no job ends while it is timed.
+
+Each case enqueues ``batch`` jobs with distinct random prompts, runs past prefill and a few
+decode steps, then times decode steps, alternating plain steps (the headline numbers) with
+instrumented ones (the breakdown: the generator's own sub-steps wrapped with perf_counter
+timers). Medians are reported.
+
+    PYTHONPATH=. python bench/host_overhead.py [--quick] [--output bench/results/host_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+import engine.generator as generator_module
+from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
+from engine.batch import build_forward_batch
+from engine.demo import SPECIAL_TOKENS, DemoModelSpec, ensure_demo_model
+from engine.job import MODEL_EOS
+from engine.model.runner import plan_rows
+from engine.scheduler import StepPlan
+
+RESULTS = Path(__file__).parent / "results" / "host_overhead.json"
+SPEC = DemoModelSpec(
+    vocab_size=32768,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+TOKENIZER_VOCAB = 32000
+MAX_CHUNK = 8192  # prefill budget per step (the warm-up only)
+BATCHES = (1, 8, 64, 256, 512)
+QUICK_BATCHES = (1, 4)
+STOP_STRINGS = ("\n\nUser:", "</answer>")
+TOP = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
+MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
+    "greedy": (SamplerSettings.greedy(), ()),
+    "topk_topp": (SamplerSettings(**TOP), ()),
+    "penalties": (SamplerSettings(**TOP, repetition_penalty=1.1, presence_penalty=0.5), ()),
+    "greedy_stop": (SamplerSettings.greedy(), STOP_STRINGS),
+}
+PARTS = ("schedule", "batch", "sample", "receive", "other")
+# (mode, batch, target us per step) from the issue "Host overhead per step"
+GOALS = (("greedy_stop", 256, 3000.0), ("penalties", 256, 5000.0), ("greedy", 1, 300.0))
+
+
+class NullRunner:
+    """A runner stand-in: host batch building, fixed logits, no model compute."""
+
+    decode_graph_steps = 0
+
+    def __init__(self, logits: torch.Tensor, page_size: int):
+        self.logits = logits
+        self.page_size = page_size
+
+    def forward_plan(self, plan: StepPlan) -> torch.Tensor:
+        rows = plan_rows(plan)
+        build_forward_batch(rows, self.page_size, "cpu")
+        return self.logits[: sum(r.logits_rows for r in rows)]
+
+
+def fixed_logits(rows: int, vocab: int, banned: set[int], seed: int = 0) -> torch.Tensor:
+    """Random logits with a spread like a model's (a few hundred tokens hold most mass)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3.0
+    logits[:, sorted(banned)] = -torch.inf
+    return logits
+
+
+@dataclass
+class CaseResult:
+    mode: str
+    batch: int
+    steps: int
+    tokens_per_step: float
+    us_per_step: float  # median of plain (uninstrumented) steps
+    us_per_token: float
+    us_per_step_instrumented: float
+    breakdown_us: dict[str, float]  # medians per part (instrumented steps)
+    sample_tensor_us: float  # the part of "sample" spent in engine.sampling.sample
+
+
+class StepTimers:
+    """perf_counter wrappers around the generator's sub-steps, switched on per step."""
+
+    def __init__(self, generator: DynamicGenerator):
+        self.generator = generator
+        self.totals: dict[str, float] = defaultdict(float)
+        self._originals: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, key: str) -> None:
+        original = getattr(owner, name)
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - start
+
+        self._originals.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> StepTimers:
+        g = self.generator
+        self.totals.clear()
+        self._wrap(g.scheduler, "schedule", "schedule")
+        self._wrap(g.scheduler, "commit", "schedule")
+        self._wrap(g.runner, "forward_plan", "batch")
+        self._wrap(g, "_sample", "sample_all")
+        self._wrap(g, "_receive", "receive")
+        self._wrap(generator_module, "sample", "sample_tensor")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._originals):
+            if owner is generator_module:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # the instance attribute hid the class's method
+        self._originals.clear()
+
+    def parts(self, total: float) -> dict[str, float]:
+        t = self.totals
+        parts = {
+            "schedule": t["schedule"],
+            "batch": t["batch"],
+            "sample": t["sample_all"] - t["receive"],
+            "receive": t["receive"],
+        }
+        parts["other"] = total - sum(parts.values())
+        parts["sample_tensor"] = t["sample_tensor"]
+        return parts
+
+
+def load(cache_dir: Path, tokenizer_vocab: int) -> tuple[Model, Tokenizer]:
+    folder = ensure_demo_model(SPEC, cache_dir=cache_dir)
+    model = Model.from_pretrained(folder, dtype="float32", device="cpu")
+    return model, synthetic_tokenizer(folder, tokenizer_vocab)
+
+
+def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of ``vocab_size`` ids (the demo's special tokens first) trained on
+    seeded pseudo-words, with the demo model's tokenizer and generation configs."""
+    rng = random.Random(0)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"] + list("aeiou")
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(60000)]
+    lines = [" ".join(rng.choices(words, k=12)) for _ in range(40000)]
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(lines, trainer=trainer)
+    configs = {
+        name: json.loads((folder / f"{name}.json").read_text())
+        for name in ("tokenizer_config", "config", "generation_config")
+    }
+    return Tokenizer(
+        hf.to_str(),
+        tokenizer_config=configs["tokenizer_config"],
+        model_config=configs["config"],
+        generation_config=configs["generation_config"],
+    )
+
+
+def make_generator(model, tokenizer, batch: int, seq_len: int) -> DynamicGenerator:
+    cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
+    generator = DynamicGenerator(
+        model, cache, tokenizer, max_batch_size=batch, max_seq_len=seq_len, max_chunk_size=MAX_CHUNK
+    )
+    eos = set(generator.default_stop_tokens)
+    generator.runner = NullRunner(
+        fixed_logits(batch, model.config.vocab_size, eos), cache.page_size
+    )
+    return generator
+
+
+def enqueue_jobs(generator, mode: str, batch: int, prompt_len: int, new_tokens: int) -> None:
+    settings, stops = MODES[mode]
+    rng = random.Random(batch)
+    top = generator.tokenizer.vocab_size
+    eos = generator.default_stop_tokens
+    for i in range(batch):
+        prompt = [t for t in (rng.randrange(top) for _ in range(prompt_len * 2)) if t not in eos]
+        generator.enqueue(
+            DynamicJob(
+                prompt[:prompt_len],
+                new_tokens,
+                stop_conditions=[MODEL_EOS, *stops],
+                gen_settings=settings,
+                seed=i,
+                identifier=i,
+            )
+        )
+
+
+def warm_up(generator: DynamicGenerator, decode_steps: int) -> None:
+    """Past every prefill, then a few decode steps."""
+    while any(not job.new_token_ids for job in generator._jobs.values()):
+        generator.iterate()
+    for _ in range(decode_steps):
+        generator.iterate()
+
+
+def timed_steps(generator, steps: int) -> tuple[list[float], list[float], list[dict], int]:
+    """Alternate plain and instrumented steps; returns their times, parts and token count."""
+    plain, instrumented, parts, tokens = [], [], [], 0
+    timers = StepTimers(generator)
+    for _ in range(steps):
+        start = time.perf_counter()
+        results = generator.iterate()
+        plain.append(time.perf_counter() - start)
+        tokens += sum(1 for r in results if r["stage"] == "streaming")
+        with timers:
+            start = time.perf_counter()
+            results = generator.iterate()
+            total = time.perf_counter() - start
+        instrumented.append(total)
+        parts.append(timers.parts(total))
+        tokens += sum(1 for r in results if r["stage"] == "streaming")
+    return plain, instrumented, parts, tokens
+
+
+def run_case(model, tokenizer, mode: str, batch: int, args) -> CaseResult:
+    steps = max(args.min_steps, min(args.max_steps, args.step_budget // batch))
+    warm = 3
+    # jobs that finish prefill first decode while the others prefill
+    prefill_steps = batch * args.prompt_len // MAX_CHUNK + 1
+    new_tokens = warm + 2 * steps + prefill_steps + 8
+    generator = make_generator(model, tokenizer, batch, args.prompt_len + new_tokens)
+    enqueue_jobs(generator, mode, batch, args.prompt_len, new_tokens)
+    warm_up(generator, warm)
+    plain, instrumented, parts, tokens = timed_steps(generator, steps)
+    if len(generator._jobs) != batch:
+        raise RuntimeError(f"{mode} batch {batch}: a job ended while timed")
+    us = 1e6 * statistics.median(plain)
+    return CaseResult(
+        mode=mode,
+        batch=batch,
+        steps=steps,
+        tokens_per_step=tokens / (2 * steps),
+        us_per_step=us,
+        us_per_token=us / batch,
+        us_per_step_instrumented=1e6 * statistics.median(instrumented),
+        breakdown_us={k: 1e6 * statistics.median(p[k] for p in parts) for k in PARTS},
+        sample_tensor_us=1e6 * statistics.median(p["sample_tensor"] for p in parts),
+    )
+
+
+def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
+    by_case = {(r.mode, r.batch): r for r in results}
+    out = []
+    for mode, batch, target in GOALS:
+        r = by_case.get((mode, batch))
+        if r is not None:
+            out.append(
+                {
+                    "mode": mode,
+                    "batch": batch,
+                    "target_us_per_step": target,
+                    "measured_us_per_step": r.us_per_step,
+                    "met": r.us_per_step <= target,
+                }
+            )
+    return out
+
+
+def print_row(r: CaseResult) -> None:
+    b = r.breakdown_us
+    parts = " ".join(f"{b[k]:9.0f}" for k in PARTS)
+    print(
+        f"{r.mode:12s} {r.batch:5d} {r.us_per_step:10.0f} {r.us_per_token:8.1f} {parts} "
+        f"{r.sample_tensor_us:9.0f}",
+        flush=True,
+    )
+
+
+def print_header() -> None:
+    parts = " ".join(f"{k:>9s}" for k in PARTS)
+    print(f"{'mode':12s} {'batch':>5s} {'us/step':>10s} {'us/tok':>8s} {parts} {'(tensor)':>9s}")
+
+
+def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
+    return {
+        "benchmark": "host_overhead",
+        "label": args.label,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "model": {
+            "spec": asdict(SPEC),
+            "logits_width": SPEC.vocab_size,
+            "tokenizer_vocab": tokenizer.vocab_size,
+            "tokenizer": "byte-level BPE trained on seeded pseudo-words (synthetic_tokenizer)",
+        },
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "batches": list(args.batches),
+            "modes": {
+                name: {"settings": repr(s), "stop_strings": list(stops)}
+                for name, (s, stops) in MODES.items()
+            },
+            "forward": "null: plan_rows + build_forward_batch on the CPU, fixed logits",
+        },
+        "units": "microseconds; medians over timed decode steps",
+        "results": [asdict(r) for r in results],
+        "goals": goals(results),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a few seconds)")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--batches", nargs="+", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--step-budget", type=int, default=4096, help="steps ~ budget / batch")
+    p.add_argument("--min-steps", type=int, default=15)
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--tokenizer-vocab", type=int, default=TOKENIZER_VOCAB)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--label", default="")
+    p.add_argument("--output", type=Path, default=RESULTS)
+    p.add_argument(
+        "--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "pagedserve-bench"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches = args.batches or list(QUICK_BATCHES)
+        args.prompt_len, args.min_steps, args.max_steps = 16, 3, 3
+        args.tokenizer_vocab = min(args.tokenizer_vocab, 4000)  # trains in a fraction of a second
+    args.batches = args.batches or list(BATCHES)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.cache_dir, args.tokenizer_vocab)
+    print_header()
+    results = []
+    for mode in args.modes:
+        for batch in args.batches:
+            results.append(run_case(model, tokenizer, mode, batch, args))
+            print_row(results[-1])
+    for g in goals(results):
+        print(
+            f"goal {g['mode']} batch {g['batch']}: {g['measured_us_per_step']:.0f} us/step "
+            f"(target {g['target_us_per_step']:.0f}) {'met' if g['met'] else 'NOT met'}"
+        )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report(args, results, tokenizer), indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

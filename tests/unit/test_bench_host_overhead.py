@@ -1,0 +1,40 @@
+"""bench/host_overhead.py: the quick run covers every mode, the breakdown and the goals."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "bench" / "host_overhead.py"
+
+
+def test_quick_run_reports_every_mode_and_part(tmp_path: pathlib.Path) -> None:
+    output = tmp_path / "host_overhead.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--output", str(output),
+         "--cache-dir", str(tmp_path / "cache")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(output.read_text())
+    assert report["benchmark"] == "host_overhead" and report["quick"] is True
+    assert report["model"]["logits_width"] > report["model"]["tokenizer_vocab"]
+    results = report["results"]
+    modes = {"greedy", "topk_topp", "penalties", "greedy_stop"}
+    assert {(r["mode"], r["batch"]) for r in results} == {(m, b) for m in modes for b in (1, 4)}
+    for r in results:
+        assert r["tokens_per_step"] == r["batch"]  # every job decodes one token per step
+        assert r["us_per_step"] > 0
+        assert r["us_per_token"] == r["us_per_step"] / r["batch"]
+        parts = r["breakdown_us"]
+        assert set(parts) == {"schedule", "batch", "sample", "receive", "other"}
+        assert all(parts[k] > 0 for k in ("schedule", "batch", "sample", "receive"))
+        assert 0 < r["sample_tensor_us"] <= parts["sample"]
+    assert [g["batch"] for g in report["goals"]] == [1]  # only batch-1 goals at quick sizes
+    for label in ("us/step", "greedy_stop", "goal greedy batch 1"):
+        assert label in proc.stdout
