@@ -245,5 +245,5 @@ def test_one_parse_per_file_version(small_hf, tmp_path):
     assert open_gguf(str(gguf_file)) is first
     data = gguf_file.read_bytes()
     gguf_file.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="truncated|corrupt"):
+    with pytest.raises(ValueError, match=r"truncated|corrupt"):
         open_gguf(gguf_file)
