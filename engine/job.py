@@ -99,6 +99,8 @@ class DynamicJob:
         ``options``: the job's other keyword arguments (``return_probs``, ...)."""
         if not 0 <= choice < request.n:
             raise ValueError(f"choice {choice} is outside the request's n={request.n}")
+        if request.constraint is not None or request.logprobs is not None:
+            raise ValueError("constraint and logprobs are not supported by this engine yet")
         eos = [MODEL_EOS] if request.stop_on_eos else []
         return cls(
             list(request.prompt_ids),

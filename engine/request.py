@@ -15,7 +15,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.constraints.spec import ConstraintSpec
+
 MAX_CHOICES = 16  # n: choices of one prompt run together on one replica
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,9 @@ class GenerationRequest:
     (``engine.cache.prefix_hash``), for the prefix-aware router; empty when nobody routes.
     ``cache_salt``: requests share cached pages only with requests of the same salt (tenant
     isolation of the prefix cache); ``page_hashes`` must be computed with it.
+    ``constraint``: what the output must match (JSON schema, regex, ...), enforced by a filter
+    built on the replica. ``logprobs``: None for none; k >= 0 reports each token's
+    log-probability and the k most likely alternatives.
     """
 
     prompt_ids: tuple[int, ...]
@@ -110,6 +116,8 @@ class GenerationRequest:
     page_hashes: tuple[int, ...] = ()
     request_id: str = field(default_factory=new_request_id)
     cache_salt: str | None = None
+    constraint: ConstraintSpec | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
@@ -135,6 +143,12 @@ class GenerationRequest:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise ValueError(f"constraint must be a ConstraintSpec, got {self.constraint!r}")
+        if self.logprobs is not None:
+            _require_int(self.logprobs, "logprobs", 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
 
     def choice_seed(self, choice: int) -> int | None:
         return None if self.seed is None else self.seed + choice
