@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deployments import routing_audit
 from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -190,8 +191,12 @@ class Ingress:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def stats(self, request: Request) -> Response:
-        """Per replica: the generator's stats plus requests served."""
+        """Per replica: the generator's stats plus requests served, and what this ingress's
+        router predicted about its cache vs what the replica's cache really supplied."""
         replicas = await _replica_stats(self._llm)
+        audit = routing_audit.summary()
+        for replica in replicas:
+            replica["routing"] = audit.get(replica.get("replica_id"), None)
         return JSONResponse({"object": "stats", "replicas": replicas})
 
     async def completions(self, request: Request) -> Response:
@@ -208,7 +213,7 @@ class Ingress:
             fields, generation = await asyncio.to_thread(self._prepare, raw, chat)
         except OpenAIError as e:
             return e.response()
-        fmt = ResponseFormat.new(chat, self.model_id)
+        fmt = ResponseFormat.new(chat, self.model_id, generation.request_id)
         stream = self._generate.remote(generation)
         if fields.stream:
             events = _events(stream, fields.n, fmt, fields.include_usage)
@@ -239,13 +244,17 @@ async def _replica_stats(llm: DeploymentHandle) -> list[dict[str, Any]]:
     return list(await response.results_async(return_exceptions=False))
 
 
-async def _indexed(stream) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def _indexed(stream, request_id: str) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """The replica's messages tagged with their choice index; a client that goes away (the
-    generator is closed early) cancels the replica's work too."""
+    generator is closed early) cancels the replica's work too. The first choice's cache use
+    goes to the routing audit (the router's prediction for ``request_id``)."""
     completed = False
     try:
         async for message in stream:
-            yield message.get("index", 0), message
+            index = message.get("index", 0)
+            if index == 0 and message["eos"] and "cached_pages" in message:
+                routing_audit.observe(request_id, message["cached_pages"])
+            yield index, message
         completed = True
     finally:
         if not completed:
@@ -256,7 +265,7 @@ async def _collect(stream, n: int, fmt: ResponseFormat) -> Response:
     texts: list[list[str]] = [[] for _ in range(n)]
     finals: list[dict[str, Any]] = [{} for _ in range(n)]
     try:
-        async for index, message in _indexed(stream):
+        async for index, message in _indexed(stream, fmt.request_id):
             texts[index].append(message["text"])
             if message["eos"]:
                 finals[index] = message
@@ -271,7 +280,7 @@ async def _events(stream, n: int, fmt: ResponseFormat, include_usage: bool) -> A
         for index in range(n):
             yield sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
     try:
-        async for index, message in _indexed(stream):
+        async for index, message in _indexed(stream, fmt.request_id):
             if message["text"]:
                 yield sse(fmt.chunk({"content": message["text"]}, index=index))
             if message["eos"]:
