@@ -208,9 +208,9 @@ def test_autoscaling_becomes_the_deployments_autoscaling_config() -> None:
     # 4096 tokens of 16-token pages: the engine batches 128 sequences, the target is half.
     assert config["target_ongoing_requests"] == 64
     explicit = Preset.parse(_autoscaled({"max_replicas": 2}, {"max_batch_size": 10}))
-    assert explicit.serving.autoscaling.serve_config(explicit.engine)[
-        "target_ongoing_requests"
-    ] == 5
+    assert (
+        explicit.serving.autoscaling.serve_config(explicit.engine)["target_ongoing_requests"] == 5
+    )
     from ray.serve.config import AutoscalingConfig
 
     AutoscalingConfig(**config)  # Serve accepts every key we give it
