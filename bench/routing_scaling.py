@@ -104,14 +104,16 @@ def _measure(
     prompts = workload(args)
     clock = PhaseClock()
     clock.enter("one", _served(base_url))
-    scale_at = len(prompts) // 3
+    scale_at, last_third = len(prompts) // 3, 2 * len(prompts) // 3
     sent = 0
     lock = threading.Lock()
+    scaled = threading.Event()
 
     def scale_up() -> None:
         clock.enter("scaling", _served(base_url))
         serve.run(_app(loaded, args.scale_to), name="scaling", route_prefix="/")
         clock.enter("all", _served(base_url))
+        scaled.set()
 
     scaler = threading.Thread(target=scale_up)
 
@@ -119,11 +121,13 @@ def _measure(
         nonlocal sent
         with lock:
             sent += 1
-            if sent == scale_at + 1:
+            index = sent
+            if index == scale_at + 1:
                 scaler.start()
                 time.sleep(0.2)  # the phase is "scaling" from here on
-            phase = clock.phase
-        return phase, stream_completion(base_url, prompt, args.max_tokens)
+        if index > last_third:  # the last third runs on the grown replica set
+            scaled.wait()
+        return clock.phase, stream_completion(base_url, prompt, args.max_tokens)
 
     with ThreadPoolExecutor(args.concurrency) as pool:
         outs = list(pool.map(one, prompts))
@@ -140,7 +144,7 @@ def summarize(
     final: dict[str, int],
 ) -> dict[str, Any]:
     phases: dict[str, Any] = {}
-    boundaries = [*(clock.snapshots.get(p, {}) for p in PHASES[1:]), final]
+    boundaries = [*(clock.snapshots.get(p, final) for p in PHASES[1:]), final]
     for i, phase in enumerate(PHASES):
         picked = [k for k, (p, _) in enumerate(outs) if p == phase]
         if not picked:
