@@ -22,7 +22,7 @@ import torch
 from engine.cache.kv_cache import PagedCache
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
-from engine.sampling import SampleOutput, SamplerSettings, sample
+from engine.sampling import BANNED_ROW, SampleOutput, SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,10 @@ class DynamicGenerator:
         token_tensors = torch.tensor(out.tokens, dtype=torch.long).view(-1, 1, 1).unbind(0)
         results = []
         for i, job in enumerate(jobs):
+            if out.tokens[i] == BANNED_ROW:  # nothing could be sampled: this job only ends
+                message = f"every token is banned for job {job.identifier!r} at this step"
+                results.append(self._fail(job, ValueError(message)))
+                continue
             try:
                 result = job.receive_token(
                     out.tokens[i],
@@ -200,6 +204,7 @@ class DynamicGenerator:
                     top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
                     top_probs=out.top_probs[i] if job.return_top_tokens else None,
                     logits=logits[i].cpu() if job.return_logits else None,
+                    logprobs=_logprobs_of(out, i) if job.return_logprobs is not None else None,
                 )
             except Exception as error:
                 results.append(self._fail(job, error))
@@ -325,3 +330,7 @@ def _per_prompt_settings(gen_settings, count: int) -> list[SamplerSettings | Non
     if len(settings) != count:
         raise ValueError(f"{len(settings)} gen_settings for {count} prompts")
     return settings
+
+
+def _logprobs_of(out: SampleOutput, row: int) -> tuple[float, list[int], list[float]]:
+    return out.logprobs[row], out.top_logprob_ids[row], out.top_logprobs[row]

@@ -51,6 +51,7 @@ class DynamicJob:
         return_top_tokens: int = 0,
         return_probs: bool = False,
         return_logits: bool = False,
+        return_logprobs: int | None = None,
         max_skips: int | None = None,
         cache_salt: str | None = None,
     ):
@@ -70,6 +71,9 @@ class DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_probs = return_probs
         self.return_logits = return_logits
+        # k: the model's log-probability of each token and its k most likely alternatives
+        # (raw logits, no temperature; see engine.sampling); None: not computed
+        self.return_logprobs = _check_logprobs(return_logprobs)
         self.max_skips = max_skips
         self.serial: int | None = None
         # max_skips: how often admission may pass this job over for later ones before it
@@ -99,8 +103,8 @@ class DynamicJob:
         ``options``: the job's other keyword arguments (``return_probs``, ...)."""
         if not 0 <= choice < request.n:
             raise ValueError(f"choice {choice} is outside the request's n={request.n}")
-        if request.constraint is not None or request.logprobs is not None:
-            raise ValueError("constraint and logprobs are not supported by this engine yet")
+        if request.constraint is not None:
+            raise ValueError("constraint is not supported by this engine yet")
         eos = [MODEL_EOS] if request.stop_on_eos else []
         return cls(
             list(request.prompt_ids),
@@ -111,6 +115,7 @@ class DynamicJob:
             seed=request.choice_seed(choice),
             identifier=request.choice_id(choice),
             cache_salt=request.cache_salt,
+            return_logprobs=request.logprobs,
             **options,
         )
 
@@ -146,6 +151,7 @@ class DynamicJob:
             banned_tokens=tuple(banned),
             top_k_return=self.return_top_tokens,
             return_probs=self.return_probs,
+            logprobs=self.return_logprobs,
         )
 
     # -- results -------------------------------------------------------------------------------
@@ -176,11 +182,14 @@ class DynamicJob:
         top_probs: list[float] | None = None,
         logits: torch.Tensor | None = None,
         token_tensor: torch.Tensor | None = None,
+        logprobs: tuple[float, list[int], list[float]] | None = None,
     ) -> dict[str, Any]:
         """Take one sampled token; return its streaming result (final when ``eos``).
 
         ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
-        generator makes a whole step's in one call: a tensor per token costs ~10 us)."""
+        generator makes a whole step's in one call: a tensor per token costs ~10 us).
+        ``logprobs``: (the token's model logprob, top ids, their logprobs), with
+        ``return_logprobs``."""
         now = time.perf_counter()
         self._times.setdefault("first_token", now)
         self._times["last_token"] = now
@@ -190,6 +199,8 @@ class DynamicJob:
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
         _attach_token_data(result, token_tensor, prob, top_tokens, top_probs, logits)
+        if logprobs is not None:
+            _attach_logprobs(result, *logprobs)
         if token in self.stop_tokens and len(self.new_token_ids) > self.min_new_tokens:
             text = self._held_text + self._detok.flush()
             self._held_text = ""
@@ -276,6 +287,18 @@ def _attach_token_data(result, token_tensor, prob, top_tokens, top_probs, logits
         result["top_k_probs"] = torch.tensor([[top_probs]], dtype=torch.float32)
     if logits is not None:
         result["logits"] = logits.reshape(1, 1, -1)
+
+
+def _attach_logprobs(result, logprob: float, top_ids: list[int], top_values: list[float]) -> None:
+    result["token_logprobs"] = torch.tensor([[logprob]], dtype=torch.float32)
+    result["top_logprob_ids"] = torch.tensor([[top_ids]], dtype=torch.long).reshape(1, 1, -1)
+    result["top_logprobs"] = torch.tensor([[top_values]], dtype=torch.float32).reshape(1, 1, -1)
+
+
+def _check_logprobs(k: int | None) -> int | None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"return_logprobs must be None or an int >= 0, got {k!r}")
+    return k
 
 
 def _as_id_list(input_ids: torch.Tensor | Seq[int]) -> list[int]:
