@@ -65,6 +65,7 @@ class Delta:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     final: dict[str, Any] | None = None
+    logprobs: list[tuple] = field(default_factory=list)  # deployments.logprobs.LogprobEntry
 
     def add(self, result: dict[str, Any]) -> None:
         if result["stage"] != "streaming":
@@ -72,6 +73,9 @@ class Delta:
         self.text.append(result.get("text", ""))
         if "token_ids" in result:  # a "cancelled" final result carries no token
             self.token_ids.extend(result["token_ids"][0].tolist())
+        # the stop token ending a choice is not part of its text: no logprob entry
+        if "token_logprobs" in result and result.get("eos_reason") != "stop_token":
+            self.logprobs.append(_logprob_entry(result))
         if result["eos"]:
             self.final = result
 
@@ -85,11 +89,22 @@ class Delta:
             "token_ids": self.token_ids,
             "eos": self.final is not None,
         }
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
         if self.final is not None:
             keys = ("eos_reason", "prompt_tokens", "new_tokens", "cached_tokens", "cached_pages")
             out.update({k: self.final[k] for k in keys})
             out.update({k: self.final[k] for k in self.final if k.startswith("time_")})
         return out
+
+
+def _logprob_entry(result: dict[str, Any]) -> tuple[int, float, list[int], list[float]]:
+    return (
+        int(result["token_ids"][0, -1]),
+        float(result["token_logprobs"][0, -1]),
+        result["top_logprob_ids"][0, -1].tolist(),
+        result["top_logprobs"][0, -1].tolist(),
+    )
 
 
 class ChoiceStream:
