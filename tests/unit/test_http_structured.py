@@ -31,6 +31,7 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "function": {"name": "get_time"}}
+JSON_MODE = {"type": "json_object"}
 
 
 def fields(body: dict[str, Any], chat: bool = True):
@@ -158,7 +159,7 @@ def test_required_over_several_tools_is_an_any_of() -> None:
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"},
          "tools"),
-        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": JSON_MODE},
          "response_format"),
         ({"functions": [WEATHER["function"]]}, "functions"),
     ],
@@ -184,7 +185,7 @@ def test_tools_system_message_lists_the_functions() -> None:
 class FakeTokens:
     """TokenBytes stand-in: token i is the bytes in PIECES[i]."""
 
-    PIECES = [b"He", b"llo", b" \xe4\xb8", b"\x96", b"!", b"{}"]
+    PIECES = (b"He", b"llo", b" \xe4\xb8", b"\x96", b"!", b"{}")
 
     def bytes_of(self, token: int) -> bytes:
         return self.PIECES[token]
