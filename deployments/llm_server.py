@@ -73,9 +73,8 @@ class Delta:
         self.text.append(result.get("text", ""))
         if "token_ids" in result:  # a "cancelled" final result carries no token
             self.token_ids.extend(result["token_ids"][0].tolist())
-        # the stop token ending a choice is not part of its text: no logprob entry
-        if "token_logprobs" in result and result.get("eos_reason") != "stop_token":
-            self.logprobs.append(_logprob_entry(result))
+        if "token_logprobs" in result:
+            self.logprobs += _logprob_entries(result)
         if result["eos"]:
             self.final = result
 
@@ -98,13 +97,16 @@ class Delta:
         return out
 
 
-def _logprob_entry(result: dict[str, Any]) -> tuple[int, float, list[int], list[float]]:
-    return (
-        int(result["token_ids"][0, -1]),
-        float(result["token_logprobs"][0, -1]),
-        result["top_logprob_ids"][0, -1].tolist(),
-        result["top_logprobs"][0, -1].tolist(),
-    )
+def _logprob_entries(result: dict[str, Any]) -> list[tuple[int, float, list[int], list[float]]]:
+    """One ``deployments.logprobs.LogprobEntry`` per token of a result (a result can hold
+    several: text released after a banned-string check); the stop token ending a choice is not
+    part of its text and has none."""
+    ids, values = result["token_ids"][0].tolist(), result["token_logprobs"][0].tolist()
+    top_ids, top_values = result["top_logprob_ids"][0].tolist(), result["top_logprobs"][0].tolist()
+    entries = list(zip(ids, values, top_ids, top_values, strict=True))
+    if result.get("eos_reason") == "stop_token":
+        entries = entries[:-1]
+    return entries
 
 
 class ChoiceStream:
