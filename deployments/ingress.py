@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deployments import routing_audit
 from deployments.choices import ChoiceState, OutputOptions, full_body
 from deployments.preset import Preset
 from deployments.protocol import (
@@ -204,8 +205,12 @@ class Ingress:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def stats(self, request: Request) -> Response:
-        """Per replica: the generator's stats plus requests served."""
+        """Per replica: the generator's stats plus requests served, and what this ingress's
+        router predicted about its cache vs what the replica's cache really supplied."""
         replicas = await _replica_stats(self._llm)
+        audit = routing_audit.summary()
+        for replica in replicas:
+            replica["routing"] = audit.get(replica.get("replica_id"), None)
         return JSONResponse({"object": "stats", "replicas": replicas})
 
     async def completions(self, request: Request) -> Response:
@@ -222,7 +227,7 @@ class Ingress:
             fields, generation = await asyncio.to_thread(self._prepare, raw, chat)
         except OpenAIError as e:
             return e.response()
-        fmt = ResponseFormat.new(chat, self.model_id)
+        fmt = ResponseFormat.new(chat, self.model_id, generation.request_id)
         options = self.prompts.output_options(fields)
         choices = [ChoiceState(i, fmt, options) for i in range(fields.n)]
         stream = self._generate.remote(generation)
@@ -255,13 +260,17 @@ async def _replica_stats(llm: DeploymentHandle) -> list[dict[str, Any]]:
     return list(await response.results_async(return_exceptions=False))
 
 
-async def _indexed(stream) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def _indexed(stream, request_id: str) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """The replica's messages tagged with their choice index; a client that goes away (the
-    generator is closed early) cancels the replica's work too."""
+    generator is closed early) cancels the replica's work too. The first choice's cache use
+    goes to the routing audit (the router's prediction for ``request_id``)."""
     completed = False
     try:
         async for message in stream:
-            yield message.get("index", 0), message
+            index = message.get("index", 0)
+            if index == 0 and message["eos"] and "cached_pages" in message:
+                routing_audit.observe(request_id, message["cached_pages"])
+            yield index, message
         completed = True
     finally:
         if not completed:
@@ -270,7 +279,7 @@ async def _indexed(stream) -> AsyncIterator[tuple[int, dict[str, Any]]]:
 
 async def _collect(stream, choices: list[ChoiceState], fmt: ResponseFormat) -> Response:
     try:
-        async for index, message in _indexed(stream):
+        async for index, message in _indexed(stream, fmt.request_id):
             choices[index].add(message)
     except Exception as e:
         return server_error(e, fmt.id).response()
@@ -284,7 +293,7 @@ async def _events(
         for index in range(len(choices)):
             yield sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
     try:
-        async for index, message in _indexed(stream):
+        async for index, message in _indexed(stream, fmt.request_id):
             for chunk in choices[index].chunks(message):
                 yield sse(chunk)
         if include_usage:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 from ray import serve
 from ray.serve import metrics
@@ -283,6 +284,7 @@ class LLMServer:
             "requests_active": self.requests_active,
             "rss_bytes": current_rss_bytes(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
@@ -264,6 +264,9 @@ class _Placement:
     hashes: Sequence[int]
     pinned: bool
     at: float
+    # Pages each ranked replica was believed to hold when the choice was made (a retry may
+    # dispatch to a later rank): the prediction the routing audit compares with the outcome.
+    matched: dict[Hashable, int] = field(default_factory=dict)
 
 
 class _Decayed:
@@ -335,10 +338,14 @@ class PrefixPolicy:
         full: Callable[[Hashable], bool] = lambda _: False,
     ) -> list[Hashable]:
         """Replica ids best first; requests without hashes rank by load alone."""
+        return [c.replica for c in self._ranked(replicas, hashes, full)]
+
+    def _ranked(
+        self, replicas: Sequence[Hashable], hashes: Sequence[int], full: Callable[[Hashable], bool]
+    ) -> list[Candidate]:
         candidates = [self.candidate(r, hashes, full(r)) for r in replicas]
         fresh = bool(hashes) and is_fresh(candidates, self.settings)
-        ranked = rank_candidates(candidates, self.settings, self._rng, fresh)
-        return [c.replica for c in ranked]
+        return rank_candidates(candidates, self.settings, self._rng, fresh)
 
     def choose(
         self,
@@ -351,12 +358,14 @@ class PrefixPolicy:
         previous = self._tentative.pop(token, None)
         if previous is not None:  # a retry (the last choice was full): undo that one
             self._unplace(previous)
-        ranked = self.rank(replicas, hashes, full)
+        ranked = self._ranked(replicas, hashes, full)
         if ranked:
             now = self._clock()
-            self._tentative[token] = self._place(ranked[0], hashes, now, count=previous is None)
+            placement = self._place(ranked[0].replica, hashes, now, count=previous is None)
+            placement.matched = {c.replica: len(hashes) - c.uncached_pages for c in ranked}
+            self._tentative[token] = placement
             self._maybe_expire(now)
-        return ranked
+        return [c.replica for c in ranked]
 
     def routed(
         self,
@@ -364,16 +373,22 @@ class PrefixPolicy:
         request_id: Hashable,
         hashes: Sequence[int],
         token: Hashable = None,
-    ) -> None:
-        """Serve dispatched the request there (``token`` as given to ``choose``, if any)."""
+    ) -> int:
+        """Serve dispatched the request there (``token`` as given to ``choose``, if any).
+        Returns the pages of ``hashes`` the replica was believed to hold when it was chosen."""
         now = self._clock()
         tentative = self._tentative.pop(token, None) if token is not None else None
         if tentative is not None:
             self._unplace(tentative)
+        if tentative is not None and replica in tentative.matched:
+            predicted = tentative.matched[replica]
+        else:
+            predicted = self.index.matched_pages(replica, hashes)
         placement = self._place(replica, hashes, now, count=tentative is None)
         self.index.record_routed(replica, hashes)
         self._in_flight.setdefault((replica, request_id), []).append(placement)
         self._maybe_expire(now)
+        return predicted
 
     def completed(self, replica: Hashable, request_id: Hashable) -> None:
         """One request with this id finished there. Serve also reports requests the replica
