@@ -288,3 +288,59 @@ def test_several_tools_stream_the_call_whole_and_a_cut_call_is_text() -> None:
     assert chunks[0]["choices"][0]["delta"] == {"content": '{"name": "get_'}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert full_body(fmt, [cut])["choices"][0]["message"]["content"] == '{"name": "get_'
+
+
+# -- the prompt builder and the batch job ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory: pytest.TempPathFactory):
+    from deployments.ingress import PromptBuilder
+    from deployments.preset import Preset
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("pagedserve-cache")))
+        yield PromptBuilder(Preset.load("configs/demo.yaml"))
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+)
+
+
+def test_tools_reach_the_prompt(builder, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required"}
+    fields_, _ = builder.request(body, chat=True)
+    decode = builder.tokenizer.decode
+    # the demo template has no tools variable: a system message lists them
+    assert '"get_weather"' in decode(builder.chat_ids(body, fields_.tools), True)
+    monkeypatch.setattr(builder.tokenizer, "chat_template", TOOL_TEMPLATE)
+    text = decode(builder.chat_ids(body, fields_.tools), True)
+    assert text.startswith("TOOLS:get_weather;get_time;user: hi")  # (trim_blocks)
+
+
+def test_batch_record_has_logprobs_and_tool_calls(builder) -> None:
+    import asyncio
+
+    from deployments.batch import Validator, generate_record
+    from deployments.batch_records import Item
+
+    body = {"messages": USER, "tools": [WEATHER], "tool_choice": "required", "logprobs": True}
+    item = Item(1, "x", body, chat=True)
+    request, options = Validator(builder).prepare(item)
+    assert request.logprobs == 0 and request.constraint.kind == "json_schema"
+    ids = builder.tokenizer.encode('{"city": "Rome"}')[0].tolist()
+
+    async def generate(_request):
+        entries = [(t, -0.5, [], []) for t in ids]
+        yield {"index": 0, "text": '{"city": "Rome"}', "token_ids": ids, "eos": True,
+               "logprobs": entries, "eos_reason": "end_filter", "prompt_tokens": 5,
+               "new_tokens": len(ids), "cached_tokens": 0}  # fmt: skip
+
+    record = asyncio.run(generate_record(item, request, generate, options))
+    assert record["finish_reason"] == "tool_calls"
+    (call,) = record["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    tokens = [e["token"] for e in record["logprobs"]["content"]]
+    assert "".join(tokens) == '{"city": "Rome"}'
