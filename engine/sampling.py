@@ -369,15 +369,21 @@ def _add_logprobs(
     """The model's log-probabilities (raw logits, vocabulary ids below ``limit``) of the chosen
     tokens and the top k, computed on the device for the rows that asked only."""
     rows = [i for i, r in enumerate(requests) if r.logprobs is not None]
-    index = torch.tensor(rows, device=logits.device)
-    logprobs = torch.log_softmax(logits[index, :limit], dim=-1)
-    chosen = logprobs.gather(1, tokens[index, None].clamp(0, limit - 1)).squeeze(1).tolist()
+    if len(rows) == len(requests):  # a view, no copy
+        wanted, chosen_ids = logits[:, :limit], tokens[:, None]
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        wanted, chosen_ids = logits[index, :limit], tokens[index, None]
+    # log p = logit - logsumexp(row): no [B, V] log_softmax is written; the top k of the
+    # logits are the top k of the log-probabilities
+    norm = torch.logsumexp(wanted, dim=-1, keepdim=True)
+    chosen = (wanted.gather(1, chosen_ids.clamp(0, limit - 1)) - norm).squeeze(1).tolist()
     k = min(max(requests[i].logprobs for i in rows), limit)
     top_ids: list[list[int]] = [[] for _ in rows]
     top_values: list[list[float]] = [[] for _ in rows]
     if k:
-        top = logprobs.topk(k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        top = wanted.topk(k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), (top.values - norm).tolist()
     out.logprobs = [None] * len(requests)
     out.top_logprob_ids = [[] for _ in requests]
     out.top_logprobs = [[] for _ in requests]
