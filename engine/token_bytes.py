@@ -31,9 +31,8 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def _uses(decoder_spec: Any, kind: str) -> bool:
-    return f'"type": "{kind}"' in json.dumps(decoder_spec) or f'"type":"{kind}"' in json.dumps(
-        decoder_spec
-    )
+    """Whether a tokenizer.json decoder (possibly a Sequence of decoders) includes ``kind``."""
+    return f'"{kind}"' in json.dumps(decoder_spec)
 
 
 class TokenBytes:
