@@ -188,6 +188,10 @@ class DynamicJob:
         """What restricts this job's next token: its healing set, its JobConstraint, or None."""
         if self._heal_ids is not None and not self.new_token_ids:
             return self._heal_ids
+        if self.constraint is not None:
+            # EOS is not preferred before min_new_tokens (it is banned then)
+            reached = len(self.new_token_ids) >= self.min_new_tokens
+            self.constraint.prefer_eos = self.filter_prefer_eos and reached
         return self.constraint
 
     def sample_request(self) -> SampleRequest:
