@@ -82,3 +82,35 @@ def test_all_banned_job_fails_alone(tiny) -> None:
     assert len(results["fine"]) == 3 and results["fine"][-1]["eos_reason"] == "max_new_tokens"
     assert all(0 < r["token_probs"].item() <= 1 for r in results["fine"])
     assert generator.stats()["pages_in_use"] == 0
+
+
+def test_logprobs_follow_tokens_held_and_rolled_back_by_banned_strings(tiny) -> None:
+    """Banned strings hold tokens and release several in one result, or roll them back: each
+    result's logprobs stay aligned with its token ids."""
+    ids = tiny.tokenizer.encode("the quick brown fox")[0].tolist()
+    greedy = SamplerSettings.greedy()
+    plain = DynamicJob(ids, 12, stop_conditions=[], gen_settings=greedy, identifier="plain")
+    text = "".join(r.get("text", "") for r in _stream(tiny.generator(), [plain])["plain"])
+    banned = text[len(text) // 2 : len(text) // 2 + 3]
+    assert banned.strip()
+    job = DynamicJob(
+        ids,
+        12,
+        stop_conditions=[],
+        gen_settings=greedy,
+        identifier="banned",
+        banned_strings=[banned],
+        return_logprobs=2,
+    )
+    results = _stream(tiny.generator(), [job])["banned"]
+    assert banned.lower() not in job.full_completion.lower()
+    counted = 0
+    for r in results:
+        if "token_ids" not in r:
+            continue
+        n = r["token_ids"].shape[1]
+        counted += n
+        assert r["token_logprobs"].shape == (1, n)
+        assert r["top_logprob_ids"].shape == r["top_logprobs"].shape == (1, n, 2)
+    assert counted == len(job.new_token_ids)
+    assert any(r["token_ids"].shape[1] > 1 for r in results if "token_ids" in r)
