@@ -1,7 +1,8 @@
 """Prefix routing while the replica set grows: 1 -> ``--scale-to`` replicas mid-run.
 
 The app starts with one LLMServer replica (demo model, CPU). After the first third of the
-workload (bench/routing.py's shared-prefix groups, shuffled rounds) LLMServer is scaled up with
+workload (conversations that start and end during the run, each reusing its own long prefix;
+see ``session_workload``) LLMServer is scaled up with
 a lightweight Serve update (only its replica count changes: the ingress and its router keep
 their state) while requests keep flowing. Each request counts in the phase it was sent in:
 ``one`` (one replica), ``scaling`` (the update in progress), ``all`` (every replica up). Per
@@ -9,7 +10,7 @@ phase: cache reuse vs one ideal cache, balance (max/min requests per replica, fr
 deltas, so a request is counted when it finishes) and p50/p99 TTFT; prefix router and Ray
 Serve's power-of-two side by side, alternating runs. JSON: bench/results/routing_scaling.json.
 
-    python bench/routing_scaling.py [--scale-to 3] [--groups 12] [--per-group 6] [--repeats 2]
+    python bench/routing_scaling.py [--scale-to 3] [--groups 18] [--per-group 4] [--repeats 2]
 
 Ray is started with as many logical CPUs as the largest replica set needs; on a 2-core machine
 three replicas share two cores (the comparison is side by side, not absolute).
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import platform
+import random
 import statistics
 import tempfile
 import threading
@@ -42,20 +44,55 @@ from routing import (  # bench/routing.py (a script: python bench/routing_scalin
     ideal_cached_tokens,
     preset,
     stream_completion,
-    workload,
 )
-
-from deployments.app import llm_deployment
-from deployments.ingress import Ingress
-from deployments.preset import Preset
 
 RESULTS = Path(__file__).parent / "results" / "routing_scaling.json"
 PHASES = ("one", "scaling", "all")
 
 
-def _app(loaded: Preset, replicas: int) -> serve.Application:
-    llm = llm_deployment(loaded).options(num_replicas=replicas)
-    return Ingress.bind(llm.bind(loaded), loaded)
+def session_workload(args: argparse.Namespace) -> list[list[int]]:
+    """Conversations that start and end during the run: ``--sessions`` at a time, each with a
+    prefix of its own that ``--per-group`` requests reuse, a new one starting when one ends. So
+    every phase brings new prefixes (where a new replica should get its share at once) and
+    reuse of running ones (where the router should keep them on their replica)."""
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(4, 4096) for _ in range(n)]  # ids 0-3 are special tokens
+
+    waiting = [tokens(args.shared_tokens) for _ in range(args.groups)]
+    active: list[tuple[list[int], list[int]]] = []  # (prefix, [requests left])
+    prompts: list[list[int]] = []
+    while waiting or active:
+        while waiting and len(active) < args.sessions:
+            active.append((waiting.pop(0), [args.per_group]))
+        i = rng.randrange(len(active))
+        prefix, left = active[i]
+        prompts.append(prefix + tokens(args.tail_tokens))
+        left[0] -= 1
+        if not left[0]:
+            active.pop(i)
+    return prompts
+
+
+def _deploy(config: Path, replicas: int) -> None:
+    """Deploy the app from a config, as ``serve deploy`` does, with ``replicas`` engine
+    replicas, and wait until it runs. A config deploy that changes only the replica count is a
+    lightweight update (running replicas keep their caches); an imperative ``serve.run`` would
+    version the app anew and replace every replica, which is not what scaling out means.
+    Private API, Ray 2.60 (``_get_global_client().deploy_apps``): the CLI's path without a
+    dashboard."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {
+        "name": "scaling",
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": {"config": str(config)},
+        "deployments": [{"name": "LLMServer", "num_replicas": replicas}],
+    }
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]), _blocking=True)
 
 
 def _served(base_url: str) -> dict[str, int]:
@@ -86,22 +123,19 @@ def run_router(router: str, args: argparse.Namespace, folder: Path) -> dict[str,
     raw = preset(router, args)
     raw["serving"]["num_replicas"] = 1
     config.write_text(yaml.safe_dump(raw))
-    loaded = Preset.load(config)
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(_app(loaded, 1), name="scaling", route_prefix="/")
+        _deploy(config, 1)
         stream_completion(base_url, [5, 6, 7], 2)  # warm up (not counted)
-        return _measure(router, args, loaded, base_url)
+        return _measure(router, args, config, base_url)
     finally:
         serve.shutdown()
 
 
-def _measure(
-    router: str, args: argparse.Namespace, loaded: Preset, base_url: str
-) -> dict[str, Any]:
-    prompts = workload(args)
+def _measure(router: str, args: argparse.Namespace, config: Path, base_url: str) -> dict[str, Any]:
+    prompts = session_workload(args)
     clock = PhaseClock()
     clock.enter("one", _served(base_url))
     scale_at, last_third = len(prompts) // 3, 2 * len(prompts) // 3
@@ -111,7 +145,7 @@ def _measure(
 
     def scale_up() -> None:
         clock.enter("scaling", _served(base_url))
-        serve.run(_app(loaded, args.scale_to), name="scaling", route_prefix="/")
+        _deploy(config, args.scale_to)
         clock.enter("all", _served(base_url))
         scaled.set()
 
@@ -154,25 +188,36 @@ def summarize(
         ideal = ideal_cached_tokens(prompts[:last]) - ideal_cached_tokens(prompts[:first])
         cached = sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in rows)
         before, after = clock.snapshots.get(phase, {}), boundaries[i]
-        per_replica = [after[r] - before.get(r, 0) for r in after if after[r] > before.get(r, 0)]
+        # Every replica up at the phase's end counts, idle ones too (an idle new replica is
+        # the failure to catch); ids shortened for the table.
+        by_replica = {r[-6:]: after[r] - before.get(r, 0) for r in after}
+        per_replica = list(by_replica.values())
         ttfts = [o["ttft"] for o in rows if o["ttft"] is not None]
         phases[phase] = {
             "requests": len(rows),
             "cached_tokens": cached,
             "ideal_cached_tokens": ideal,
             "vs_ideal": cached / ideal if ideal else None,
-            "requests_per_replica": sorted(per_replica),
-            "imbalance": max(per_replica) / min(per_replica) if per_replica else None,
+            "requests_per_replica": by_replica,
+            "imbalance": _imbalance(per_replica),
+            "idle_replicas": per_replica.count(0),
             "ttft_p50_s": _percentile(ttfts, 50) if len(ttfts) > 1 else None,
             "ttft_p99_s": _percentile(ttfts, 99) if len(ttfts) > 1 else None,
         }
     return {"router": router, "phases": phases}
 
 
+def _imbalance(counts: list[int]) -> float | None:
+    """max/min requests per replica; None when a replica got none (see ``idle_replicas``)."""
+    if not counts or min(counts) == 0:
+        return None
+    return max(counts) / min(counts)
+
+
 def print_table(runs: dict[str, list[dict[str, Any]]]) -> None:
     print(
         f"{'router':7s} {'phase':8s} {'requests':>8s} {'vs ideal':>9s} {'imbalance':>9s} "
-        f"{'TTFT p50':>9s} {'TTFT p99':>9s}  requests per replica"
+        f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'idle':>4s}  requests per replica"
     )
 
     def cell(value: float | None, fmt: str) -> str:
@@ -186,7 +231,8 @@ def print_table(runs: dict[str, list[dict[str, Any]]]) -> None:
                 print(
                     f"{router:7s} {phase:8s} {row['requests']:8d} "
                     f"{cell(row['vs_ideal'], '9.1%')} {cell(row['imbalance'], '9.2f')} "
-                    f"{cell(p50, '7.0f')}ms {cell(p99, '7.0f')}ms  {row['requests_per_replica']}"
+                    f"{cell(p50, '7.0f')}ms {cell(p99, '7.0f')}ms {row['idle_replicas']:4d}  "
+                    f"{row['requests_per_replica']}"
                 )
 
 
@@ -206,8 +252,9 @@ def medians(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale-to", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=12)
-    parser.add_argument("--per-group", type=int, default=6)
+    parser.add_argument("--groups", type=int, default=18, help="conversations (prefixes)")
+    parser.add_argument("--per-group", type=int, default=4, help="requests per conversation")
+    parser.add_argument("--sessions", type=int, default=4, help="conversations at a time")
     parser.add_argument("--shared-tokens", type=int, default=512)
     parser.add_argument("--tail-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
