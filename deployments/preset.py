@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from deployments.prefix_index import RouterSettings
+from deployments.router_settings import RouterSettings
 from engine.cache.page_table import whole_pages
 
 logger = logging.getLogger("ray.serve")

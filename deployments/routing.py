@@ -33,7 +33,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments import routing_audit
-from deployments.prefix_index import PrefixPolicy, RouterSettings
+from deployments.prefix_index import PrefixPolicy
+from deployments.router_settings import RouterSettings
 from engine.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
