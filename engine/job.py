@@ -18,6 +18,7 @@ import torch
 
 from engine.cache.prefix_hash import salt_root
 from engine.constraints.banned import BannedStrings
+from engine.constraints.errors import FilterError
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -319,6 +320,17 @@ class DynamicJob:
             previous = token_end
         return n, end
 
+    def _can_avoid_bans(self, position: int) -> bool:
+        """Whether a token outside the bans is allowed at ``position`` by the job's grammar or
+        healing set (sampling keeps their mask when the bans leave nothing, and would then
+        pick a banned token again, forever)."""
+        banned = self._bans.get(position, set())
+        if self._heal_ids is not None and position == 0:
+            return bool(self._heal_ids - banned)
+        if self.constraint is not None:
+            return self.constraint.allows_other_than(banned)
+        return True
+
     def _release_tokens(self, result: dict[str, Any], n: int | None = None, chars: int = 0):
         """Banned-string jobs: attach the data of the first ``n`` held tokens (None: all),
         whose text (``chars`` characters of the held text) is released with it."""
@@ -347,6 +359,11 @@ class DynamicJob:
         self._bans.setdefault(position, set()).add(dropped[0])
         if self.constraint is not None:
             self.constraint.rollback(len(dropped))
+        if not self._can_avoid_bans(position):
+            # Backing up further would take back text already emitted: the job fails.
+            raise FilterError(
+                f"every token allowed at position {position} leads to a banned string"
+            )
         self.rewind_to = len(self.input_ids) + position
         if position == 0 and self._heal_ids is not None:
             self._heal_text = self._heal_piece  # the first token is healed (and cut) again

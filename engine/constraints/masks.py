@@ -177,10 +177,20 @@ _BITS: dict[torch.device, torch.Tensor] = {}
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """Bool [B, vocab] allowed-token mask on ``device`` from an int32 bitmask [B, W]."""
-    bitmask = bitmask.to(device, non_blocking=True)
-    bits = _BITS.get(device)
-    if bits is None:
-        bits = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = (bitmask[:, :, None] >> bits) & 1
+    """Bool [B, vocab] allowed-token mask on ``device`` from an int32 bitmask [B, W] (on the
+    host). A CPU unpacks with numpy (one C pass); an accelerator gets the 32x smaller bitmask
+    and unpacks it there."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))[:, :vocab]
+    return unpack_with_shifts(bitmask.to(device, non_blocking=True), vocab)
+
+
+def unpack_with_shifts(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``unpack_bitmask`` as tensor ops where ``bitmask`` lies (an accelerator)."""
+    shifts = _BITS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BITS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask[:, :, None] >> shifts) & 1
     return allowed.view(bitmask.shape[0], -1)[:, :vocab].bool()

@@ -20,12 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
+import numpy as np
 
+from engine.constraints.errors import FilterError
 from engine.constraints.filters import Filter
-
-
-class FilterError(ValueError):
-    """A job's grammar refused a token (or failed): the job ends with an "error" result."""
 
 
 class JobConstraint:
@@ -62,6 +60,16 @@ class JobConstraint:
     def is_stopped(self) -> bool:
         """True when the grammar is complete and allows no token but EOS."""
         return any(m.is_stopped() for m in self.matchers)
+
+    def allows_other_than(self, banned: set[int]) -> bool:
+        """Whether the next token may be one outside ``banned`` (computes the mask now)."""
+        bits = None
+        for m in self.matchers:
+            row = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+            bits = row if bits is None else bits & row
+        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        allowed[[t for t in banned if t < len(allowed)]] = False
+        return bool(allowed.any())
 
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (EOS would be allowed)."""

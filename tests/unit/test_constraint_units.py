@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.constraints.banned import BannedStrings, fold
-from engine.constraints.masks import pack_ids, unpack_bitmask
+from engine.constraints.masks import pack_ids, unpack_bitmask, unpack_with_shifts
 from engine.sampling import SampleRequest, SamplerSettings, sample
 
 
@@ -23,6 +23,7 @@ def test_pack_and_unpack_round_trip():
     allowed = unpack_bitmask(bitmask, vocab, torch.device("cpu"))
     assert allowed.shape == (1, vocab)
     assert set(allowed[0].nonzero().flatten().tolist()) == ids
+    assert torch.equal(unpack_with_shifts(bitmask, vocab), allowed)  # the accelerator's way
     everything = unpack_bitmask(torch.full((2, words), -1, dtype=torch.int32), vocab, "cpu")
     assert bool(everything.all())
 
