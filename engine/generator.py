@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.cache.kv_cache import PagedCache
+from engine.embeddings import check_prompt
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
 from engine.sampling import SampleOutput, SamplerSettings, sample
@@ -104,9 +105,8 @@ class DynamicGenerator:
                 f"{total} exceeds max_seq_len {self.max_seq_len}"
             )
         vocab = self.model.config.vocab_size
-        bad = [t for t in job.input_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        hidden = self.model.config.hidden_size
+        check_prompt(job.input_ids, job.embeddings, vocab, hidden, self.model.dtype)
         _check_settings(job.gen_settings, vocab)
         if job.serial is not None:
             raise ValueError(f"job {job.identifier!r} was already enqueued (serial {job.serial})")

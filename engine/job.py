@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.cache.prefix_hash import salt_root
+from engine.embeddings import MMEmbedding
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -53,6 +54,7 @@ class DynamicJob:
         return_logits: bool = False,
         max_skips: int | None = None,
         cache_salt: str | None = None,
+        embeddings: Seq[MMEmbedding] | None = None,
     ):
         self.input_ids = _as_id_list(input_ids)
         _check_counts(max_new_tokens, min_new_tokens, return_top_tokens)
@@ -77,11 +79,15 @@ class DynamicJob:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         self.cache_salt = cache_salt  # only jobs with the same salt share cached pages
+        # containers whose placeholder ids input_ids holds (checked against the model at
+        # enqueue: engine.embeddings.check_prompt)
+        self.embeddings: tuple[MMEmbedding, ...] = tuple(embeddings or ())
         self.seq = SeqState(
             tokens=list(self.input_ids),
             owner=self,
             max_skips=max_skips,
             hash_root=salt_root(cache_salt),
+            embeddings=self.embeddings,
         )
         self.new_token_ids: list[int] = []
         self.full_completion = ""

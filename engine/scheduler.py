@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache.page_table import PageTable
-from engine.cache.prefix_hash import PageHash, page_hash, prefix_hashes
+from engine.cache.prefix_hash import EmbeddingSpan, PageHash, page_hash, prefix_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,9 @@ class SeqState:
     # Parent of the first page's hash: a cache salt's root (prefix_hash.salt_root), so only
     # sequences with the same salt share pages; None for unsalted sequences.
     hash_root: PageHash | None = None
+    # The job's embedding containers: page hashes cover their identity (prefix_hash), and
+    # the runner substitutes their rows for the placeholder ids.
+    embeddings: tuple[EmbeddingSpan, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_skips is not None and (
@@ -261,7 +264,10 @@ class Scheduler:
         if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
             full_pages = (len(seq.tokens) - 1) // self.page_size
             hashes = prefix_hashes(
-                seq.tokens[: full_pages * self.page_size], self.page_size, parent=seq.hash_root
+                seq.tokens[: full_pages * self.page_size],
+                self.page_size,
+                parent=seq.hash_root,
+                embeddings=seq.embeddings,
             )
             seq.hash_cache = (len(seq.tokens), hashes)
         return seq.hash_cache[1]
@@ -338,7 +344,7 @@ class Scheduler:
         while len(seq.page_hashes) < seq.num_computed // ps:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
-            h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps])
+            h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps], embeddings=seq.embeddings)
             # The only in-place change of an entry: page i just became full (page-list
             # INVARIANT at _grow); once hashed it is never swapped again.
             seq.pages[i] = self.table.register(seq.pages[i], h)
