@@ -286,3 +286,26 @@ def test_decode_graphs_leave_placeholder_tokens_to_the_eager_forward(small, monk
     last = image.placeholder_ids[-1]
     assert graphs.supports([SequenceInput([5], 4, [0, 1], embeddings=[image])])
     assert not graphs.supports([SequenceInput([last], 4, [0, 1], embeddings=[image])])
+
+
+def test_preempted_jobs_with_embeddings_resume_to_the_same_output(tiny):
+    """A tiny cache preempts; resumed jobs re-prefill (or hit their own cached pages, keyed by
+    identity) and end with the tokens of an unconstrained run."""
+    words = ["red", "fox", "over", "the", "slow", "river", "stone", "light"]
+    prompts = []
+    for i in range(6):
+        image = MMEmbedding(_rows(tiny, 3 + i % 3, i % 4))  # some contents repeat
+        text = f"{' '.join(words[i:])} {image.text_alias} {' '.join(words[: i + 2])}"
+        prompts.append((_encode(tiny, text, [image]), [image]))
+
+    def jobs():
+        return [
+            DynamicJob(i, 12, stop_conditions=[], gen_settings=GREEDY, embeddings=e)
+            for i, e in prompts
+        ]
+
+    large = _run(tiny.generator(page_size=PAGE), jobs())
+    small_gen = tiny.generator(max_num_tokens=18 * PAGE, page_size=PAGE, max_chunk_size=16)
+    constrained = _run(small_gen, jobs())
+    assert small_gen.stats()["preemptions"] > 0
+    assert [r["job"].new_token_ids for r in constrained] == [r["job"].new_token_ids for r in large]
