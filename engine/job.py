@@ -117,6 +117,7 @@ class DynamicJob:
             seed=request.choice_seed(choice),
             identifier=request.choice_id(choice),
             cache_salt=request.cache_salt,
+            embeddings=request.embeddings,
             **options,
         )
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.cache.prefix_hash import EmbeddingSpan
 from engine.constraints.spec import ConstraintSpec
 
 MAX_CHOICES = 16  # n: choices of one prompt run together on one replica
@@ -102,7 +103,9 @@ class GenerationRequest:
     isolation of the prefix cache); ``page_hashes`` must be computed with it.
     ``constraint``: what the output must match (JSON schema, regex, ...), enforced by a filter
     built on the replica. ``logprobs``: None for none; k >= 0 reports each token's
-    log-probability and the k most likely alternatives.
+    log-probability and the k most likely alternatives. ``embeddings``: the per-job embedding
+    containers (``engine.embeddings.MMEmbedding``) whose placeholder ids ``prompt_ids`` holds;
+    ``page_hashes`` must be computed with them (``prefix_hashes(..., embeddings=...)``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -118,12 +121,14 @@ class GenerationRequest:
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
     logprobs: int | None = None
+    embeddings: tuple[EmbeddingSpan, ...] = ()
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
         object.__setattr__(self, "prompt_ids", _token_ids(self.prompt_ids))
         object.__setattr__(self, "stop_strings", _stop_strings(self.stop_strings))
         object.__setattr__(self, "page_hashes", tuple(self.page_hashes))
+        object.__setattr__(self, "embeddings", _embeddings(self.embeddings))
         _require_int(self.max_new_tokens, "max_new_tokens", 1)
         _require_int(self.min_new_tokens, "min_new_tokens", 0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -173,6 +178,17 @@ def _token_ids(ids: Sequence[int]) -> tuple[int, ...]:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"prompt_ids holds {token!r}, not a token id")
     return tuple(ids)
+
+
+def _embeddings(embeddings: Sequence[EmbeddingSpan]) -> tuple[EmbeddingSpan, ...]:
+    # The containers hold tensors, so they are checked against the model at enqueue
+    # (engine.embeddings.check_prompt); here only their shape as far as hashing needs it.
+    if not isinstance(embeddings, Sequence):
+        raise ValueError(f"embeddings must be a sequence of containers, got {embeddings!r}")
+    for e in embeddings:
+        if not all(hasattr(e, name) for name in ("first_id", "num_tokens", "identity")):
+            raise ValueError(f"embeddings holds {type(e).__name__}, not an embedding container")
+    return tuple(embeddings)
 
 
 def _stop_strings(strings: Sequence[str]) -> tuple[str, ...]:

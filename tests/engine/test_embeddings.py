@@ -309,3 +309,28 @@ def test_preempted_jobs_with_embeddings_resume_to_the_same_output(tiny):
     constrained = _run(small_gen, jobs())
     assert small_gen.stats()["preemptions"] > 0
     assert [r["job"].new_token_ids for r in constrained] == [r["job"].new_token_ids for r in large]
+
+
+def test_a_request_carries_embeddings_to_the_job_and_the_router_hashes(tiny):
+    """GenerationRequest (what the ingress sends a replica) with containers: after a pickle
+    round trip (Ray's transport) the job runs as the library job, and the request's page
+    hashes are the keys the engine registers."""
+    import pickle
+
+    from engine import GenerationRequest
+
+    image = MMEmbedding(_rows(tiny, 6, 3))
+    ids = _encode(tiny, f"see {image.text_alias} and say", [image])
+    hashes = prefix_hashes(ids, PAGE, embeddings=[image])
+    request = GenerationRequest(
+        tuple(ids), 6, settings=GREEDY, stop_on_eos=False, page_hashes=hashes, embeddings=[image]
+    )
+    shipped = pickle.loads(pickle.dumps(request))
+    assert shipped.embeddings[0].identity == image.identity
+    generator = tiny.generator(page_size=PAGE)
+    (served,) = _run(generator, [DynamicJob.from_request(shipped)])
+    (library,) = _run(tiny.generator(page_size=PAGE), [_job(ids, [image])])
+    assert served["job"].new_token_ids == library["job"].new_token_ids
+    assert len(generator.cache.page_table.match_prefix(list(shipped.page_hashes))) == len(hashes)
+    with pytest.raises(ValueError, match="not an embedding container"):
+        GenerationRequest((1, 2), 4, embeddings=[torch.zeros(2, 2)])
