@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.cache.kv_cache import PagedCache
+from engine.cfg import merge_cfg_rows
 from engine.embeddings import check_prompt
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
@@ -98,15 +99,26 @@ class DynamicGenerator:
         """Raise ValueError if ``job`` can never run here (read-only; safe from any thread)."""
         if not isinstance(job, DynamicJob):
             raise ValueError(f"enqueue takes a DynamicJob, got {type(job).__name__}")
-        total = job.prompt_tokens + job.max_new_tokens
-        if total > self.max_seq_len:
+        rows = [job.input_ids] + ([job.cfg_input_ids] if job.cfg_input_ids else [])
+        for ids in rows:  # a CFG job: both prompts
+            total = len(ids) + job.max_new_tokens
+            if total > self.max_seq_len:
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) + max_new_tokens ({job.max_new_tokens}) = "
+                    f"{total} exceeds max_seq_len {self.max_seq_len}"
+                )
+        # A job must fit the cache alone (a single row does by max_seq_len), or it would
+        # preempt itself forever.
+        pages = sum(-(-(len(ids) + job.max_new_tokens) // self.cache.page_size) for ids in rows)
+        if pages > self.cache.num_pages:
             raise ValueError(
-                f"prompt ({job.prompt_tokens} tokens) + max_new_tokens ({job.max_new_tokens}) = "
-                f"{total} exceeds max_seq_len {self.max_seq_len}"
+                f"the CFG job's two rows need {pages} pages with max_new_tokens; the cache "
+                f"has {self.cache.num_pages}"
             )
         vocab = self.model.config.vocab_size
         hidden = self.model.config.hidden_size
-        check_prompt(job.input_ids, job.embeddings, vocab, hidden, self.model.dtype)
+        every_id = [t for ids in rows for t in ids]
+        check_prompt(every_id, job.embeddings, vocab, hidden, self.model.dtype)
         _check_settings(job.gen_settings, vocab)
         if job.serial is not None:
             raise ValueError(f"job {job.identifier!r} was already enqueued (serial {job.serial})")
@@ -147,6 +159,7 @@ class DynamicGenerator:
             logger.exception("forward failed; ending the %d jobs of this step", len(plan.entries))
             return results + [self._fail(e.seq.owner, error) for e in plan.entries]
         prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
+        prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
         results += self._sample(plan, logits)
@@ -159,9 +172,10 @@ class DynamicGenerator:
         return job.started_result()
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[dict[str, Any]]:
-        jobs = [e.seq.owner for e in plan.entries if e.samples]
-        if not jobs:
+        entries = [e for e in plan.entries if e.samples]
+        if not entries:
             return []
+        jobs, logits = merge_cfg_rows(entries, logits)  # a CFG job's two rows -> one
         try:
             requests = [job.sample_request() for job in jobs]
             out = sample(logits, requests, self.tokenizer.vocab_size)

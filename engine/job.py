@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.cache.prefix_hash import salt_root
+from engine.cfg import attach_negative, split_prompt_rows
 from engine.embeddings import MMEmbedding
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
@@ -56,7 +57,10 @@ class DynamicJob:
         cache_salt: str | None = None,
         embeddings: Seq[MMEmbedding] | None = None,
     ):
-        self.input_ids = _as_id_list(input_ids)
+        # input_ids=[positive, negative] with gen_settings.cfg_scale: a CFG job (engine.cfg)
+        self.input_ids, self.cfg_input_ids = split_prompt_rows(
+            input_ids, gen_settings, _as_id_list
+        )
         _check_counts(max_new_tokens, min_new_tokens, return_top_tokens)
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
@@ -89,6 +93,8 @@ class DynamicJob:
             hash_root=salt_root(cache_salt),
             embeddings=self.embeddings,
         )
+        if self.cfg_input_ids is not None:
+            attach_negative(self.seq, self.cfg_input_ids)
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False
@@ -193,6 +199,8 @@ class DynamicJob:
         self._times["last_token"] = now
         self.new_token_ids.append(token)
         self.seq.tokens.append(token)
+        if self.seq.partner is not None:  # a CFG job's negative row continues the same way
+            self.seq.partner.tokens.append(token)
         result = self.base_result("streaming")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)

@@ -30,6 +30,9 @@ class SamplerSettings:
     min_p: 0 disables. Penalties: repetition_penalty 1.0, frequency/presence 0.0 disable;
     they look at the last ``penalty_range`` tokens of the context (prompt included), or the
     whole context when ``penalty_range`` is 0. token_bias: {token id: added logit}.
+    cfg_scale: classifier-free guidance for a job given ``[positive, negative]`` prompts
+    (None: off); the logits sampled are ``cfg * log_softmax(l_pos) + (1 - cfg) *
+    log_softmax(l_neg)``, so 1 samples the positive prompt and 0 the negative.
     """
 
     temperature: float = 1.0
@@ -42,6 +45,7 @@ class SamplerSettings:
     presence_penalty: float = 0.0
     penalty_range: int = 0
     token_bias: dict[int, float] = field(default_factory=dict)
+    cfg_scale: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", self)
@@ -53,6 +57,7 @@ class SamplerSettings:
         _check(math.isfinite(self.frequency_penalty), "frequency_penalty", self)
         _check(math.isfinite(self.presence_penalty), "presence_penalty", self)
         _check(self.penalty_range >= 0, "penalty_range", self)
+        _check(self.cfg_scale is None or math.isfinite(self.cfg_scale), "cfg_scale", self)
         for token, bias in self.token_bias.items():
             # -inf bans a token; +inf would turn the whole row into NaN after softmax
             if not isinstance(token, int) or token < 0 or math.isnan(bias) or bias == math.inf:
