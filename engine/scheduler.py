@@ -216,7 +216,7 @@ class Scheduler:
             if seq.num_pending <= seq.held_tokens:
                 continue  # a CFG row waiting for its partner's last chunk
             n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
-            if n == 0 and seq is self.running[0]:
+            if n == 0 and seq.leader is self.running[0]:  # (a CFG pair: either row)
                 n = self._make_room_for_oldest(seq, plan, budget)
             if n == 0:
                 continue
@@ -262,7 +262,8 @@ class Scheduler:
             self.running.extend(seq.group)
             in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
             if not seq.admitted:
-                seq.admitted = True
+                for member in seq.group:  # (a resumed CFG row keeps its first cache hits)
+                    member.admitted = True
                 plan.admitted.append(seq)
             for member, n in chunks:
                 if n:
