@@ -147,6 +147,8 @@ class GenerationRequest:
             _require_int(self.seed, "seed", None)
         if not isinstance(self.settings, SamplerSettings):
             raise ValueError(f"settings must be a SamplerSettings, got {self.settings!r}")
+        if self.settings.cfg_scale is not None:  # one prompt here; CFG takes two (engine.cfg)
+            raise ValueError("cfg_scale needs a [positive, negative] DynamicJob, not a request")
         if not isinstance(self.stop_on_eos, bool):
             raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
         if not isinstance(self.request_id, str) or not self.request_id:

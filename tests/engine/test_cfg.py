@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine import DynamicJob, SamplerSettings
+from engine import DynamicJob, GenerationRequest, SamplerSettings
 from tests.engine.conftest import assert_no_pages_in_use
 
 PAGE = 4
@@ -148,6 +148,8 @@ def test_validation(tiny):
         _job([pos, neg, pos], _settings(1.5))
     with pytest.raises(ValueError, match="cfg_scale"):
         SamplerSettings(cfg_scale=math.nan)
+    with pytest.raises(ValueError, match="cfg_scale needs a"):
+        GenerationRequest(tuple(pos), 4, settings=_settings(1.5))
     generator = tiny.generator(page_size=PAGE, max_seq_len=len(pos) + 4)
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         generator.enqueue(_job([neg, pos], _settings(1.5), n=6))  # the negative is too long
