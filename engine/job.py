@@ -58,9 +58,7 @@ class DynamicJob:
         embeddings: Seq[MMEmbedding] | None = None,
     ):
         # input_ids=[positive, negative] with gen_settings.cfg_scale: a CFG job (engine.cfg)
-        self.input_ids, self.cfg_input_ids = split_prompt_rows(
-            input_ids, gen_settings, _as_id_list
-        )
+        self.input_ids, self.cfg_input_ids = split_prompt_rows(input_ids, gen_settings, _as_id_list)
         _check_counts(max_new_tokens, min_new_tokens, return_top_tokens)
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
