@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from engine.cache.prefix_hash import salt_root
+from engine.cfg import attach_negative, split_prompt_rows
 from engine.constraints.banned import BannedStrings
 from engine.constraints.errors import FilterError
+from engine.embeddings import MMEmbedding
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -60,16 +62,22 @@ class DynamicJob:
         filter_prefer_eos: bool = False,
         banned_strings: Seq[str] | None = None,
         token_healing: bool = False,
+        embeddings: Seq[MMEmbedding] | None = None,
     ):
         """``filters``: ``engine.constraints`` filters the output must match (all of them);
         ``filter_prefer_eos``: sample EOS whenever the filters allow it. ``banned_strings``:
         case-insensitive strings that never appear in the output (rolled back and resampled).
         ``token_healing``: drop the last prompt token and let the first sampled token be any
-        token whose text starts with its text (not with filters)."""
-        self.input_ids = _as_id_list(input_ids)
+        token whose text starts with its text (not with filters). ``embeddings``: the
+        ``MMEmbedding`` containers whose placeholder ids ``input_ids`` holds.
+        ``input_ids=[positive, negative]`` with ``gen_settings.cfg_scale``: a CFG job
+        (``engine.cfg``)."""
+        self.input_ids, self.cfg_input_ids = split_prompt_rows(input_ids, gen_settings, _as_id_list)
         self.filters, self.filter_prefer_eos, self.banned_strings = _check_constraints(
             filters, filter_prefer_eos, banned_strings, token_healing
         )
+        if self.cfg_input_ids is not None:
+            _check_cfg_options(self.filters, self.banned_strings, token_healing, return_logprobs)
         self.token_healing = token_healing
         self._heal_token: int | None = None
         if token_healing and len(self.input_ids) > 1:
@@ -99,12 +107,18 @@ class DynamicJob:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         self.cache_salt = cache_salt  # only jobs with the same salt share cached pages
+        # containers whose placeholder ids input_ids holds (checked against the model at
+        # enqueue: engine.embeddings.check_prompt)
+        self.embeddings: tuple[MMEmbedding, ...] = tuple(embeddings or ())
         self.seq = SeqState(
             tokens=list(self.input_ids),
             owner=self,
             max_skips=max_skips,
             hash_root=salt_root(cache_salt),
+            embeddings=self.embeddings,
         )
+        if self.cfg_input_ids is not None:
+            attach_negative(self.seq, self.cfg_input_ids)
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False
@@ -144,6 +158,7 @@ class DynamicJob:
             identifier=request.choice_id(choice),
             cache_salt=request.cache_salt,
             return_logprobs=request.logprobs,
+            embeddings=request.embeddings,
             **options,
         )
 
@@ -252,6 +267,8 @@ class DynamicJob:
             self.constraint.consume(token)  # FilterError: the generator ends this job alone
         self.new_token_ids.append(token)
         self.seq.tokens.append(token)
+        if self.seq.partner is not None:  # a CFG job's negative row continues the same way
+            self.seq.partner.tokens.append(token)
         result = self.base_result("streaming")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
@@ -539,3 +556,17 @@ def _copy_settings(settings: SamplerSettings | None) -> SamplerSettings:
         },
         token_bias=dict(settings.token_bias),
     )
+
+
+def _check_cfg_options(filters, banned_strings, token_healing: bool, logprobs) -> None:
+    """A CFG job samples one merged row from two sequences; the per-row features below do not
+    follow that merge yet, so they are refused rather than applied to one row only."""
+    given = {
+        "filters": bool(filters),
+        "banned_strings": bool(banned_strings),
+        "token_healing": token_healing,
+        "return_logprobs": logprobs is not None,
+    }
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        raise ValueError(f"a CFG job (input_ids=[positive, negative]) cannot use {refused} yet")

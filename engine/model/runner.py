@@ -117,6 +117,7 @@ def plan_rows(plan: StepPlan) -> list[SequenceInput]:
             num_cached=e.start,
             pages=e.seq.pages,
             logits_rows=e.logits_rows,
+            embeddings=e.seq.embeddings,
         )
         for e in plan.entries
     ]
