@@ -39,11 +39,24 @@ def paged_attention_reference(
     K/V); returns [T, H, D]. Query at position p sees keys j with j <= p and, with a sliding
     window w, p - w < j.
     """
-    layout = _padded_layout(batch)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
+    layout = padded_layout(batch)
     k = _gather_pages(k_pages, batch, layout.num_blocks)
     v = _gather_pages(v_pages, batch, layout.num_blocks)
+    return padded_attention(q, k, v, batch, scale, sliding_window)
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The reference's attention over gathered context k, v [B, num_blocks * S, KV, D]."""
+    layout = padded_layout(batch)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
     mask = _mask(batch, layout, sliding_window)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
@@ -77,7 +90,7 @@ class PaddedLayout:
     kv_pos: torch.Tensor  # [num_blocks * page_size] key positions
 
 
-def _padded_layout(batch: ForwardBatch) -> PaddedLayout:
+def padded_layout(batch: ForwardBatch) -> PaddedLayout:
     """Index tensors mapping flat rows <-> [B, max_q] padded rows; built once per forward."""
     if batch.attention.layout is not None:
         return batch.attention.layout
