@@ -77,14 +77,20 @@ def cuda_ops() -> OpSet:
     from engine.cuda.activation import silu_mul_cuda
     from engine.cuda.attention import paged_attention_cuda
     from engine.cuda.norm import add_rms_norm_cuda, rms_norm_cuda
+    from engine.cuda.quant_kernels import (
+        paged_attention_quant_cuda,
+        quant_rotary_cache_write_cuda,
+    )
     from engine.cuda.rotary import rotary_cache_write_cuda
 
     return OpSet(
         name="cuda",
         rms_norm=rms_norm_cuda,
         add_rms_norm=add_rms_norm_cuda,
-        rotary_cache_write=rotary_cache_write_cuda,
-        paged_attention=paged_attention_cuda,
+        rotary_cache_write=by_storage(
+            rotary_cache_write_cuda, quant_rotary_cache_write_cuda, pages_arg=5
+        ),
+        paged_attention=by_storage(paged_attention_cuda, paged_attention_quant_cuda, pages_arg=1),
         silu_mul=silu_mul_cuda,
         compiles=True,
         supports_graphs=True,

@@ -24,7 +24,14 @@ from engine.cache.quant import (
 )
 from engine.config import ModelConfig
 
-__all__ = ["CACHE_QUANTS", "KVPages", "PagedCache", "allocate_kv_pages", "kv_bytes_per_token"]
+__all__ = [
+    "CACHE_QUANTS",
+    "KVPages",
+    "PagedCache",
+    "allocate_kv_pages",
+    "kv_bytes_per_token",
+    "kv_format",
+]
 
 Pages = torch.Tensor | QuantPages
 KVPages = list[tuple[Pages, Pages]]  # per layer: (k_pages, v_pages)
@@ -128,6 +135,15 @@ class PagedCache:
 
     def num_bytes(self) -> int:
         return self.bytes_per_token() * self.max_num_tokens
+
+
+def kv_format(kv: KVPages) -> tuple[str, bool]:
+    """(quant mode, rotate) of existing storage, to allocate scratch pages like it."""
+    k, v = kv[0]
+    if not isinstance(k, QuantPages):
+        return "fp16", False
+    bits = (k.bits, v.bits)
+    return next(q for q, b in QUANT_BITS.items() if b == bits), k.rotate
 
 
 def _slot_bytes(pages: Pages) -> int:
