@@ -11,16 +11,19 @@ rotation):
     agreement    greedy continuations of 32 prompts (slices of the same text) through the
                  generator: per prompt, the fraction of the NEW_TOKENS positions before the
                  first token that differs from fp16's; averaged over the prompts.
-    attention    max |out_q - out_fp16| / max |out_fp16| of layer-0..L attention outputs over
-                 the real K/V of the text (the torch references), max over layers.
+    attention    per layer, max |out_q - out_fp16| / max |out_fp16| of the attention output
+                 over the text's first ATTENTION_TOKENS tokens (real q, K, V; each layer fed
+                 the unquantized path's input); max and mean over the layers.
 
     python bench/kv_quant_quality.py                   # writes bench/results/kv_quant_quality.json
     python bench/kv_quant_quality.py --tokens 1024 --prompts 8 --output /tmp/q.json
+    python bench/kv_quant_quality.py --attention-only   # add the attention errors to a report
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -56,6 +59,7 @@ PROMPT_TOKENS = 48
 NEW_TOKENS = 32
 PAGE_SIZE = 16
 CHUNK = 1024
+ATTENTION_TOKENS = 1024  # the text's first tokens, for the per-layer attention errors
 MODES = (
     ("fp16", None),
     ("q8", False),
@@ -75,7 +79,13 @@ class ModeResult:
     perplexity: float
     agreement: float | None = None  # vs fp16; None for fp16 itself
     exact_prompts: int | None = None  # prompts whose whole continuation equals fp16's
+    attention_error_max: float | None = None  # over layers, see attention_errors
+    attention_error_mean: float | None = None
     seconds: float = 0.0
+
+    def add_attention(self, errors: list[float]) -> None:
+        self.attention_error_max = max(errors)
+        self.attention_error_mean = sum(errors) / len(errors)
 
 
 def smollm2_file() -> Path | None:
@@ -113,6 +123,35 @@ def perplexity(model: Model, ids: list[int], quant: str, rotate: bool | None) ->
     return math.exp(total / count)
 
 
+def attention_errors(model: Model, ids: list[int], quant: str, rotate: bool | None) -> list[float]:
+    """Per layer, max |attn_q - attn_fp16| / max |attn_fp16| over one prefill of ``ids``: each
+    layer's K/V go both into the quantized pages and into shadow unquantized pages, attention
+    runs over both and the forward continues with the unquantized output, so every layer is
+    measured on the same real activations (no error carried from earlier layers)."""
+    pages = -(-len(ids) // PAGE_SIZE)
+    kv = model.allocate_kv(pages, PAGE_SIZE, quant, rotate)
+    shadow = iter(model.allocate_kv(pages, PAGE_SIZE))  # one write per layer, in order
+    ops, errors = model.ops, []
+    current: list = []
+
+    def write(q, k, v, cos, sin, k_pages, v_pages, slots):
+        current[:] = [next(shadow)]
+        ops.rotary_cache_write(q, k, v, cos, sin, *current[0], slots)
+        return ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+
+    def attention(q, k_pages, v_pages, batch, scale, window=None):
+        ref = ops.paged_attention(q, *current[0], batch, scale, window)
+        out = ops.paged_attention(q, k_pages, v_pages, batch, scale, window)
+        errors.append(((out - ref).abs().max() / ref.abs().max()).item())
+        return ref
+
+    recording = dataclasses.replace(ops, rotary_cache_write=write, paged_attention=attention)
+    row = SequenceInput(ids, 0, range(pages))
+    with torch.inference_mode():
+        model.network(build_forward_batch([row], PAGE_SIZE, model.device), kv, recording)
+    return errors
+
+
 def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
     stride = max(1, (len(ids) - PROMPT_TOKENS) // count)
     return [ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(count)]
@@ -143,12 +182,19 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
     return sum(fractions) / len(fractions), exact
 
 
-def measure(model, tokenizer, ids, prompts, new_tokens, modes=MODES) -> list[ModeResult]:
+def measure(
+    model, tokenizer, ids, prompts, new_tokens, modes=MODES, scores: bool = True
+) -> list[ModeResult]:
+    """Every mode's results; ``scores=False`` skips the perplexity and attention errors (an
+    agreement-only run)."""
     results, reference = [], None
     for quant, rotate in modes:
         t0 = time.perf_counter()
         cache_bytes = PagedCache(model, PAGE_SIZE, PAGE_SIZE, quant, rotate).bytes_per_token()
-        result = ModeResult(quant, bool(rotate), cache_bytes, perplexity(model, ids, quant, rotate))
+        ppl = perplexity(model, ids, quant, rotate) if scores else math.nan
+        result = ModeResult(quant, bool(rotate), cache_bytes, ppl)
+        if scores and quant != "fp16":
+            result.add_attention(attention_errors(model, ids[:ATTENTION_TOKENS], quant, rotate))
         if prompts:
             tokens = greedy(model, tokenizer, prompts, quant, rotate, new_tokens)
             if reference is None:
@@ -165,15 +211,36 @@ def measure(model, tokenizer, ids, prompts, new_tokens, modes=MODES) -> list[Mod
 
 def print_table(results: list[ModeResult]) -> None:
     base = results[0].perplexity
-    print(f"{'mode':10} {'bytes/tok':>9} {'ppl':>8} {'vs fp16':>8} {'agree':>6} {'exact':>5}")
+    print(
+        f"{'mode':10} {'bytes/tok':>9} {'ppl':>8} {'vs fp16':>8} {'agree':>6} {'exact':>5} "
+        f"{'attn max':>8} {'attn mean':>9}"
+    )
     for r in results:
         mode = r.quant + ("+rot" if r.rotate else "")
         agree = "-" if r.agreement is None else f"{r.agreement:.3f}"
         exact = "-" if r.exact_prompts is None else str(r.exact_prompts)
         delta = f"{100 * (r.perplexity / base - 1):+.2f}%"
+        top = "-" if r.attention_error_max is None else f"{r.attention_error_max:.4f}"
+        mean = "-" if r.attention_error_mean is None else f"{r.attention_error_mean:.4f}"
         print(
-            f"{mode:10} {r.bytes_per_token:9d} {r.perplexity:8.3f} {delta:>8} {agree:>6} {exact:>5}"
+            f"{mode:10} {r.bytes_per_token:9d} {r.perplexity:8.3f} {delta:>8} {agree:>6} "
+            f"{exact:>5} {top:>8} {mean:>9}"
         )
+
+
+def add_attention_errors(model: Model, ids: list[int], output: Path) -> None:
+    """--attention-only: fill the per-layer attention errors into an existing report."""
+    report = json.loads(output.read_text())
+    for entry in report["results"]:
+        if entry["quant"] == "fp16":
+            continue
+        errors = attention_errors(model, ids[:ATTENTION_TOKENS], entry["quant"], entry["rotate"])
+        entry["attention_error_max"] = max(errors)
+        entry["attention_error_mean"] = sum(errors) / len(errors)
+        logger.info("%s rotate=%s attention errors %s", entry["quant"], entry["rotate"], errors)
+    report["attention_tokens"] = ATTENTION_TOKENS
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print_table([ModeResult(**e) for e in report["results"]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--agreement-only",
+        action="store_true",
+        help="skip the perplexity and attention errors (they are NaN / null in the report)",
+    )
+    parser.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="only add the per-layer attention errors to an existing --output report",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     gguf = smollm2_file()
@@ -196,8 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_pretrained(gguf)
     text = fixed_text()  # read once: the files may change while this runs
     ids = text_ids(tokenizer, args.tokens, text)
+    if args.attention_only:
+        add_attention_errors(model, ids, args.output)
+        return 0
     prompts = prompts_from(ids, args.prompts) if args.prompts else []
-    results = measure(model, tokenizer, ids, prompts, args.new_tokens)
+    results = measure(
+        model, tokenizer, ids, prompts, args.new_tokens, scores=not args.agreement_only
+    )
     print_table(results)
     report = {
         "model": gguf.name,
@@ -211,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "page_size": PAGE_SIZE,
         "chunk": CHUNK,
+        "attention_tokens": ATTENTION_TOKENS,
         "results": [asdict(r) for r in results],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
