@@ -209,7 +209,9 @@ class LLMServer:
         model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
         tokenizer = Tokenizer.from_pretrained(path)
         engine = preset.engine
-        cache = PagedCache(model, engine.max_num_tokens, engine.page_size, engine.cache_quant)
+        cache = PagedCache(
+            model, engine.max_num_tokens, engine.page_size, engine.cache_quant, engine.cache_rotate
+        )
         self.generator = DynamicGeneratorAsync(
             model,
             cache,
@@ -225,11 +227,13 @@ class LLMServer:
         self.requests_served = 0
         self.requests_active = 0
         logger.info(
-            "LLMServer ready: %s, context %d, %d pages of %d",
+            "LLMServer ready: %s, context %d, %d pages of %d, %s cache (%d bytes per token)",
             path,
             self.generator.generator.max_seq_len,
             cache.num_pages,
             cache.page_size,
+            cache.quant + ("+rotate" if cache.rotate else ""),
+            cache.bytes_per_token(),
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:

@@ -187,7 +187,8 @@ class EnginePreset:
     page_size: int = 16
     max_chunk_size: int = 512  # token budget of one forward
     max_batch_size: int | None = None  # None: derived from the cache size
-    cache_quant: str = "fp16"
+    cache_quant: str = "fp16"  # fp16 | q8 | q6 | q4 (engine/cache/quant.py)
+    cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
 
     @classmethod
@@ -202,12 +203,17 @@ class EnginePreset:
                 f"engine.max_num_tokens ({max_num_tokens}) must hold at least one page of "
                 f"engine.page_size ({page_size})"
             )
+        cache_quant = _str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant
+        cache_rotate = _bool(raw, "cache_rotate", "engine")
+        if cache_rotate and cache_quant == "fp16":
+            raise ValueError("engine.cache_rotate: true needs a quantized engine.cache_quant")
         return cls(
             max_num_tokens=max_num_tokens,
             page_size=page_size,
             max_chunk_size=_int(raw, "max_chunk_size", "engine", cls.max_chunk_size, 1),
             max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
-            cache_quant=_str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant,
+            cache_quant=cache_quant,
+            cache_rotate=cache_rotate,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
         )
 
@@ -226,7 +232,7 @@ class EnginePreset:
 
 
 def _cache_quants() -> tuple[str, ...]:
-    from engine.cache.kv_cache import CACHE_QUANTS
+    from engine.cache.quant import CACHE_QUANTS
 
     return CACHE_QUANTS
 

@@ -68,6 +68,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "max_chunk_size", True, "engine.max_chunk_size must be an integer, got True"),
         ("engine", "max_batch_size", 0, "engine.max_batch_size must be >= 1, got 0"),
         ("engine", "cache_quant", "q3", "engine.cache_quant 'q3' is not one of"),
+        ("engine", "cache_rotate", True, "engine.cache_rotate: true needs a quantized"),
+        ("engine", "cache_rotate", "on", "engine.cache_rotate must be true or false, got 'on'"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
         ("engine", "speculate", 4, r"unknown key\(s\) \['speculate'\] in 'engine'"),
         ("serving", "num_replicas", 0, "serving.num_replicas must be >= 1, got 0"),
@@ -124,6 +126,14 @@ def test_load_errors_name_the_file(tmp_path: pathlib.Path) -> None:
         ValueError, match=re.escape("bad.yaml: engine.page_size must be a power of two")
     ):
         Preset.load(bad)
+
+
+def test_cache_quant_and_rotate_select_the_mode() -> None:
+    raw = with_value("engine", "cache_quant", "q4")
+    raw["engine"]["cache_rotate"] = False
+    engine = Preset.parse(raw).engine
+    assert (engine.cache_quant, engine.cache_rotate) == ("q4", False)
+    assert Preset.parse(with_value("engine", "cache_quant", "q8")).engine.cache_rotate is None
 
 
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
