@@ -6,7 +6,6 @@ quantization group per head)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
 from engine.model.cuda_graphs import DecodeGraphs
