@@ -57,17 +57,7 @@ def sample(
     ``vocab_limit``: ids at or above it are never picked (a model's embedding table is often
     padded past the tokenizer's last id; those rows decode to nothing).
     """
-    if logits.shape[0] != len(requests):
-        raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-    logits = logits.float()
-    limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
-    if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
-        logits = logits.clone()  # the caller's logits stay as they are
-        _apply_penalties(logits, requests)
-        _apply_bias_and_bans(logits, requests)
-    # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
-    # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
-    greedy_tokens = logits[:, :limit].max(-1).indices
+    logits, limit, greedy_tokens = _edited_logits(logits, requests, vocab_limit)
     # Every row draws, greedy or not, so a job's random stream does not depend on its settings.
     draws = [r.rng.random() for r in requests]
     if all(r.settings.is_greedy for r in requests) and not _wants_extras(requests):
@@ -78,6 +68,36 @@ def sample(
     greedy = torch.tensor([r.settings.is_greedy for r in requests], device=logits.device)
     tokens = torch.where(greedy, greedy_tokens, _inverse_cdf(probs, uniforms, support))
     return _to_host(tokens, probs, requests)
+
+
+def processed_distribution(
+    logits: torch.Tensor, requests: Sequence[SampleRequest], vocab_limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What ``sample`` would draw from, per row: the greedy token [B] (argmax after
+    penalties, bias and bans) and the final probabilities [B, V] (after temperature and the
+    truncations, renormalised), or None when every row is greedy. Draws nothing.
+    (Speculative verification compares draft tokens against exactly these.)"""
+    logits, limit, greedy_tokens = _edited_logits(logits, requests, vocab_limit)
+    if all(r.settings.is_greedy for r in requests):
+        return greedy_tokens, None
+    return greedy_tokens, _final_distribution(logits, requests, limit)[0]
+
+
+def _edited_logits(
+    logits: torch.Tensor, requests: Sequence[SampleRequest], vocab_limit: int | None
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(logits after penalties, bias and bans; the vocabulary limit; greedy tokens)."""
+    if logits.shape[0] != len(requests):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+    logits = logits.float()
+    limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
+    if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
+        logits = logits.clone()  # the caller's logits stay as they are
+        _apply_penalties(logits, requests)
+        _apply_bias_and_bans(logits, requests)
+    # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
+    # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
+    return logits, limit, logits[:, :limit].max(-1).indices
 
 
 def _wants_extras(requests: Sequence[SampleRequest]) -> bool:
