@@ -53,16 +53,27 @@ class DraftModelProposer:
     ) -> list[tuple[tuple[int, ...], torch.Tensor | None]]:
         """Drafts (and q, for sampled jobs) per entry; ``ks``: drafts wanted per entry."""
         rows, drafting = [], []
+        speculating = any(ks)
         for entry, k in zip(entries, ks, strict=True):
-            rows.append(self._catch_up_row(entry, k > 0))
+            # Prefill chunks always (their pages may be cached and reused by other jobs);
+            # decode rows when someone drafts (else they catch up at the job's next draft).
+            seen = entry.seq.owner.serial in self._computed
+            if speculating or entry.num_tokens > 1 or not entry.samples or not seen:
+                rows.append(self._catch_up_row(entry, k > 0))
             if k > 0:
                 drafting.append(_Drafting(entry, k, [], []))
-        if drafting:
-            logits = self.runner.forward(rows)
-            self._pick(drafting, logits)
-            for step in range(1, max(d.k for d in drafting)):
-                active = [d for d in drafting if d.k > step]
-                self._pick(active, self.runner.forward([self._next_row(d) for d in active]))
+        try:
+            if rows:
+                logits = self.runner.forward(rows)
+            if drafting:
+                self._pick(drafting, logits)
+                for step in range(1, max(d.k for d in drafting)):
+                    active = [d for d in drafting if d.k > step]
+                    self._pick(active, self.runner.forward([self._next_row(d) for d in active]))
+        except Exception:
+            for entry in entries:  # the draft K/V of these rows is unknown now: redo it all
+                self._computed[entry.seq.owner.serial] = 0
+            raise
         by_entry = {id(d.entry): d for d in drafting}
         out = []
         for entry in entries:

@@ -93,10 +93,9 @@ class Speculator:
         sampled drafts. A failing draft model only costs this step's drafts."""
         for e in plan.entries:
             e.seq.lookahead = 0
-        if not any(e.lookahead for e in plan.entries):
-            return {}
         if self.draft is None:
-            plan.entries = [self._ngram_entry(e) for e in plan.entries]
+            if any(e.lookahead for e in plan.entries):
+                plan.entries = [self._ngram_entry(e) for e in plan.entries]
             return {}
         ks = [e.lookahead for e in plan.entries]
         try:
