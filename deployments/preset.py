@@ -180,6 +180,42 @@ def packaged_model_path(package: str) -> Path:
 
 
 @dataclass(frozen=True)
+class NgramSpeculation:
+    """``engine.speculative.ngram``: n-gram drafts (prompt lookup), verified losslessly."""
+
+    max_ngram: int = 4
+    num_draft_tokens: int = 4
+
+    @classmethod
+    def parse(cls, raw: Any) -> NgramSpeculation | None:
+        raw = _mapping(raw, "engine.speculative")
+        _known_keys(raw, _SpeculativeKeys, "engine.speculative")
+        if "ngram" not in raw:
+            return None
+        ngram = _mapping(raw["ngram"], "engine.speculative.ngram")
+        _known_keys(ngram, cls, "engine.speculative.ngram")
+        where = "engine.speculative.ngram"
+        return cls(
+            max_ngram=_int(ngram, "max_ngram", where, cls.max_ngram, 1),
+            num_draft_tokens=_int(ngram, "num_draft_tokens", where, cls.num_draft_tokens, 1),
+        )
+
+    def generator_kwargs(self) -> dict[str, Any]:
+        return {
+            "use_ngram_draft": True,
+            "max_ngram": self.max_ngram,
+            "num_draft_tokens": self.num_draft_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class _SpeculativeKeys:
+    """The methods ``engine.speculative`` knows (a draft model is library-only for now)."""
+
+    ngram: Any = None
+
+
+@dataclass(frozen=True)
 class EnginePreset:
     """The engine of each replica: KV cache size and layout, scheduler budget, CUDA graphs."""
 
@@ -189,6 +225,7 @@ class EnginePreset:
     max_batch_size: int | None = None  # None: derived from the cache size
     cache_quant: str = "fp16"
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
+    speculative: NgramSpeculation | None = None  # {ngram: {max_ngram, num_draft_tokens}}
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> EnginePreset:
@@ -209,6 +246,7 @@ class EnginePreset:
             max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
             cache_quant=_str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
+            speculative=NgramSpeculation.parse(raw.get("speculative")),
         )
 
     @property
