@@ -225,3 +225,33 @@ def test_constructor_checks(tiny, shapes):
     gen = DynamicGenerator(model, cache, tok, use_ngram_draft=True, num_draft_tokens=3)
     assert gen.scheduler.config.max_q_size == 4 and gen.num_draft_tokens == 3
     assert DynamicGenerator(model, cache, tok).num_draft_tokens == 0
+
+
+def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, monkeypatch):
+    """Kernel path (simulator on CPU): 1 + k verification rows through the Numba attention
+    and cache-write kernels give the plain greedy tokens, with n-grams and a draft model."""
+    from engine.ops import OPS_ENV
+
+    folder = build_model(
+        tmp_path_factory.mktemp("sim_spec"),
+        "llama_gqa",
+        vocab_size=tiny.tokenizer.vocab_size,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    model, draft = Model.from_pretrained(folder), Model.from_pretrained(folder)
+    assert model.ops.name == "cuda"
+    base = tiny.tokenizer.encode("the cat sat on the mat")[0].tolist()
+    (first,) = _tokens(_run(_generator(model, tiny.tokenizer, 256), [base], 4))
+    # the prompt, its continuation, the prompt again: n-grams propose that continuation
+    prompts = [base + first + base, [200, 7]]
+    plain = _tokens(_run(_generator(model, tiny.tokenizer, 256), prompts, 6))
+    for kwargs in ({"use_ngram_draft": True}, {"draft": draft}):
+        gen = _generator(model, tiny.tokenizer, 256, num_draft_tokens=2, **kwargs)
+        gen.speculator.policy.adaptive = False
+        assert _tokens(_run(gen, prompts, 6)) == plain, kwargs
+        assert gen.stats()["spec_draft_tokens_proposed"] > 0, kwargs
