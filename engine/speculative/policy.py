@@ -17,6 +17,7 @@ device (every extra row is extra compute, and rejected rows are waste). Two rule
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the past in the acceptance counts (about the last five steps)
@@ -49,7 +50,8 @@ class AdaptiveK:
     min_tail: float = 0.15
     probe_interval: int = 8
     adaptive: bool = True
-    history: list[int] = field(default_factory=list)  # draft rows granted per step (bench)
+    # draft rows asked for in the latest steps (bounded: a server runs for days)
+    history: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
