@@ -155,8 +155,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-layers", type=int, default=6)
     parser.add_argument("--modes", default="plain,ngram,draft")
+    parser.add_argument("--draft-batches", default="1,8,32", help="batches the draft mode runs")
     parser.add_argument("--out", default="bench/results/speculative.json")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: steadier on a shared machine; what the serving preset uses)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
     max_new = 32 if args.quick else args.max_new_tokens
     path = packaged_gguf()
@@ -176,6 +184,8 @@ def main() -> None:
         for batch in batches:
             plain = None
             for mode in args.modes.split(","):
+                if mode == "draft" and str(batch) not in args.draft_batches.split(","):
+                    continue
                 r = run(model, tokenizer, prompts, batch, max_new, mode, draft)
                 r["workload"] = name
                 if mode == "plain":
@@ -191,10 +201,16 @@ def main() -> None:
                     f"same tokens {r.get('same_tokens_as_plain', '-')}",
                     flush=True,
                 )
-    for r in rows:
-        del r["outputs"]
+                write(args.out, args, model, max_new, host, rows)
+    print(f"wrote {args.out}")
+
+
+def write(out, args, model, max_new, host, rows) -> None:
+    """The JSON so far (rewritten after every row: a long run keeps what it measured)."""
+    rows = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
+    path = Path(out)
     result = {
-        "model": path.name,
+        "model": packaged_gguf().name,
         "draft_model": f"SmolLM2-135M truncated to its first {args.draft_layers} of "
         f"{model.config.num_layers} layers (shared embedding, final norm, tied head)",
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
@@ -204,9 +220,8 @@ def main() -> None:
         "ngram_host_cost": host,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
