@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-layers", type=int, default=6)
     parser.add_argument("--modes", default="plain,ngram,draft")
+    parser.add_argument("--workloads", default="input_grounded,open_chat")
     parser.add_argument("--draft-batches", default="1,8,32", help="batches the draft mode runs")
     parser.add_argument("--out", default="bench/results/speculative.json")
     parser.add_argument(
@@ -181,6 +182,8 @@ def main() -> None:
     print(f"n-gram proposal host cost: {host}", flush=True)
     rows = []
     for name, prompts in workloads.items():
+        if name not in args.workloads.split(","):
+            continue
         for batch in batches:
             plain = None
             for mode in args.modes.split(","):

@@ -13,8 +13,10 @@ logger = logging.getLogger(__name__)
 
 # Verification rows per step up to which a forward costs about as much as a one-row forward:
 # on a GPU a decode forward is bound by reading the weights for far more rows than on a CPU,
-# where every row is matmul work (bench/speculative.py measured the CPU figure).
-MAX_STEP_TOKENS = {"cuda": 256, "cpu": 16}
+# where every row soon is matmul work. bench/speculative.py (SmolLM2-135M, one CPU thread):
+# batch 1 + up to 4 drafts pays (n-gram 1.9x), batch 8 + 8 drafts costs (0.85x), hence 8.
+# The GPU figure is an estimate, not measured here.
+MAX_STEP_TOKENS = {"cuda": 256, "cpu": 8}
 
 
 def resolve_max_q_size(max_q_size: int | None, num_draft_tokens: int, speculating: bool) -> int:
@@ -77,7 +79,7 @@ def build_speculator(
     max_ngram: int,
     cuda_graphs: bool | None,
 ) -> Speculator:
-    max_step_tokens = MAX_STEP_TOKENS.get(generator.model.device.type, 16)
+    max_step_tokens = MAX_STEP_TOKENS.get(generator.model.device.type, 8)
     policy = AdaptiveK(num_draft_tokens, max_step_tokens)
     vocab = generator.tokenizer.vocab_size
     draft = None
