@@ -14,6 +14,7 @@ of its tokens on the device, and turns the tokens into per-job results (see DESI
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from engine.cache.kv_cache import PagedCache
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
-from engine.sampling import SampleOutput, SamplerSettings, sample
+from engine.sampling import BANNED_ROW, SampleOutput, SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.speculative import setup as spec_setup
 from engine.speculative.speculator import Speculator, split_logits
@@ -67,11 +68,11 @@ class DynamicGenerator:
         Seed parameters with no counterpart here: ``max_sampling_threads`` and
         ``min_sampling_threads`` (sampling is one batched tensor op on the device, not a thread
         pool: only the seed's defaults are accepted), ``paged`` (always paged: False is
-        refused), ``filter_background_eval`` (kept for the constrained-decoding filters)."""
+        refused). ``filter_background_eval``: compute the filters' allowed-token masks on a
+        host thread while the forward runs (False: after it, before sampling)."""
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")
         _check_seed_options(max_sampling_threads, min_sampling_threads, paged)
-        self.filter_background_eval = bool(filter_background_eval)
         speculating = spec_setup.check_speculation(
             draft_model, draft_cache, use_ngram_draft, num_draft_tokens, max_ngram
         )
@@ -93,6 +94,13 @@ class DynamicGenerator:
         self._undelivered: list[dict[str, Any]] = []  # results produced outside iterate()
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
+        if not isinstance(filter_background_eval, bool):
+            raise ValueError(
+                f"filter_background_eval must be a bool, got {filter_background_eval!r}"
+            )
+        self.filter_background_eval = filter_background_eval
+        self._masks = None  # engine.constraints.masks.MaskEngine, built for the first filter
+        self._masks_lock = threading.Lock()
         self.runner = ModelRunner(
             model,
             cache.kv,
@@ -127,7 +135,8 @@ class DynamicGenerator:
         """Validate and queue a job; returns its serial number."""
         self.check_job(job)
         serial = self._next_serial
-        job.bind(serial, self.tokenizer, self.default_stop_tokens)
+        masks = self.mask_engine() if job.needs_masks else None
+        job.bind(serial, self.tokenizer, self.default_stop_tokens, masks=masks)
         self._next_serial += 1
         self._jobs[serial] = job
         self.scheduler.add(job.seq)
@@ -148,8 +157,26 @@ class DynamicGenerator:
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary (size {vocab})")
         _check_settings(job.gen_settings, vocab)
+        if job.filters:
+            self.mask_engine().validate(job.filters)
         if job.serial is not None:
             raise ValueError(f"job {job.identifier!r} was already enqueued (serial {job.serial})")
+
+    def mask_engine(self):
+        """The llguidance tokenizer, executor and mask thread (``MaskEngine``), built when the
+        first job with filters or token healing arrives (thread-safe: ``check_job`` may run on
+        any thread)."""
+        with self._masks_lock:
+            if self._masks is None:
+                from engine.constraints.masks import MaskEngine
+
+                self._masks = MaskEngine(
+                    self.tokenizer.to_json(),
+                    max(self.model.config.vocab_size, self.tokenizer.vocab_size),
+                    sorted(self.default_stop_tokens),
+                    background=self.filter_background_eval,
+                )
+            return self._masks
 
     def num_remaining_jobs(self) -> int:
         """Jobs not finished yet, plus finished ones whose last result is still undelivered."""
@@ -184,6 +211,7 @@ class DynamicGenerator:
         if not plan.entries:
             return results
         qs = self.speculator.fill(plan) if self.speculator is not None else {}
+        masks = self._launch_masks(plan)  # on a host thread while the forward runs
         try:
             logits = self.runner.forward_plan(plan)
         except Exception as error:  # the forward failed: its jobs end, the generator goes on
@@ -193,9 +221,15 @@ class DynamicGenerator:
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
         if any(e.drafts for e in plan.entries):
-            return results + self._sample_speculative(plan, logits, qs)
-        results += self._sample(plan, logits)
+            return results + self._sample_speculative(plan, logits, qs, masks)
+        results += self._sample(plan, logits, masks)
         return results
+
+    def _launch_masks(self, plan: StepPlan):
+        if self._masks is None:
+            return None
+        sampling = [e for e in plan.entries if e.samples and not e.drafts]  # (drafts: no masks)
+        return self._masks.launch([e.seq.owner.mask_source() for e in sampling])
 
     def _start(self, job: DynamicJob) -> dict[str, Any]:
         job.mark_started()
@@ -203,23 +237,44 @@ class DynamicGenerator:
         self._cached_tokens_total += job.seq.cached_tokens
         return job.started_result()
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[dict[str, Any]]:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, masks=None) -> list[dict[str, Any]]:
         jobs = [e.seq.owner for e in plan.entries if e.samples]
         if not jobs:
             return []
         try:
+            token_mask = self._token_mask(masks, logits)
+        except Exception as error:  # the grammar engine failed: its rows' jobs end
+            logger.exception("filter masks failed; ending the constrained jobs of this step")
+            failed = [self._fail(j, error) for j in jobs if j.mask_source() is not None]
+            keep = [i for i, j in enumerate(jobs) if j.mask_source() is None]
+            jobs, logits, token_mask = [jobs[i] for i in keep], logits[keep], None
+            if not jobs:
+                return failed
+            return failed + self._sample_rows(jobs, logits, None)
+        return self._sample_rows(jobs, logits, token_mask)
+
+    def _token_mask(self, masks, logits: torch.Tensor) -> torch.Tensor | None:
+        bitmask = None if masks is None else masks.result()
+        if bitmask is None:
+            return None
+        from engine.constraints.masks import unpack_bitmask
+
+        return unpack_bitmask(bitmask, logits.shape[1], logits.device)
+
+    def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:
+        try:
             requests = [job.sample_request() for job in jobs]
-            out = sample(logits, requests, self.tokenizer.vocab_size)
+            out = sample(logits, requests, self.tokenizer.vocab_size, token_mask=token_mask)
         except Exception:  # one row's data or settings: find it, sample the others alone
             logger.warning("batched sampling failed; sampling row by row", exc_info=True)
-            return self._sample_row_by_row(jobs, logits)
+            return self._sample_row_by_row(jobs, logits, token_mask)
         return self._receive(jobs, logits, out)
 
-    def _sample_speculative(self, plan: StepPlan, logits: torch.Tensor, qs) -> list[dict]:
+    def _sample_speculative(self, plan: StepPlan, logits: torch.Tensor, qs, masks) -> list[dict]:
         """Entries without drafts sample as usual; the others go through the rejection
         sampler and receive several tokens at once (a failure there ends its jobs alone)."""
         plain, plain_logits, spec, spec_logits = split_logits(plan, logits)
-        results = self._sample(StepPlan(entries=plain), plain_logits) if plain else []
+        results = self._sample(StepPlan(entries=plain), plain_logits, masks) if plain else []
         try:
             verified = self.speculator.verify(spec, spec_logits, qs)
         except Exception as error:
@@ -243,14 +298,17 @@ class DynamicGenerator:
             self._retire(job)
         return result
 
-    def _sample_row_by_row(self, jobs: list[DynamicJob], logits: torch.Tensor) -> list[dict]:
+    def _sample_row_by_row(
+        self, jobs: list[DynamicJob], logits: torch.Tensor, token_mask: torch.Tensor | None
+    ) -> list[dict]:
         """The slow path after a failed batch: each job alone, so a failure ends only its job.
         (Rows that had drawn their random number in the failed batch draw again.)"""
         results = []
         for i, job in enumerate(jobs):
             row = logits[i : i + 1]
+            mask = None if token_mask is None else token_mask[i : i + 1]
             try:
-                out = sample(row, [job.sample_request()], self.tokenizer.vocab_size)
+                out = sample(row, [job.sample_request()], self.tokenizer.vocab_size, mask)
             except Exception as error:
                 results.append(self._fail(job, error))
                 continue
@@ -265,6 +323,10 @@ class DynamicGenerator:
         token_tensors = torch.tensor(out.tokens, dtype=torch.long).view(-1, 1, 1).unbind(0)
         results = []
         for i, job in enumerate(jobs):
+            if out.tokens[i] == BANNED_ROW:  # nothing could be sampled: this job only ends
+                message = f"every token is banned for job {job.identifier!r} at this step"
+                results.append(self._fail(job, ValueError(message)))
+                continue
             try:
                 result = job.receive_token(
                     out.tokens[i],
@@ -273,10 +335,14 @@ class DynamicGenerator:
                     top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
                     top_probs=out.top_probs[i] if job.return_top_tokens else None,
                     logits=logits[i].cpu() if job.return_logits else None,
+                    logprobs=_logprobs_of(out, i) if job.return_logprobs is not None else None,
                 )
             except Exception as error:
                 results.append(self._fail(job, error))
                 continue
+            if job.rewind_to is not None:  # a banned-string rollback: take the tokens back
+                self.scheduler.truncate(job.seq, job.rewind_to)
+                job.rewind_to = None
             if result["eos"]:
                 self._retire(job)
             results.append(result)
@@ -413,3 +479,7 @@ def _per_prompt_settings(gen_settings, count: int) -> list[SamplerSettings | Non
     if len(settings) != count:
         raise ValueError(f"{len(settings)} gen_settings for {count} prompts")
     return settings
+
+
+def _logprobs_of(out: SampleOutput, row: int) -> tuple[float, list[int], list[float]]:
+    return out.logprobs[row], out.top_logprob_ids[row], out.top_logprobs[row]

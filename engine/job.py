@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.cache.prefix_hash import salt_root
+from engine.constraints.banned import BannedStrings
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -51,10 +52,27 @@ class DynamicJob:
         return_top_tokens: int = 0,
         return_probs: bool = False,
         return_logits: bool = False,
+        return_logprobs: int | None = None,
         max_skips: int | None = None,
         cache_salt: str | None = None,
+        filters: Seq[Any] | None = None,
+        filter_prefer_eos: bool = False,
+        banned_strings: Seq[str] | None = None,
+        token_healing: bool = False,
     ):
+        """``filters``: ``engine.constraints`` filters the output must match (all of them);
+        ``filter_prefer_eos``: sample EOS whenever the filters allow it. ``banned_strings``:
+        case-insensitive strings that never appear in the output (rolled back and resampled).
+        ``token_healing``: drop the last prompt token and let the first sampled token be any
+        token whose text starts with its text (not with filters)."""
         self.input_ids = _as_id_list(input_ids)
+        self.filters, self.filter_prefer_eos, self.banned_strings = _check_constraints(
+            filters, filter_prefer_eos, banned_strings, token_healing
+        )
+        self.token_healing = token_healing
+        self._heal_token: int | None = None
+        if token_healing and len(self.input_ids) > 1:
+            self._heal_token = self.input_ids.pop()
         _check_counts(max_new_tokens, min_new_tokens, return_top_tokens)
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
@@ -70,6 +88,9 @@ class DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_probs = return_probs
         self.return_logits = return_logits
+        # k: the model's log-probability of each token and its k most likely alternatives
+        # (raw logits, no temperature; see engine.sampling); None: not computed
+        self.return_logprobs = _check_logprobs(return_logprobs)
         self.max_skips = max_skips
         self.serial: int | None = None
         # max_skips: how often admission may pass this job over for later ones before it
@@ -92,6 +113,14 @@ class DynamicJob:
         self._detok = None
         self._matcher: StopStringMatcher | None = None
         self._times: dict[str, float] = {}
+        self.constraint = None  # JobConstraint (the filters' matchers), built at bind
+        self._banned = BannedStrings(self.banned_strings) if self.banned_strings else None
+        self._bans: dict[int, set[int]] = {}  # position -> tokens banned there (rollbacks)
+        # banned-string jobs hold token data with their text: [data, end of its text in held]
+        self._held_tokens: list[list[Any]] = []
+        self.rewind_to: int | None = None  # set by a rollback; the generator truncates seq
+        self._heal_ids: frozenset[int] | None = None
+        self._heal_text = ""
 
     @classmethod
     def from_request(
@@ -101,8 +130,10 @@ class DynamicJob:
         ``options``: the job's other keyword arguments (``return_probs``, ...)."""
         if not 0 <= choice < request.n:
             raise ValueError(f"choice {choice} is outside the request's n={request.n}")
-        if request.constraint is not None or request.logprobs is not None:
-            raise ValueError("constraint and logprobs are not supported by this engine yet")
+        if request.constraint is not None:
+            from engine.constraints.filters import Filter
+
+            options.setdefault("filters", [Filter.from_spec(request.constraint)])
         eos = [MODEL_EOS] if request.stop_on_eos else []
         return cls(
             list(request.prompt_ids),
@@ -113,15 +144,31 @@ class DynamicJob:
             seed=request.choice_seed(choice),
             identifier=request.choice_id(choice),
             cache_salt=request.cache_salt,
+            return_logprobs=request.logprobs,
             **options,
         )
 
     # -- lifecycle (called by the generator) --------------------------------------------------
 
-    def bind(self, serial: int, tokenizer, default_stop_tokens: Seq[int]) -> None:
-        """Attach to a generator at enqueue: serial, detokenizer, default stop tokens."""
+    @property
+    def needs_masks(self) -> bool:
+        """Whether sampling this job needs allowed-token masks (filters or token healing)."""
+        return bool(self.filters) or self._heal_token is not None
+
+    def bind(self, serial: int, tokenizer, default_stop_tokens: Seq[int], masks=None) -> None:
+        """Attach to a generator at enqueue: serial, detokenizer, default stop tokens and, for
+        ``needs_masks`` jobs, the generator's ``MaskEngine`` (the filters compile here)."""
         if self.serial is not None:
             raise ValueError(f"job {self.identifier!r} is already enqueued (serial {self.serial})")
+        if self.needs_masks:
+            if masks is None:
+                raise ValueError("filters and token healing need the generator's MaskEngine")
+            if self.filters:
+                self.constraint = masks.constraint(self.filters, self.filter_prefer_eos)
+            if self._heal_token is not None:
+                self._heal_ids = masks.healing_ids(self._heal_token)
+                heal = tokenizer.detokenizer(self.input_ids[-PREFIX_CONTEXT_TOKENS:])
+                self._heal_piece = self._heal_text = heal.add(self._heal_token) + heal.flush()
         self.serial = serial
         if self.uses_default_stops:
             self.stop_tokens = self.stop_tokens | frozenset(default_stop_tokens)
@@ -139,12 +186,24 @@ class DynamicJob:
     def prompt_tokens(self) -> int:
         return len(self.input_ids)
 
+    def mask_source(self):
+        """What restricts this job's next token: its healing set, its JobConstraint, or None."""
+        if self._heal_ids is not None and not self.new_token_ids:
+            return self._heal_ids
+        if self.constraint is not None:
+            # EOS is not preferred before min_new_tokens (it is banned then)
+            reached = len(self.new_token_ids) >= self.min_new_tokens
+            self.constraint.prefer_eos = self.filter_prefer_eos and reached
+        return self.constraint
+
     def sample_request(self, ahead: Seq[int] = ()) -> SampleRequest:
         """The request for the next token; ``ahead``: draft tokens assumed to come first (the
         request then is for the position after them: its penalties and bans see them)."""
         new_tokens = len(self.new_token_ids) + len(ahead)
         banned = self.stop_tokens if new_tokens < self.min_new_tokens else ()
         context = self.seq.tokens + list(ahead) if ahead else self.seq.tokens
+        if self._bans:
+            banned = (*banned, *self._bans.get(new_tokens, ()))
         return SampleRequest(
             settings=self.gen_settings,
             rng=self.rng,
@@ -152,6 +211,7 @@ class DynamicJob:
             banned_tokens=tuple(banned),
             top_k_return=self.return_top_tokens,
             return_probs=self.return_probs,
+            logprobs=self.return_logprobs,
         )
 
     # -- results -------------------------------------------------------------------------------
@@ -182,25 +242,39 @@ class DynamicJob:
         top_probs: list[float] | None = None,
         logits: torch.Tensor | None = None,
         token_tensor: torch.Tensor | None = None,
+        logprobs: tuple[float, list[int], list[float]] | None = None,
     ) -> dict[str, Any]:
         """Take one sampled token; return its streaming result (final when ``eos``).
 
         ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
-        generator makes a whole step's in one call: a tensor per token costs ~10 us)."""
+        generator makes a whole step's in one call: a tensor per token costs ~10 us).
+        ``logprobs``: (the token's model logprob, top ids, their logprobs), with
+        ``return_logprobs``."""
         now = time.perf_counter()
         self._times.setdefault("first_token", now)
         self._times["last_token"] = now
+        if self.constraint is not None:
+            self.constraint.consume(token)  # FilterError: the generator ends this job alone
         self.new_token_ids.append(token)
         self.seq.tokens.append(token)
         result = self.base_result("streaming")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
-        _attach_token_data(result, token_tensor, prob, top_tokens, top_probs, logits)
+        data: dict[str, Any] = {}
+        _attach_token_data(data, token_tensor, prob, top_tokens, top_probs, logits)
+        if logprobs is not None:
+            _attach_logprobs(data, *logprobs)
+        if self._banned is None:
+            result.update(data)
+        else:
+            self._held_tokens.append([data, len(self._held_text)])
         if token in self.stop_tokens and len(self.new_token_ids) > self.min_new_tokens:
             text = self._held_text + self._detok.flush()
             self._held_text = ""
             return self._finish(result, text, "stop_token", stop_token=token)
-        self._held_text += self._detok.add(token)
+        self._held_text += self._healed(self._detok.add(token))
+        if self._banned is not None:
+            self._held_tokens[-1][1] = len(self._held_text)
         return self._emit_or_finish(result)
 
     def receive_tokens(self, tokens: Seq[int]) -> dict[str, Any]:
@@ -221,20 +295,89 @@ class DynamicJob:
         result["token_ids"] = torch.tensor([taken], dtype=torch.long)
         return result
 
+    def _healed(self, text: str) -> str:
+        """The first text after token healing, without the prompt piece it re-generates."""
+        if not self._heal_text or not text:
+            return text
+        strip, self._heal_text = self._heal_text, ""
+        return text[len(strip) :] if text.startswith(strip) else text
+
     def _emit_or_finish(self, result: dict[str, Any]) -> dict[str, Any]:
         held = self._held_text
         stop_checks = len(self.new_token_ids) >= self.min_new_tokens
         match = self._matcher.find(held) if stop_checks else None
+        banned_at = self._banned.find(held) if self._banned is not None else None
+        if banned_at is not None and (match is None or banned_at < match[0]):
+            return self._roll_back(result, banned_at)
         if match is not None:
             index, stop = match
             self._held_text = held[index:]
             return self._finish(result, held[:index], "stop_string", stop_string=stop)
+        if self.constraint is not None and self.constraint.is_stopped():
+            self._held_text = ""
+            return self._finish(result, held + self._detok.flush(), "end_filter")
         if len(self.new_token_ids) >= self.max_new_tokens:
             self._held_text = ""
             return self._finish(result, held + self._detok.flush(), "max_new_tokens")
         keep = self._matcher.partial_suffix_start(held) if stop_checks else len(held)
+        n = None
+        if self._banned is not None:
+            # released text ends at a token boundary: a rollback never splits emitted text
+            n, keep = self._token_boundary(min(keep, self._banned.partial_start(held)))
         self._held_text = held[keep:]
         self._add_text(result, held[:keep])
+        if n is not None:
+            self._release_tokens(result, n, keep)
+        return result
+
+    def _token_boundary(self, limit: int) -> tuple[int, int]:
+        """(n, end): the first n held tokens render exactly the held text[:end], the longest
+        such text within ``limit`` characters (tokens that render nothing yet, such as the
+        first bytes of a character, stay with the text that follows them)."""
+        n, end, previous = 0, 0, 0
+        for i, (_, token_end) in enumerate(self._held_tokens):
+            if token_end > limit:
+                break
+            if token_end > previous:
+                n, end = i + 1, token_end
+            previous = token_end
+        return n, end
+
+    def _release_tokens(self, result: dict[str, Any], n: int | None = None, chars: int = 0):
+        """Banned-string jobs: attach the data of the first ``n`` held tokens (None: all),
+        whose text (``chars`` characters of the held text) is released with it."""
+        held = self._held_tokens
+        n = len(held) if n is None else n
+        out, self._held_tokens = held[:n], held[n:]
+        for record in self._held_tokens:
+            record[1] -= chars
+        if out:
+            result.update(merge_token_data([data for data, _ in out]))
+
+    def _roll_back(self, result: dict[str, Any], start: int) -> dict[str, Any]:
+        """A banned string begins at held text index ``start``: take back the tokens from the
+        one that produced that text on, ban that token at its position, keep everything before
+        (held text and token data included: the reference generator lost held tokens here)."""
+        kept, kept_end = self._token_boundary(start)
+        dropped = self.new_token_ids[len(self.new_token_ids) - len(self._held_tokens) + kept :]
+        if not dropped:
+            raise RuntimeError("banned string found in text no held token produced")
+        suppressed = self._held_text[kept_end:]
+        self._held_text = self._held_text[:kept_end]
+        self._held_tokens = self._held_tokens[:kept]
+        del self.new_token_ids[len(self.new_token_ids) - len(dropped) :]
+        position = len(self.new_token_ids)
+        self._bans = {p: b for p, b in self._bans.items() if p <= position}
+        self._bans.setdefault(position, set()).add(dropped[0])
+        if self.constraint is not None:
+            self.constraint.rollback(len(dropped))
+        self.rewind_to = len(self.input_ids) + position
+        if position == 0 and self._heal_ids is not None:
+            self._heal_text = self._heal_piece  # the first token is healed (and cut) again
+        context = (self.input_ids + self.new_token_ids)[-PREFIX_CONTEXT_TOKENS:]
+        self._detok = self._tokenizer.detokenizer(context, self.decode_special_tokens)
+        result["suppressed_text"] = suppressed
+        result["suppressed_tokens"] = torch.tensor([dropped], dtype=torch.long)
         return result
 
     def error_result(self, error: BaseException) -> dict[str, Any]:
@@ -261,6 +404,7 @@ class DynamicJob:
 
     def _finish(self, result: dict[str, Any], text: str, reason: str, **trigger) -> dict:
         self._add_text(result, text)
+        self._release_tokens(result)
         self.finished = True
         result["eos"] = True
         result["eos_reason"] = reason
@@ -302,6 +446,42 @@ def _attach_token_data(result, token_tensor, prob, top_tokens, top_probs, logits
         result["top_k_probs"] = torch.tensor([[top_probs]], dtype=torch.float32)
     if logits is not None:
         result["logits"] = logits.reshape(1, 1, -1)
+
+
+def _attach_logprobs(result, logprob: float, top_ids: list[int], top_values: list[float]) -> None:
+    result["token_logprobs"] = torch.tensor([[logprob]], dtype=torch.float32)
+    result["top_logprob_ids"] = torch.tensor([[top_ids]], dtype=torch.long).reshape(1, 1, -1)
+    result["top_logprobs"] = torch.tensor([[top_values]], dtype=torch.float32).reshape(1, 1, -1)
+
+
+def _check_logprobs(k: int | None) -> int | None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"return_logprobs must be None or an int >= 0, got {k!r}")
+    return k
+
+
+def merge_token_data(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several tokens' result data (each (1, 1, ...)) as one (1, n, ...) per key."""
+    return {key: torch.cat([p[key] for p in parts], dim=1) for key in parts[0]}
+
+
+def _check_constraints(filters, prefer_eos, banned_strings, token_healing):
+    if not isinstance(prefer_eos, bool) or not isinstance(token_healing, bool):
+        raise ValueError("filter_prefer_eos and token_healing must be bools")
+    if filters:
+        from engine.constraints.filters import check_filters
+
+        filters = check_filters(filters)
+    else:
+        filters = ()
+    if prefer_eos and not filters:
+        raise ValueError("filter_prefer_eos=True needs filters")
+    if token_healing and filters:
+        raise ValueError("token_healing cannot be combined with filters")
+    if banned_strings is not None:
+        BannedStrings(banned_strings)  # validates
+        banned_strings = tuple(banned_strings)
+    return filters, prefer_eos, banned_strings or ()
 
 
 def _as_id_list(input_ids: torch.Tensor | Seq[int]) -> list[int]:

@@ -341,6 +341,30 @@ class Scheduler:
         seq.page_hashes = []
         seq.num_computed = 0
 
+    def truncate(self, seq: SeqState, length: int) -> None:
+        """Take back ``seq.tokens[length:]`` (a banned-string rollback, rejected drafts).
+
+        The K/V of kept tokens stays where it can: positions before ``length - 1`` in the
+        sequence's own pages. A page that must change but is hashed (shared with the prefix
+        cache: never written again) is dropped, and its kept positions are computed again.
+        The last kept token is always pending, so the next forward yields logits to sample."""
+        if not 1 <= length <= len(seq.tokens):
+            raise ValueError(f"cannot truncate {len(seq.tokens)} tokens to {length}")
+        del seq.tokens[length:]
+        seq.hash_cache = None  # keyed by length: a regrown sequence must not reuse it
+        keep = min(seq.num_computed, length - 1)
+        first_dropped = keep // self.page_size
+        if first_dropped < len(seq.page_hashes):  # that page is shared: recompute its part
+            keep = first_dropped * self.page_size
+        else:
+            first_dropped += 1  # the page holding position ``keep`` is the sequence's own
+        if first_dropped < len(seq.pages):
+            self.table.release(reversed(seq.pages[first_dropped:]))
+            # a new list object, never changed in place (page-list INVARIANT at _grow)
+            seq.pages = seq.pages[:first_dropped]
+        seq.page_hashes = seq.page_hashes[:first_dropped]
+        seq.num_computed = keep if seq.pages else 0
+
     # -- after the forward -------------------------------------------------------------------
 
     def commit(self, plan: StepPlan) -> None:

@@ -206,6 +206,11 @@ class Tokenizer:
         """``decode`` for a flat list of ints, unchecked (the detokenizer's hot path)."""
         return self._parse.decode(ids, skip_special_tokens=not decode_special_tokens)
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text of this tokenizer (config-declared added tokens
+        included; for a GGUF file, the one rebuilt from its metadata): what llguidance loads."""
+        return self._parse.to_str()
+
     def id_to_piece(self, token_id: int) -> str:
         piece = self._parse.id_to_token(int(token_id))
         if piece is None:

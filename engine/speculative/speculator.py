@@ -148,8 +148,14 @@ class Speculator:
 
 
 def _may_speculate(job) -> bool:
-    """Per-token extras are computed by the one-token sampler; such jobs decode plainly."""
-    return not (job.return_probs or job.return_top_tokens or job.return_logits)
+    """Per-token extras (probabilities, top tokens, logits, logprobs) come from the one-token
+    sampler, and filters, token healing and banned strings act on one token at a time: such
+    jobs decode plainly."""
+    if job.return_probs or job.return_top_tokens or job.return_logits:
+        return False
+    if job.return_logprobs is not None or job.banned_strings:
+        return False
+    return job.constraint is None and job.mask_source() is None
 
 
 def split_logits(
