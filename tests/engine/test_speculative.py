@@ -255,3 +255,24 @@ def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, 
         gen.speculator.policy.adaptive = False
         assert _tokens(_run(gen, prompts, 6)) == plain, kwargs
         assert gen.stats()["spec_draft_tokens_proposed"] > 0, kwargs
+
+
+def test_jobs_with_per_token_extras_or_banned_strings_decode_plainly(tiny):
+    """Probabilities, logprobs and banned strings are per-token mechanisms: those jobs get no
+    drafts (and the same tokens), while a plain job beside them speculates."""
+    prompt = _prompts(tiny.tokenizer, count=1, seed=3)[0]
+    (plain,) = _run(tiny.generator(), [prompt], 12)
+    gen = tiny.generator(use_ngram_draft=True)
+    gen.speculator.policy.max_step_tokens = 256
+    cases = [{"return_probs": True}, {"return_logprobs": 2}, {"banned_strings": ["zzzz"]}, {}]
+    jobs = [DynamicJob(prompt, 12, stop_conditions=[], gen_settings=GREEDY, **c) for c in cases]
+    for job in jobs:
+        gen.enqueue(job)
+    finals = {}
+    while gen.num_remaining_jobs():
+        finals.update({id(r["job"]): r for r in gen.iterate() if r["eos"]})
+    for job, case in zip(jobs, cases, strict=True):
+        final = finals[id(job)]
+        assert job.new_token_ids == plain["job"].new_token_ids, case
+        drafted = final["accepted_draft_tokens"] + final["rejected_draft_tokens"]
+        assert (drafted > 0) == (not case), case
