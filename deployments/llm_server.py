@@ -220,6 +220,7 @@ class LLMServer:
             max_seq_len=preset.context_length(model.config.max_position_embeddings),
             max_chunk_size=engine.max_chunk_size,
             cuda_graphs=engine.cuda_graphs,
+            **(engine.speculative.generator_kwargs() if engine.speculative else {}),
         )
         self.generator.publish(ROUTING_VIEW, _routing_view, ROUTING_VIEW_PERIOD_S)
         self.stream_interval_s = preset.serving.stream_interval_s

@@ -180,6 +180,42 @@ def packaged_model_path(package: str) -> Path:
 
 
 @dataclass(frozen=True)
+class NgramSpeculation:
+    """``engine.speculative.ngram``: n-gram drafts (prompt lookup), verified losslessly."""
+
+    max_ngram: int = 4
+    num_draft_tokens: int = 4
+
+    @classmethod
+    def parse(cls, raw: Any) -> NgramSpeculation | None:
+        raw = _mapping(raw, "engine.speculative")
+        _known_keys(raw, _SpeculativeKeys, "engine.speculative")
+        if "ngram" not in raw:
+            return None
+        ngram = _mapping(raw["ngram"], "engine.speculative.ngram")
+        _known_keys(ngram, cls, "engine.speculative.ngram")
+        where = "engine.speculative.ngram"
+        return cls(
+            max_ngram=_int(ngram, "max_ngram", where, cls.max_ngram, 1),
+            num_draft_tokens=_int(ngram, "num_draft_tokens", where, cls.num_draft_tokens, 1),
+        )
+
+    def generator_kwargs(self) -> dict[str, Any]:
+        return {
+            "use_ngram_draft": True,
+            "max_ngram": self.max_ngram,
+            "num_draft_tokens": self.num_draft_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class _SpeculativeKeys:
+    """The methods ``engine.speculative`` knows (a draft model is library-only for now)."""
+
+    ngram: Any = None
+
+
+@dataclass(frozen=True)
 class EnginePreset:
     """The engine of each replica: KV cache size and layout, scheduler budget, CUDA graphs."""
 
@@ -190,6 +226,7 @@ class EnginePreset:
     cache_quant: str = "fp16"  # fp16 | q8 | q6 | q4 (engine/cache/quant.py)
     cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
+    speculative: NgramSpeculation | None = None  # {ngram: {max_ngram, num_draft_tokens}}
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> EnginePreset:
@@ -215,6 +252,7 @@ class EnginePreset:
             cache_quant=cache_quant,
             cache_rotate=cache_rotate,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
+            speculative=NgramSpeculation.parse(raw.get("speculative")),
         )
 
     @property

@@ -27,6 +27,8 @@ from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
 from engine.sampling import BANNED_ROW, SampleOutput, SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.speculative import setup as spec_setup
+from engine.speculative.speculator import Speculator, split_logits
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +44,42 @@ class DynamicGenerator:
         max_batch_size: int | None = None,
         max_seq_len: int | None = None,
         max_chunk_size: int = 2048,
-        max_q_size: int = 1,
+        max_q_size: int | None = None,
         max_skips: int = 4,
         cuda_graphs: bool | None = None,
+        draft_model=None,
+        draft_cache: PagedCache | None = None,
+        num_draft_tokens: int = 4,
+        use_ngram_draft: bool = False,
+        max_ngram: int = 4,
+        max_sampling_threads: int = 16,
+        min_sampling_threads: int = 3,
+        paged: bool = True,
         filter_background_eval: bool = True,
     ):
         """``max_skips``: the default for jobs that set none (``DynamicJob.max_skips``).
         ``cuda_graphs``: decode steps through CUDA graphs (see ``ModelRunner``); None: on a GPU
-        with the kernels unless ``ENGINE_CUDA_GRAPHS=0``. ``filter_background_eval``: compute
-        the filters' allowed-token masks on a host thread while the forward runs (False: after
-        it, before sampling)."""
+        with the kernels unless ``ENGINE_CUDA_GRAPHS=0``.
+
+        Speculative decoding (engine/speculative/): ``draft_model`` + ``draft_cache`` (a
+        PagedCache of the draft with the cache's page size and page count), or
+        ``use_ngram_draft`` with suffixes up to ``max_ngram``; up to ``num_draft_tokens``
+        drafts per job and step (adaptive, see engine/speculative/policy.py), which must be
+        < ``max_q_size`` (default: 1 + num_draft_tokens when speculating, else 1).
+
+        Seed parameters with no counterpart here: ``max_sampling_threads`` and
+        ``min_sampling_threads`` (sampling is one batched tensor op on the device, not a thread
+        pool: only the seed's defaults are accepted), ``paged`` (always paged: False is
+        refused). ``filter_background_eval``: compute the filters' allowed-token masks on a
+        host thread while the forward runs (False: after it, before sampling)."""
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")
+        _check_seed_options(max_sampling_threads, min_sampling_threads, paged)
+        speculating = spec_setup.check_speculation(
+            draft_model, draft_cache, use_ngram_draft, num_draft_tokens, max_ngram
+        )
+        max_q_size = spec_setup.resolve_max_q_size(max_q_size, num_draft_tokens, speculating)
+        self.num_draft_tokens = num_draft_tokens if speculating else 0  # as the seed
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -85,6 +111,17 @@ class DynamicGenerator:
             max_seq_len=self.max_seq_len,
             cuda_graphs=cuda_graphs,
         )
+        self.speculator: Speculator | None = None
+        if speculating:
+            self.speculator = spec_setup.build_speculator(
+                self,
+                draft_model,
+                draft_cache,
+                num_draft_tokens,
+                use_ngram_draft,
+                max_ngram,
+                cuda_graphs,
+            )
 
     @property
     def max_batch_size(self) -> int:
@@ -131,6 +168,9 @@ class DynamicGenerator:
         hidden = self.model.config.hidden_size
         every_id = [t for ids in rows for t in ids]
         check_prompt(every_id, job.embeddings, vocab, hidden, self.model.dtype)
+        if job.embeddings and self.speculator is not None and self.speculator.draft is not None:
+            # the draft model prefills every prompt too and has no rows for the placeholders
+            raise ValueError("jobs with embeddings cannot run on a generator with a draft model")
         _check_settings(job.gen_settings, vocab)
         if job.filters:
             self.mask_engine().validate(job.filters)
@@ -179,10 +219,13 @@ class DynamicGenerator:
     def _step(self) -> list[dict[str, Any]]:
         if not self._jobs:
             return []
+        if self.speculator is not None:
+            self.speculator.before_schedule(self.scheduler.running)
         plan = self.scheduler.schedule()
         results = [self._start(seq.owner) for seq in plan.admitted]
         if not plan.entries:
             return results
+        qs = self.speculator.fill(plan) if self.speculator is not None else {}
         masks = self._launch_masks(plan)  # on a host thread while the forward runs
         try:
             logits = self.runner.forward_plan(plan)
@@ -193,14 +236,17 @@ class DynamicGenerator:
         prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
+        if any(e.drafts for e in plan.entries):
+            return results + self._sample_speculative(plan, logits, qs, masks)
         results += self._sample(plan, logits, masks)
         return results
 
     def _launch_masks(self, plan: StepPlan):
         if self._masks is None:
             return None
-        # one mask per sampled job: a CFG job's negative row is merged away before sampling
-        sampled = [e for e in plan.entries if e.samples and not e.seq.is_partner]
+        # one mask per job sampled the plain way: a CFG job's negative row is merged away
+        # before sampling, and rows with drafts are verified without masks
+        sampled = [e for e in plan.entries if e.samples and not e.drafts and not e.seq.is_partner]
         return self._masks.launch([e.seq.owner.mask_source() for e in sampled])
 
     def _start(self, job: DynamicJob) -> dict[str, Any]:
@@ -242,6 +288,34 @@ class DynamicGenerator:
             logger.warning("batched sampling failed; sampling row by row", exc_info=True)
             return self._sample_row_by_row(jobs, logits, token_mask)
         return self._receive(jobs, logits, out)
+
+    def _sample_speculative(self, plan: StepPlan, logits: torch.Tensor, qs, masks) -> list[dict]:
+        """Entries without drafts sample as usual; the others go through the rejection
+        sampler and receive several tokens at once (a failure there ends its jobs alone)."""
+        plain, plain_logits, spec, spec_logits = split_logits(plan, logits)
+        results = self._sample(StepPlan(entries=plain), plain_logits, masks) if plain else []
+        try:
+            verified = self.speculator.verify(spec, spec_logits, qs)
+        except Exception as error:
+            logger.exception("draft verification failed; ending the %d jobs", len(spec))
+            return results + [self._fail(e.seq.owner, error) for e in spec]
+        for entry, outcome in zip(spec, verified, strict=True):
+            results.append(self._receive_verified(entry.seq.owner, outcome))
+        return results
+
+    def _receive_verified(self, job: DynamicJob, outcome) -> dict[str, Any]:
+        self.speculator.record(job, outcome)
+        before = len(job.new_token_ids)
+        try:
+            result = job.receive_tokens(outcome.tokens)
+        except Exception as error:
+            return self._fail(job, error)
+        # accepted drafts the job took have their K/V: count them computed (and cache their
+        # full pages) before a finished job gives its pages back
+        self.scheduler.advance(job.seq, min(outcome.accepted, len(job.new_token_ids) - before))
+        if result["eos"]:
+            self._retire(job)
+        return result
 
     def _sample_row_by_row(
         self, jobs: list[DynamicJob], logits: torch.Tensor, token_mask: torch.Tensor | None
@@ -303,6 +377,8 @@ class DynamicGenerator:
     def _retire(self, job: DynamicJob) -> None:
         self.scheduler.remove(job.seq)
         del self._jobs[job.serial]
+        if self.speculator is not None:
+            self.speculator.forget(job)
 
     # -- convenience -----------------------------------------------------------------------
 
@@ -364,9 +440,10 @@ class DynamicGenerator:
                     self._undelivered.append(result)
         return [last[id(job)] for job in jobs]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         table = self.cache.page_table
-        return {
+        spec = self.speculator.stats() if self.speculator is not None else {}
+        return spec | {
             "pages_total": table.num_pages,
             "pages_in_use": table.num_referenced,
             "pages_cached": table.num_cached,
@@ -380,6 +457,18 @@ class DynamicGenerator:
             "prompt_tokens_total": self._prompt_tokens_total,
             "decode_graph_steps": self.runner.decode_graph_steps,
         }
+
+
+def _check_seed_options(max_sampling_threads, min_sampling_threads, paged) -> None:
+    """The seed's threading and unpaged options: refused unless at their defaults."""
+    if max_sampling_threads != 16 or min_sampling_threads != 3:
+        raise ValueError(
+            f"max_sampling_threads={max_sampling_threads!r}, min_sampling_threads="
+            f"{min_sampling_threads!r}: sampling here is batched on the device, not threaded "
+            "per job; leave them at the seed's defaults (16, 3)"
+        )
+    if paged is not True:
+        raise ValueError(f"paged={paged!r}: this generator always uses the paged KV cache")
 
 
 def _check_settings(settings: SamplerSettings, vocab: int) -> None:

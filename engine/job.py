@@ -120,6 +120,8 @@ class DynamicJob:
         if self.cfg_input_ids is not None:
             attach_negative(self.seq, self.cfg_input_ids)
         self.new_token_ids: list[int] = []
+        self.accepted_draft_tokens = 0  # speculative decoding: drafts verified and kept
+        self.rejected_draft_tokens = 0
         self.full_completion = ""
         self.finished = False
         self._held_text = ""
@@ -210,14 +212,18 @@ class DynamicJob:
             self.constraint.prefer_eos = self.filter_prefer_eos and reached
         return self.constraint
 
-    def sample_request(self) -> SampleRequest:
-        banned = self.stop_tokens if len(self.new_token_ids) < self.min_new_tokens else ()
+    def sample_request(self, ahead: Seq[int] = ()) -> SampleRequest:
+        """The request for the next token; ``ahead``: draft tokens assumed to come first (the
+        request then is for the position after them: its penalties and bans see them)."""
+        new_tokens = len(self.new_token_ids) + len(ahead)
+        banned = self.stop_tokens if new_tokens < self.min_new_tokens else ()
+        context = self.seq.tokens + list(ahead) if ahead else self.seq.tokens
         if self._bans:
-            banned = (*banned, *self._bans.get(len(self.new_token_ids), ()))
+            banned = (*banned, *self._bans.get(new_tokens, ()))
         return SampleRequest(
             settings=self.gen_settings,
             rng=self.rng,
-            context=self.seq.tokens if self.gen_settings.has_penalties else (),
+            context=context if self.gen_settings.has_penalties else (),
             banned_tokens=tuple(banned),
             top_k_return=self.return_top_tokens,
             return_probs=self.return_probs,
@@ -288,6 +294,24 @@ class DynamicJob:
         if self._banned is not None:
             self._held_tokens[-1][1] = len(self._held_text)
         return self._emit_or_finish(result)
+
+    def receive_tokens(self, tokens: Seq[int]) -> dict[str, Any]:
+        """Take several tokens of one step (speculative decoding: accepted drafts plus the
+        token sampled after them) one by one, exactly as ``receive_token`` would, stopping at
+        the first that ends the job (tokens after it are dropped). One result for the step:
+        its text and ``token_ids`` [1, n] cover the tokens taken."""
+        texts, taken, result = [], [], None
+        for token in tokens:
+            result = self.receive_token(token)
+            texts.append(result.get("text", ""))
+            taken.append(token)
+            if result["eos"]:
+                break
+        if result is None:
+            raise ValueError("receive_tokens needs at least one token")
+        result["text"] = "".join(texts)
+        result["token_ids"] = torch.tensor([taken], dtype=torch.long)
+        return result
 
     def _healed(self, text: str) -> str:
         """The first text after token healing, without the prompt piece it re-generates."""
@@ -439,6 +463,8 @@ class DynamicJob:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.seq.cached_tokens,
             "cached_pages": self.seq.cached_pages,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "rejected_draft_tokens": self.rejected_draft_tokens,
             "time_enqueued": started - enqueued,
             "time_prefill": first - started,
             "time_generate": t.get("last_token", first) - first,

@@ -141,6 +141,36 @@ def _apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tens
     return masked
 
 
+def processed_distribution(
+    logits: torch.Tensor, requests: Sequence[SampleRequest], vocab_limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What ``sample`` would draw from, per row: the greedy token [B] (argmax after
+    penalties, bias and bans) and the final probabilities [B, V] (after temperature and the
+    truncations, renormalised), or None when every row is greedy. Draws nothing.
+    (Speculative verification compares draft tokens against exactly these.)"""
+    logits, limit, greedy_tokens = _edited_logits(logits, requests, vocab_limit)
+    if all(r.settings.is_greedy for r in requests):
+        return greedy_tokens, None
+    return greedy_tokens, _final_distribution(logits, requests, limit)[0]
+
+
+def _edited_logits(
+    logits: torch.Tensor, requests: Sequence[SampleRequest], vocab_limit: int | None
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(logits after penalties, bias and bans; the vocabulary limit; greedy tokens)."""
+    if logits.shape[0] != len(requests):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+    logits = logits.float()
+    limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
+    if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
+        logits = logits.clone()  # the caller's logits stay as they are
+        _apply_penalties(logits, requests)
+        _apply_bias_and_bans(logits, requests)
+    # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
+    # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
+    return logits, limit, logits[:, :limit].max(-1).indices
+
+
 def _wants_extras(requests: Sequence[SampleRequest]) -> bool:
     return any(r.return_probs or r.top_k_return for r in requests)
 

@@ -72,6 +72,9 @@ class SeqState:
     # logits always come from one forward.
     partner: SeqState | None = None
     is_partner: bool = False
+    # Draft tokens the speculator would like verified in the next decode step (a wish: the
+    # scheduler grants what budget, max_q_size and free pages allow, see StepEntry.lookahead).
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         if self.max_skips is not None and (
@@ -103,7 +106,9 @@ class SeqState:
 class StepEntry:
     seq: SeqState
     start: int  # first position computed in this step (== seq.num_computed before it)
-    num_tokens: int
+    num_tokens: int  # the sequence's own pending tokens computed (draft tokens not counted)
+    lookahead: int = 0  # slots (with pages) granted for draft tokens after them
+    drafts: tuple[int, ...] = ()  # the draft tokens filled in (at most ``lookahead``)
 
     @property
     def samples(self) -> bool:
@@ -114,7 +119,7 @@ class StepEntry:
     def logits_rows(self) -> int:
         """Trailing tokens of this chunk whose logits the forward must return (1 when it
         samples; 1 + k once k draft tokens are verified)."""
-        return 1 if self.start + self.num_tokens == len(self.seq.tokens) else 0
+        return 1 + len(self.drafts) if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -125,7 +130,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
+        return sum(e.num_tokens + e.lookahead for e in self.entries)
 
 
 class Scheduler:
@@ -196,15 +201,27 @@ class Scheduler:
             n = min(seq.num_pending, budget)
             if n == 0:
                 continue
+            extra = self._lookahead(seq, n, budget)
             preempted_itself = False
             while not preempted_itself and not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 preempted_itself = victim in seq.group
             if not preempted_itself:
-                plan.entries.append(StepEntry(seq, seq.num_computed, n))
-                budget -= n
+                plan.entries.append(StepEntry(seq, seq.num_computed, n, extra))
+                budget -= n + extra
         return budget
+
+    def _lookahead(self, seq: SeqState, n: int, budget: int) -> int:
+        """Draft slots granted after ``n`` pending tokens: within the budget and max_q_size,
+        and only from pages to spare (speculation never preempts anyone)."""
+        if not seq.lookahead or n != seq.num_pending:
+            return 0
+        extra = min(seq.lookahead, budget - n, self.config.max_q_size - n)
+        slack = len(seq.pages) * self.page_size - seq.num_computed - n  # slots without new pages
+        if extra > slack and self.table.num_available <= len(self.running):
+            extra = max(0, slack)  # keep the last pages for the sequences' own tokens
+        return extra if extra > 0 and self._grow(seq, n + extra) else 0
 
     def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
         scheduled = {id(e.seq) for e in plan.entries}
@@ -418,6 +435,15 @@ class Scheduler:
         for entry in plan.entries:
             seq = entry.seq
             seq.num_computed = entry.start + entry.num_tokens
+            self._register_full_pages(seq)
+
+    def advance(self, seq: SeqState, accepted: int) -> None:
+        """After verification: ``accepted`` draft tokens (now in ``seq.tokens``) had their K/V
+        computed in the step, so they count as computed and the pages they fill are
+        registered. Rejected drafts' slots stay in the pages, to be overwritten: no hash is
+        ever registered for them."""
+        if accepted:
+            seq.num_computed += accepted
             self._register_full_pages(seq)
 
     def _register_full_pages(self, seq: SeqState) -> None:

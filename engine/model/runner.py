@@ -113,7 +113,7 @@ def plan_rows(plan: StepPlan) -> list[SequenceInput]:
     """The rows of a scheduler step: each entry's chunk of tokens over its sequence's pages."""
     return [
         SequenceInput(
-            token_ids=e.seq.tokens[e.start : e.start + e.num_tokens],
+            token_ids=e.seq.tokens[e.start : e.start + e.num_tokens] + list(e.drafts),
             num_cached=e.start,
             pages=e.seq.pages,
             logits_rows=e.logits_rows,
