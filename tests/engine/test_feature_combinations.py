@@ -1,0 +1,77 @@
+"""Features built separately meet in one generator: a CFG pair beside n-gram speculation,
+quantized pages under speculation, and the combinations that are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import DynamicGenerator, DynamicJob, MMEmbedding, PagedCache, SamplerSettings
+from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.test_quant_cache import tiny32  # noqa: F401, F811 (the head_dim-32 model fixture)
+
+PROMPTS = ["the quick red fox jumps over the quick red fox jumps over", "a b c a b c a b c a"]
+
+
+def _ids(tiny, text: str) -> list[int]:
+    return tiny.tokenizer.encode(text)[0].tolist()
+
+
+def _run(generator, jobs: list[DynamicJob]) -> list[list[int]]:
+    for job in jobs:
+        generator.enqueue(job)
+    while generator.num_remaining_jobs():
+        generator.iterate()
+    assert_no_pages_in_use(generator)
+    return [job.new_token_ids for job in jobs]
+
+
+def _jobs(tiny) -> list[DynamicJob]:
+    greedy = SamplerSettings.greedy()
+    guided = SamplerSettings(temperature=0.0, cfg_scale=1.5)
+    pair = [_ids(tiny, PROMPTS[0]), _ids(tiny, "blue window")]
+    return [
+        DynamicJob(pair, 12, stop_conditions=[], gen_settings=guided),
+        *(DynamicJob(_ids(tiny, p), 12, stop_conditions=[], gen_settings=greedy) for p in PROMPTS),
+    ]
+
+
+def test_cfg_pair_beside_ngram_speculation_matches_plain(tiny) -> None:
+    plain = _run(tiny.generator(), _jobs(tiny))
+    speculating = tiny.generator(use_ngram_draft=True)
+    speculating.speculator.policy.max_step_tokens = 256  # every eligible job drafts
+    assert _run(speculating, _jobs(tiny)) == plain
+    assert speculating.stats()["spec_draft_tokens_proposed"] > 0  # the plain jobs did draft
+
+
+def test_ngram_speculation_on_quantized_pages_matches_plain_on_the_same_pages(tiny, tiny32) -> None:
+    def generator(**kwargs) -> DynamicGenerator:
+        cache = PagedCache(tiny32.model, 4096, page_size=4, quant="q8")
+        return DynamicGenerator(tiny32.model, cache, tiny32.tokenizer, **kwargs)
+
+    def jobs() -> list[DynamicJob]:
+        greedy = SamplerSettings.greedy()
+        return [
+            DynamicJob(_ids(tiny, p), 12, stop_conditions=[], gen_settings=greedy) for p in PROMPTS
+        ]
+
+    speculating = generator(use_ngram_draft=True)
+    speculating.speculator.policy.max_step_tokens = 256
+    assert _run(speculating, jobs()) == _run(generator(), jobs())
+
+
+def test_refused_combinations_name_what_is_refused(tiny) -> None:
+    guided = SamplerSettings(temperature=0.0, cfg_scale=1.5)
+    pair = [_ids(tiny, PROMPTS[0]), _ids(tiny, "blue window")]
+    with pytest.raises(ValueError, match=r"CFG job .* cannot use \['banned_strings'\]"):
+        DynamicJob(pair, 4, gen_settings=guided, banned_strings=["fox"])
+    with pytest.raises(ValueError, match="return_logprobs"):
+        DynamicJob(pair, 4, gen_settings=guided, return_logprobs=2)
+    rows = torch.zeros(2, tiny.model.config.hidden_size, dtype=tiny.model.dtype)
+    embedding = MMEmbedding(rows)
+    ids = tiny.tokenizer.encode(f"look {embedding.text_alias} here", embeddings=[embedding])
+    job = DynamicJob(ids, 4, embeddings=[embedding])
+    draft = tiny.model
+    generator = tiny.generator(draft_model=draft, draft_cache=PagedCache(draft, 4096, page_size=4))
+    with pytest.raises(ValueError, match="embeddings cannot run on a generator with a draft"):
+        generator.enqueue(job)
