@@ -49,3 +49,32 @@ def assert_no_pages_in_use(generator: DynamicGenerator) -> None:
     assert stats["pages_in_use"] == 0, stats
     assert stats["jobs_running"] == stats["jobs_waiting"] == 0, stats
     generator.cache.page_table.check_invariants()
+
+
+class QuantTiny(Tiny):
+    """``Tiny`` whose generators get a quantized cache."""
+
+    quant: str = "fp16"
+    rotate: bool | None = None
+
+    def generator(self, max_num_tokens: int = 4096, page_size: int = 4, **kwargs):
+        cache = PagedCache(self.model, max_num_tokens, page_size, self.quant, self.rotate)
+        return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny32(tiny, tmp_path_factory) -> QuantTiny:
+    folder = tmp_path_factory.mktemp("tiny32")
+    build_model(
+        folder,
+        "llama_gqa",
+        vocab_size=tiny.tokenizer.vocab_size,
+        eos_token_id=tiny.tokenizer.eos_token_id,
+        bos_token_id=tiny.tokenizer.bos_token_id,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny.folder / name, folder / name)
+    return QuantTiny(Model.from_pretrained(folder), tiny.tokenizer, folder)

@@ -8,7 +8,6 @@ import torch
 
 from engine import DynamicGenerator, DynamicJob, MMEmbedding, PagedCache, SamplerSettings
 from tests.engine.conftest import assert_no_pages_in_use
-from tests.engine.test_quant_cache import tiny32  # noqa: F401, F811 (the head_dim-32 model fixture)
 
 PROMPTS = ["the quick red fox jumps over the quick red fox jumps over", "a b c a b c a b c a"]
 

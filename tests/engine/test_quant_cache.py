@@ -9,12 +9,11 @@ model of their own (head_dim 32) with the same tokenizer.
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
-from engine import Model, PagedCache
+from engine import PagedCache
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cache.kv_cache import kv_bytes_per_token
 from engine.cache.quant import GROUP, QUANT_BITS, QuantPages, dequantize, rotate_groups
@@ -22,41 +21,9 @@ from engine.cuda.attention import paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from engine.ops import TORCH_OPS
 from tests.engine import test_generator as gen_tests
-from tests.engine.conftest import Tiny
-from tests.hf_models import build_model
+from tests.engine.conftest import QuantTiny
 
 QUANTS = ["q8", "q6", "q4"]
-
-
-class QuantTiny(Tiny):
-    """``Tiny`` whose generators get a quantized cache."""
-
-    quant: str = "fp16"
-    rotate: bool | None = None
-
-    def generator(self, max_num_tokens: int = 4096, page_size: int = 4, **kwargs):
-        from engine import DynamicGenerator
-
-        cache = PagedCache(self.model, max_num_tokens, page_size, self.quant, self.rotate)
-        return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def tiny32(tiny, tmp_path_factory) -> QuantTiny:
-    folder = tmp_path_factory.mktemp("tiny32")
-    build_model(
-        folder,
-        "llama_gqa",
-        vocab_size=tiny.tokenizer.vocab_size,
-        eos_token_id=tiny.tokenizer.eos_token_id,
-        bos_token_id=tiny.tokenizer.bos_token_id,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny.folder / name, folder / name)
-    return QuantTiny(Model.from_pretrained(folder), tiny.tokenizer, folder)
 
 
 def _with(tiny32: QuantTiny, quant: str, rotate: bool | None = None) -> QuantTiny:
