@@ -59,8 +59,9 @@ def sample(
 
     ``vocab_limit``: ids at or above it are never picked (a model's embedding table is often
     padded past the tokenizer's last id; those rows decode to nothing).
-    ``token_mask``: bool [B, V] (or wider), the tokens each row may pick (constrained decoding;
-    all True for unconstrained rows), applied in one masked fill after penalties and bans.
+    ``token_mask``: float [B, V] (or wider), an additive bias: 0 for the tokens each row may
+    pick, -inf for the others (constrained decoding; all 0 for unconstrained rows), applied in
+    one add after penalties and bans.
     """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
@@ -87,19 +88,18 @@ def sample(
     return _to_host(tokens, probs, requests)
 
 
-def _apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Mask disallowed tokens to -inf. A row the mask and the bans leave empty (a grammar that
-    allows only EOS while min_new_tokens bans it) keeps the mask alone: the grammar wins. A row
-    with nothing allowed at all stays unmasked (its grammar then refuses the token and ends
-    that job with an error): never an all -inf row, never NaN."""
-    allowed = allowed[:, : logits.shape[1]]
-    masked = logits.masked_fill(~allowed, -math.inf)
-    empty = ~(masked > -math.inf).any(-1)
+def _apply_token_mask(logits: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
+    """Add the mask's bias (0 allowed, -inf not). A row the mask and the bans leave empty (a
+    user's -inf bias on every token the grammar allows) keeps the mask alone: the grammar
+    wins. A row the mask allows nothing at all stays unmasked (its grammar then refuses the
+    token and ends that job with an error): never an all -inf row, never NaN."""
+    mask_bias = mask_bias[:, : logits.shape[1]]
+    masked = logits + mask_bias
+    empty = masked.amax(-1) == -math.inf
     if bool(empty.any()):
-        # the pre-ban logits (no -inf from bans) under the mask, if the mask allows anything
-        unbanned = torch.where(allowed, logits.nan_to_num(neginf=-1e30), -math.inf)
-        mask_empty = ~allowed.any(-1, keepdim=True)
-        fallback = torch.where(mask_empty, logits.nan_to_num(neginf=-1e30), unbanned)
+        allowed = mask_bias == 0
+        finite = logits.nan_to_num(neginf=-1e30)  # the logits without bans
+        fallback = torch.where(allowed.any(-1, keepdim=True), finite + mask_bias, finite)
         masked = torch.where(empty[:, None], fallback, masked)
     return masked
 
