@@ -182,6 +182,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "random"])
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smollm2-rounds", type=int, default=None, help="default: --rounds")
     parser.add_argument("--quick", action="store_true", help="1 round, 16 tokens")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -200,7 +201,8 @@ def main() -> None:
     for name in args.models:
         model = load(name, tokenizer)
         runs = {case: [] for case in CASES}
-        for _ in range(rounds):
+        model_rounds = args.smollm2_rounds if name == "smollm2" and args.smollm2_rounds else rounds
+        for _ in range(model_rounds):
             for case, result in run_round(model, tokenizer, max_new).items():
                 runs[case].append(result)
         report["models"][name] = summarise(runs)
@@ -211,6 +213,8 @@ def main() -> None:
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Medians over rounds; the cost of a case is taken per round (its steps interleaved with
+    the unconstrained ones of the same round), then the median."""
     out = {}
     for case, results in runs.items():
         median = {
@@ -218,10 +222,15 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             for key in results[0]
             if isinstance(results[0][key], int | float)
         }
+        median["tokens_per_s"] = BATCH / (median["median_ms_per_step"] / 1e3)
         out[case] = {"median": median, "runs": results}
-    base = out["none"]["median"]["tokens_per_s"]
     for case in CASES[1:]:
-        out[case]["cost_vs_none"] = 1 - out[case]["median"]["tokens_per_s"] / base
+        costs = [
+            1 - base["median_ms_per_step"] / r["median_ms_per_step"]
+            for base, r in zip(runs["none"], runs[case], strict=True)
+        ]
+        out[case]["cost_vs_none"] = statistics.median(costs)
+        out[case]["cost_per_round"] = costs
     return out
 
 

@@ -72,7 +72,8 @@ def sample(
         _apply_penalties(logits, requests)
         _apply_bias_and_bans(logits, requests)
     if token_mask is not None:
-        logits = _apply_token_mask(logits, token_mask)
+        banning = any(r.banned_tokens or r.settings.token_bias for r in requests)
+        logits = _apply_token_mask(logits, token_mask, banning)
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
     # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
     greedy_tokens = logits[:, :limit].max(-1).indices
@@ -88,13 +89,14 @@ def sample(
     return _to_host(tokens, probs, requests)
 
 
-def _apply_token_mask(logits: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
-    """Add the mask's bias (0 allowed, -inf not). A row the mask and the bans leave empty (a
-    user's -inf bias on every token the grammar allows) keeps the mask alone: the grammar
-    wins. A row the mask allows nothing at all stays unmasked (its grammar then refuses the
-    token and ends that job with an error): never an all -inf row, never NaN."""
+def _apply_token_mask(logits: torch.Tensor, mask_bias: torch.Tensor, banning: bool) -> torch.Tensor:
+    """Add the mask's bias (0 allowed, -inf not; every row allows something). With bans
+    (``banning``), a row they and the mask leave empty (a user's -inf bias on every token the
+    grammar allows) keeps the mask alone: the grammar wins. Never an all -inf row, never NaN."""
     mask_bias = mask_bias[:, : logits.shape[1]]
     masked = logits + mask_bias
+    if not banning:
+        return masked
     empty = masked.amax(-1) == -math.inf
     if bool(empty.any()):
         allowed = mask_bias == 0

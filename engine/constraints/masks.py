@@ -154,6 +154,10 @@ class MaskEngine:
                 bitmask[i] = pack_ids(source, self.words)
             elif isinstance(source, JobConstraint) and source.prefer_eos:
                 _prefer_eos(bitmask[i], source.eos_ids)
+        # INVARIANT: every row allows a token (the sampler relies on it: no all -inf row). A
+        # grammar that allows nothing (its error state) leaves its row unmasked; the token
+        # sampled there is refused and ends that job with an error.
+        bitmask[:batch][~bitmask[:batch].any(axis=1)] = -1
         bias = mask_bias(torch.from_numpy(bitmask[:batch]), self.vocab_size, self.device)
         self.timings.fill_s += time.perf_counter() - start
         self.timings.steps += 1

@@ -68,11 +68,14 @@ def test_a_row_left_empty_by_bans_keeps_the_mask(greedy):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_an_all_false_mask_never_gives_nan(greedy):
+def test_a_mask_and_bans_leaving_nothing_never_give_nan(greedy):
+    """(A mask row allowing nothing at all never reaches the sampler: the MaskEngine unmasks
+    it; test_constraints checks that.)"""
     logits = torch.randn(2, 20)
     mask = torch.zeros(2, 20, dtype=torch.bool)
-    out = sample(logits, _requests(2, greedy), token_mask=_bias(mask))
-    assert all(0 <= t < 20 for t in out.tokens)
+    mask[:, :3] = True
+    out = sample(logits, _requests(2, greedy, banned=(0, 1, 2)), token_mask=_bias(mask))
+    assert all(0 <= t < 3 for t in out.tokens)
     assert all(p == p for p in out.probs)
 
 
