@@ -93,6 +93,8 @@ class Workload:
     chunk_size: int = 2048
     copy_bytes: int = 1 << 30
     seed: int = 0
+    quant_batch: int = 32  # KV-cache modes (bench/kv_quant_decode.py): batch x context
+    quant_context: int = 4096
 
 
 DRY_WORKLOAD = Workload(
@@ -105,6 +107,8 @@ DRY_WORKLOAD = Workload(
     hf_batch=4,
     hf_new_tokens=8,
     copy_bytes=64 << 20,
+    quant_batch=4,
+    quant_context=32,
 )
 
 
@@ -145,8 +149,8 @@ def dry_specs() -> dict[str, Any]:
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=2,  # head_dim 32: one group of the quantized KV cache modes
+            num_key_value_heads=1,
             max_position_embeddings=1024,
         )
     }
@@ -753,6 +757,8 @@ def run_model(name: str, spec: Any, ctx: Context) -> dict:
         with ops_env(ops):
             model = make_model(config, network, ctx.workload.page_size)
             result["ops"][ops] = measure_ops(name, ops, model, tokenizer, ctx, roof)
+            if ops == "default":
+                result["kv_quant"] = kv_quant_section(model, ctx)
         del model
         free_memory(ctx.device)
     if ctx.transformers:
@@ -774,6 +780,14 @@ def run_model(name: str, spec: Any, ctx: Context) -> dict:
     return result
 
 
+def kv_quant_section(model: Any, ctx: Context) -> dict:
+    """Bytes per token and decode tok/s per KV-cache mode (bench/kv_quant_decode.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kv_quant_decode import measure_kv_quant
+
+    return measure_kv_quant(model, ctx.workload, ctx.timer, lambda: free_memory(ctx.device))
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 
@@ -786,7 +800,15 @@ def goals(models: dict[str, dict]) -> dict:
     batch1 = next((r for r in sweep if r["batch"] == 1), None)
     fraction = batch1["roofline_fraction"] if batch1 else None
     ratio = entry.get("transformers", {}).get("decode_phase_ratio")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kv_quant_decode import kv_quant_goals
+
+    kv_goals = {
+        key: _goal(target, measured, "kv_quant rows, default op set")
+        for key, (target, measured) in kv_quant_goals(entry.get("kv_quant")).items()
+    }
     return {
+        **kv_goals,
         "model": primary,
         "batch1_decode_roofline_fraction": _goal(
             GOAL_ROOFLINE_FRACTION, fraction, "decode_generator, default op set, batch 1"
@@ -836,7 +858,7 @@ def versions() -> dict:
 
 
 def print_goals(report_goals: dict) -> None:
-    for key in ("batch1_decode_roofline_fraction", "batch32_decode_vs_transformers"):
+    for key in [k for k in report_goals if k != "model"]:
         goal = report_goals[key]
         measured = "-" if goal["measured"] is None else f"{goal['measured']:.3f}"
         verdict = {True: "MET", False: "NOT MET", None: "not measured"}[goal["met"]]
@@ -979,6 +1001,9 @@ METHODS = {
     "timestamps in the window where all requests are past prefill and none has finished; "
     "e2e = wall time of the timed call, prefill included (for transformers also its manager "
     "thread start/stop); our side runs the same prompts through DynamicGenerator",
+    "kv_quant": "per KV-cache mode (fp16/q8/q6/q4), default op set: bytes per token, tokens "
+    "in fp16's bytes, Model.forward and paged_attention alone (every layer) on one decode "
+    "batch of quant_batch x quant_context over random K/V; see bench/kv_quant_decode.py",
     "ops": "default = the op set Model picks (Numba CUDA kernels on CUDA) with decode steps in "
     "CUDA graphs; eager = the same kernels with ENGINE_CUDA_GRAPHS=0 (decode-gen rows only); "
     "torch = ENGINE_OPS=torch (torch references); matmuls are torch/cuBLAS in all",

@@ -40,9 +40,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def llm_deployment(preset: Preset) -> serve.Deployment:
-    """``LLMServer`` with the replica count and request router the preset names."""
+    """``LLMServer`` with the replica count (or autoscaling) and request router the preset
+    names. A deployment entry in serve_config.yaml overrides these options."""
     serving = preset.serving
     options: dict[str, Any] = {"num_replicas": serving.num_replicas}
+    if serving.autoscaling is not None:
+        options = {"autoscaling_config": serving.autoscaling.serve_config(preset.engine)}
     if ROUTERS[serving.router] is not None:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTERS[serving.router],

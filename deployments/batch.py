@@ -6,14 +6,18 @@
 Input: one JSON object per line, ``{"id": ..., "prompt": ...}`` (a completion) or
 ``{"id": ..., "messages": [...]}`` (a chat), plus any OpenAI sampling field (``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, penalties, ``logit_bias``,
-``n``, ``ignore_eos``, ...). ``id`` is a non-empty string or an integer. Blank lines are skipped.
+``n``, ``ignore_eos``, ``logprobs``/``top_logprobs``, ``response_format``, ``tools`` with a
+forced ``tool_choice``, ...). ``id`` is a non-empty string or an integer. Blank lines are
+skipped.
 
 Output: one line per input line, in completion order (not input order):
 
 - ``{"id", "text", "finish_reason", "usage"}`` with OpenAI's usage (``prompt_tokens``,
   ``completion_tokens``, ``total_tokens``, ``prompt_tokens_details.cached_tokens``). With
   ``n`` > 1, ``text`` and ``finish_reason`` are lists (one entry per choice) and usage counts
-  the prompt once, as the HTTP API does.
+  the prompt once, as the HTTP API does. With log-probabilities the record adds ``logprobs``
+  (the route's OpenAI shape), with a forced tool call ``tool_calls`` (and ``finish_reason``
+  ``"tool_calls"``); lists with ``n`` > 1 like ``text``.
 - ``{"id", "line", "error": {"message", "type", "param", "code"}}`` for a bad line (not JSON,
   no usable id, no prompt/messages, a field the HTTP API would reject: ``type`` is
   ``invalid_request_error``) or a request that failed on the server (``server_error``). A line
@@ -74,8 +78,10 @@ from deployments.batch_session import (
     handle_generate,
     open_app,
 )
+from deployments.choices import ChoiceState, OutputOptions
 from deployments.preset import Preset
 from deployments.protocol import OpenAIError
+from deployments.responses import ResponseFormat
 from engine.request import GenerationRequest
 
 logger = logging.getLogger("pagedserve.batch")
@@ -111,6 +117,10 @@ class Validator:
         self.builder = builder
 
     def request(self, item: Item) -> GenerationRequest:
+        return self.prepare(item)[0]
+
+    def prepare(self, item: Item) -> tuple[GenerationRequest, OutputOptions]:
+        """The request, and what its record shows beyond text (logprobs, a tool call)."""
         model = item.body.get("model")
         if model is not None and model != self.builder.model_id:
             raise OpenAIError(
@@ -119,38 +129,41 @@ class Validator:
                 param="model",
                 code="model_not_found",
             )
-        _, request = self.builder.request(item.body, item.chat)
-        return request
+        fields, request = self.builder.request(item.body, item.chat)
+        return request, self.builder.output_options(fields)
 
 
 async def collect(
-    stream: AsyncIterator[dict[str, Any]], n: int
-) -> tuple[list[str], list[dict[str, Any]]]:
-    """Each choice's text and final message (the one with ``eos``), by the messages' ``index``.
-    Reads the stream to its end rather than stopping at the last ``eos``, so it is never
-    closed early (which would cancel)."""
-    texts: list[list[str]] = [[] for _ in range(n)]
-    finals: list[dict[str, Any] | None] = [None] * n
+    stream: AsyncIterator[dict[str, Any]], choices: list[ChoiceState]
+) -> list[ChoiceState]:
+    """Each choice's text, logprobs and final message (the one with ``eos``), by the messages'
+    ``index``. Reads the stream to its end rather than stopping at the last ``eos``, so it is
+    never closed early (which would cancel)."""
     async for message in stream:
-        index = message.get("index", 0)
-        texts[index].append(message["text"])
-        if message["eos"]:
-            finals[index] = message
-    missing = [i for i, final in enumerate(finals) if final is None]
+        choices[message.get("index", 0)].add(message)
+    missing = [c.index for c in choices if not c.final]
     if missing:
         raise RuntimeError(f"the stream ended without a final message for choices {missing}")
-    return ["".join(t) for t in texts], finals  # type: ignore[return-value]
+    return choices
 
 
-async def generate_record(item: Item, request: GenerationRequest, generate: Generate) -> Record:
+async def generate_record(
+    item: Item,
+    request: GenerationRequest,
+    generate: Generate,
+    options: OutputOptions | None = None,
+) -> Record:
     """All ``n`` choices of one line, from one call (one replica runs them together)."""
+    fmt = ResponseFormat.new(item.chat, "batch")
+    states = [ChoiceState(i, fmt, options or OutputOptions()) for i in range(request.n)]
     try:
-        texts, finals = await collect(generate(request), request.n)
+        await collect(generate(request), states)
     except Exception as e:  # recorded as retryable; the job goes on
         logger.warning("id %r (line %d) failed: %r", item.id, item.line, e)
         message = f"{type(e).__name__}: {e}"
         return error_record(item.id, item.line, OpenAIError(message, type_=SERVER_ERROR))
-    return result_record(item.id, texts, finals)
+    extras = [s.choice() for s in states]
+    return result_record(item.id, [s.text for s in states], [s.final for s in states], extras)
 
 
 class Runner:
@@ -197,7 +210,7 @@ class Runner:
 
     async def submit(self, item: Item) -> None:
         try:
-            request = self.validator.request(item)
+            request, options = self.validator.prepare(item)
         except OpenAIError as e:
             self.write(error_record(item.id, item.line, e))
             return
@@ -206,12 +219,12 @@ class Runner:
             self.write(error_record(item.id, item.line, OpenAIError(f"invalid request: {e}")))
             return
         await self.slots.acquire()  # bounded: the input is read only as fast as it runs
-        task = asyncio.create_task(self.work(item, request))
+        task = asyncio.create_task(self.work(item, request, options))
         self.tasks.add(task)
         task.add_done_callback(self.finished)
 
-    async def work(self, item: Item, request: GenerationRequest) -> None:
-        self.write(await generate_record(item, request, self.generate))
+    async def work(self, item: Item, request: GenerationRequest, options: OutputOptions) -> None:
+        self.write(await generate_record(item, request, self.generate, options))
 
     def finished(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)

@@ -82,15 +82,30 @@ def bad_line_record(bad: BadLine) -> Record:
     return error_record(bad.id, bad.line, OpenAIError(bad.message, param=bad.param))
 
 
-def result_record(id_: Id, texts: list[str], finals: list[dict[str, Any]]) -> Record:
-    reasons = [finish_reason(f) for f in finals]
+def result_record(
+    id_: Id,
+    texts: list[str],
+    finals: list[dict[str, Any]],
+    extras: list[dict[str, Any]] | None = None,
+) -> Record:
+    """``extras``: per choice, the response's fields beyond text (``ChoiceState.choice``)."""
+    extras = extras or [{} for _ in texts]
+    pairs = zip(extras, finals, strict=True)
+    reasons = [e.get("finish_reason", finish_reason(f)) for e, f in pairs]
     single = len(texts) == 1  # n > 1: one list entry per choice
-    return {
+    record = {
         "id": id_,
         "text": texts[0] if single else texts,
         "finish_reason": reasons[0] if single else reasons,
         "usage": usage_of(finals),
     }
+    if any("logprobs" in e for e in extras):
+        values = [e.get("logprobs") for e in extras]
+        record["logprobs"] = values[0] if single else values
+    if any("message" in e for e in extras):
+        calls = [e.get("message", {}).get("tool_calls") for e in extras]
+        record["tool_calls"] = calls[0] if single else calls
+    return record
 
 
 # -- resume ----------------------------------------------------------------------------------

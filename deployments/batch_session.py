@@ -39,6 +39,12 @@ def connect_ray(address: str | None) -> None:
     """
     import ray
 
+    # torch before Ray: as the first job on a cluster whose Serve app was running (seen with
+    # two nodes, Ray 2.60, torch 2.13 CPU), a driver that imported torch only after
+    # ``ray.init`` died in MKL's start-up ("Intel oneMKL FATAL ERROR: Cannot load
+    # libtorch_cpu.so"); importing it first never failed. The job needs torch anyway.
+    import torch  # noqa: F401
+
     ray.init(address=address)
     context = ray.get_runtime_context()
     logger.info("connected to Ray at %s (job %s)", context.gcs_address, context.get_job_id())

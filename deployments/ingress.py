@@ -29,6 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deployments import routing_audit
+from deployments.choices import ChoiceState, OutputOptions, full_body
 from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -41,10 +43,12 @@ from deployments.protocol import (
     server_error,
     text_value,
 )
-from deployments.responses import ResponseFormat, finish_reason, sse
+from deployments.responses import ResponseFormat, sse
+from deployments.structured import ToolCalling, tools_system_message
 from engine.cache.prefix_hash import prefix_hashes, salt_root
 from engine.config import ModelConfig
 from engine.request import GenerationRequest
+from engine.token_bytes import TokenBytes
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ray.serve")
@@ -70,6 +74,7 @@ class PromptBuilder:
         # No token covers more bytes of text than the longest one decodes to, so a text longer
         # than context x that cannot fit: refused before spending time tokenizing it.
         self.max_prompt_chars = self.context_length * _longest_token_bytes(self.tokenizer)
+        self.token_bytes = TokenBytes(self.tokenizer)  # spells tokens in logprobs
 
     def completion_ids(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -86,11 +91,16 @@ class PromptBuilder:
             raise OpenAIError("'prompt' must be a string or a list of token ids", param="prompt")
         return self.check_prompt(ids, "prompt")
 
-    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def chat_ids(self, body: dict[str, Any], tools: ToolCalling | None = None) -> list[int]:
         messages = parse_messages(body)
         self.check_text_length(sum(len(m["content"] or "") for m in messages), "messages")
+        extra: dict[str, Any] = {}
+        if tools is not None and "tools" in (self.tokenizer.chat_template or ""):
+            extra["tools"] = list(tools.tools)  # the template renders them its own way
+        elif tools is not None:
+            messages = [tools_system_message(tools.tools), *messages]
         try:
-            ids = self.tokenizer.encode_chat(messages, trusted=self.trust_message_tokens)
+            ids = self.tokenizer.encode_chat(messages, trusted=self.trust_message_tokens, **extra)
         except Exception as e:  # jinja errors, the template's raise_exception, forged tokens
             raise OpenAIError(f"chat template failed: {e}", param="messages") from None
         return self.check_prompt(ids, "messages")
@@ -129,11 +139,16 @@ class PromptBuilder:
             )
         return requested
 
+    def output_options(self, fields: RequestFields) -> OutputOptions:
+        """What the response shows beyond text (logprobs, a tool call) for these fields."""
+        tokens = self.token_bytes if fields.logprobs is not None else None
+        return OutputOptions(tokens=tokens, tools=fields.tools)
+
     def request(self, body: dict[str, Any], chat: bool) -> tuple[RequestFields, GenerationRequest]:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
         one replica runs them, sharing the prompt's pages)."""
         fields = parse_fields(body, chat, self.config.vocab_size)
-        ids = self.chat_ids(body) if chat else self.completion_ids(body)
+        ids = self.chat_ids(body, fields.tools) if chat else self.completion_ids(body)
         max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
         hashes = prefix_hashes(ids, self.page_size, parent=salt_root(fields.cache_salt))
         try:
@@ -190,8 +205,12 @@ class Ingress:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def stats(self, request: Request) -> Response:
-        """Per replica: the generator's stats plus requests served."""
+        """Per replica: the generator's stats plus requests served, and what this ingress's
+        router predicted about its cache vs what the replica's cache really supplied."""
         replicas = await _replica_stats(self._llm)
+        audit = routing_audit.summary()
+        for replica in replicas:
+            replica["routing"] = audit.get(replica.get("replica_id"), None)
         return JSONResponse({"object": "stats", "replicas": replicas})
 
     async def completions(self, request: Request) -> Response:
@@ -208,12 +227,14 @@ class Ingress:
             fields, generation = await asyncio.to_thread(self._prepare, raw, chat)
         except OpenAIError as e:
             return e.response()
-        fmt = ResponseFormat.new(chat, self.model_id)
+        fmt = ResponseFormat.new(chat, self.model_id, generation.request_id)
+        options = self.prompts.output_options(fields)
+        choices = [ChoiceState(i, fmt, options) for i in range(fields.n)]
         stream = self._generate.remote(generation)
         if fields.stream:
-            events = _events(stream, fields.n, fmt, fields.include_usage)
+            events = _events(stream, choices, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _collect(stream, fields.n, fmt)
+        return await _collect(stream, choices, fmt)
 
     def _prepare(self, raw: bytes, chat: bool) -> tuple[RequestFields, GenerationRequest]:
         body = parse_body(raw)
@@ -239,46 +260,44 @@ async def _replica_stats(llm: DeploymentHandle) -> list[dict[str, Any]]:
     return list(await response.results_async(return_exceptions=False))
 
 
-async def _indexed(stream) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def _indexed(stream, request_id: str) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """The replica's messages tagged with their choice index; a client that goes away (the
-    generator is closed early) cancels the replica's work too."""
+    generator is closed early) cancels the replica's work too. The first choice's cache use
+    goes to the routing audit (the router's prediction for ``request_id``)."""
     completed = False
     try:
         async for message in stream:
-            yield message.get("index", 0), message
+            index = message.get("index", 0)
+            if index == 0 and message["eos"] and "cached_pages" in message:
+                routing_audit.observe(request_id, message["cached_pages"])
+            yield index, message
         completed = True
     finally:
         if not completed:
             stream.cancel()
 
 
-async def _collect(stream, n: int, fmt: ResponseFormat) -> Response:
-    texts: list[list[str]] = [[] for _ in range(n)]
-    finals: list[dict[str, Any]] = [{} for _ in range(n)]
+async def _collect(stream, choices: list[ChoiceState], fmt: ResponseFormat) -> Response:
     try:
-        async for index, message in _indexed(stream):
-            texts[index].append(message["text"])
-            if message["eos"]:
-                finals[index] = message
+        async for index, message in _indexed(stream, fmt.request_id):
+            choices[index].add(message)
     except Exception as e:
         return server_error(e, fmt.id).response()
-    return JSONResponse(fmt.full(["".join(t) for t in texts], finals))
+    return JSONResponse(full_body(fmt, choices))
 
 
-async def _events(stream, n: int, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
-    finals: list[dict[str, Any]] = [{} for _ in range(n)]
+async def _events(
+    stream, choices: list[ChoiceState], fmt: ResponseFormat, include_usage: bool
+) -> AsyncIterator[str]:
     if fmt.chat:
-        for index in range(n):
+        for index in range(len(choices)):
             yield sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
     try:
-        async for index, message in _indexed(stream):
-            if message["text"]:
-                yield sse(fmt.chunk({"content": message["text"]}, index=index))
-            if message["eos"]:
-                finals[index] = message
-                yield sse(fmt.chunk({}, finish_reason(message), index=index))
+        async for index, message in _indexed(stream, fmt.request_id):
+            for chunk in choices[index].chunks(message):
+                yield sse(chunk)
         if include_usage:
-            yield sse(fmt.usage_chunk(finals))
+            yield sse(fmt.usage_chunk([c.final for c in choices]))
     except Exception as e:
         yield sse(server_error(e, fmt.id).body())
     yield sse("[DONE]")

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 from ray import serve
 from ray.serve import metrics
@@ -65,6 +66,7 @@ class Delta:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     final: dict[str, Any] | None = None
+    logprobs: list[tuple] = field(default_factory=list)  # deployments.logprobs.LogprobEntry
 
     def add(self, result: dict[str, Any]) -> None:
         if result["stage"] != "streaming":
@@ -72,6 +74,8 @@ class Delta:
         self.text.append(result.get("text", ""))
         if "token_ids" in result:  # a "cancelled" final result carries no token
             self.token_ids.extend(result["token_ids"][0].tolist())
+        if "token_logprobs" in result:
+            self.logprobs += _logprob_entries(result)
         if result["eos"]:
             self.final = result
 
@@ -85,11 +89,25 @@ class Delta:
             "token_ids": self.token_ids,
             "eos": self.final is not None,
         }
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
         if self.final is not None:
             keys = ("eos_reason", "prompt_tokens", "new_tokens", "cached_tokens", "cached_pages")
             out.update({k: self.final[k] for k in keys})
             out.update({k: self.final[k] for k in self.final if k.startswith("time_")})
         return out
+
+
+def _logprob_entries(result: dict[str, Any]) -> list[tuple[int, float, list[int], list[float]]]:
+    """One ``deployments.logprobs.LogprobEntry`` per token of a result (a result can hold
+    several: text released after a banned-string check); the stop token ending a choice is not
+    part of its text and has none."""
+    ids, values = result["token_ids"][0].tolist(), result["token_logprobs"][0].tolist()
+    top_ids, top_values = result["top_logprob_ids"][0].tolist(), result["top_logprobs"][0].tolist()
+    entries = list(zip(ids, values, top_ids, top_values, strict=True))
+    if result.get("eos_reason") == "stop_token":
+        entries = entries[:-1]
+    return entries
 
 
 class ChoiceStream:
@@ -191,7 +209,9 @@ class LLMServer:
         model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
         tokenizer = Tokenizer.from_pretrained(path)
         engine = preset.engine
-        cache = PagedCache(model, engine.max_num_tokens, engine.page_size, engine.cache_quant)
+        cache = PagedCache(
+            model, engine.max_num_tokens, engine.page_size, engine.cache_quant, engine.cache_rotate
+        )
         self.generator = DynamicGeneratorAsync(
             model,
             cache,
@@ -207,11 +227,13 @@ class LLMServer:
         self.requests_served = 0
         self.requests_active = 0
         logger.info(
-            "LLMServer ready: %s, context %d, %d pages of %d",
+            "LLMServer ready: %s, context %d, %d pages of %d, %s cache (%d bytes per token)",
             path,
             self.generator.generator.max_seq_len,
             cache.num_pages,
             cache.page_size,
+            cache.quant + ("+rotate" if cache.rotate else ""),
+            cache.bytes_per_token(),
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
@@ -266,6 +288,7 @@ class LLMServer:
             "requests_active": self.requests_active,
             "rss_bytes": current_rss_bytes(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:

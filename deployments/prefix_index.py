@@ -7,13 +7,14 @@ See ``deployments.routing`` for the routing rules; everything here is unit-testa
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from deployments.router_settings import RouterSettings
 
 logger = logging.getLogger("ray.serve")
 
@@ -29,50 +30,6 @@ FLIGHT_TTL_S = 600.0
 # A replica chosen for a request that was never dispatched (cancelled while routing).
 TENTATIVE_TTL_S = 30.0
 EXPIRY_PERIOD_S = 5.0
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    """Tunables; every field is a ``request_router_kwargs`` key (``serving.router_kwargs``)."""
-
-    prefix_weight: float = 1.0  # cost of one uncached prompt page
-    load_weight: float = 4.0  # cost of one in-flight request, in pages (16 tokens each)
-    max_load: float = 32.0  # above this many in-flight requests a replica spills to later ranks
-    max_index_entries: int = 50_000  # page hashes remembered per replica (each part)
-    routed_grace_s: float = 3.0  # how long a routed page counts without a report confirming it
-    recent_half_life_s: float = 10.0  # decay of the recent-requests tie-breaker
-
-    def __post_init__(self) -> None:
-        def number(value: Any) -> bool:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            return ok and math.isfinite(value)
-
-        checks = {
-            "prefix_weight": (number(self.prefix_weight) and self.prefix_weight >= 0, ">= 0"),
-            "load_weight": (number(self.load_weight) and self.load_weight >= 0, ">= 0"),
-            "max_load": (number(self.max_load) and self.max_load >= 1, ">= 1"),
-            "routed_grace_s": (number(self.routed_grace_s) and self.routed_grace_s >= 0, ">= 0"),
-            "recent_half_life_s": (
-                number(self.recent_half_life_s) and self.recent_half_life_s > 0,
-                "> 0",
-            ),
-            "max_index_entries": (
-                isinstance(self.max_index_entries, int) and self.max_index_entries >= 1,
-                "an int >= 1",
-            ),
-        }
-        for name, (ok, requirement) in checks.items():
-            if not ok:
-                value = getattr(self, name)
-                raise ValueError(f"router kwarg {name} must be {requirement}, got {value!r}")
-
-    @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> RouterSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown router kwarg(s) {unknown}; known: {sorted(known)}")
-        return cls(**kwargs)
 
 
 # -- what each replica holds -------------------------------------------------------------------
@@ -264,6 +221,9 @@ class _Placement:
     hashes: Sequence[int]
     pinned: bool
     at: float
+    # Pages each ranked replica was believed to hold when the choice was made (a retry may
+    # dispatch to a later rank): the prediction the routing audit compares with the outcome.
+    matched: dict[Hashable, int] = field(default_factory=dict)
 
 
 class _Decayed:
@@ -335,10 +295,14 @@ class PrefixPolicy:
         full: Callable[[Hashable], bool] = lambda _: False,
     ) -> list[Hashable]:
         """Replica ids best first; requests without hashes rank by load alone."""
+        return [c.replica for c in self._ranked(replicas, hashes, full)]
+
+    def _ranked(
+        self, replicas: Sequence[Hashable], hashes: Sequence[int], full: Callable[[Hashable], bool]
+    ) -> list[Candidate]:
         candidates = [self.candidate(r, hashes, full(r)) for r in replicas]
         fresh = bool(hashes) and is_fresh(candidates, self.settings)
-        ranked = rank_candidates(candidates, self.settings, self._rng, fresh)
-        return [c.replica for c in ranked]
+        return rank_candidates(candidates, self.settings, self._rng, fresh)
 
     def choose(
         self,
@@ -351,12 +315,14 @@ class PrefixPolicy:
         previous = self._tentative.pop(token, None)
         if previous is not None:  # a retry (the last choice was full): undo that one
             self._unplace(previous)
-        ranked = self.rank(replicas, hashes, full)
+        ranked = self._ranked(replicas, hashes, full)
         if ranked:
             now = self._clock()
-            self._tentative[token] = self._place(ranked[0], hashes, now, count=previous is None)
+            placement = self._place(ranked[0].replica, hashes, now, count=previous is None)
+            placement.matched = {c.replica: len(hashes) - c.uncached_pages for c in ranked}
+            self._tentative[token] = placement
             self._maybe_expire(now)
-        return ranked
+        return [c.replica for c in ranked]
 
     def routed(
         self,
@@ -364,16 +330,22 @@ class PrefixPolicy:
         request_id: Hashable,
         hashes: Sequence[int],
         token: Hashable = None,
-    ) -> None:
-        """Serve dispatched the request there (``token`` as given to ``choose``, if any)."""
+    ) -> int:
+        """Serve dispatched the request there (``token`` as given to ``choose``, if any).
+        Returns the pages of ``hashes`` the replica was believed to hold when it was chosen."""
         now = self._clock()
         tentative = self._tentative.pop(token, None) if token is not None else None
         if tentative is not None:
             self._unplace(tentative)
+        if tentative is not None and replica in tentative.matched:
+            predicted = tentative.matched[replica]
+        else:
+            predicted = self.index.matched_pages(replica, hashes)
         placement = self._place(replica, hashes, now, count=tentative is None)
         self.index.record_routed(replica, hashes)
         self._in_flight.setdefault((replica, request_id), []).append(placement)
         self._maybe_expire(now)
+        return predicted
 
     def completed(self, replica: Hashable, request_id: Hashable) -> None:
         """One request with this id finished there. Serve also reports requests the replica

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from deployments.prefix_index import RouterSettings
+from deployments.router_settings import RouterSettings
 from engine.cache.page_table import whole_pages
 
 logger = logging.getLogger("ray.serve")
@@ -187,7 +187,8 @@ class EnginePreset:
     page_size: int = 16
     max_chunk_size: int = 512  # token budget of one forward
     max_batch_size: int | None = None  # None: derived from the cache size
-    cache_quant: str = "fp16"
+    cache_quant: str = "fp16"  # fp16 | q8 | q6 | q4 (engine/cache/quant.py)
+    cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
 
     @classmethod
@@ -202,12 +203,17 @@ class EnginePreset:
                 f"engine.max_num_tokens ({max_num_tokens}) must hold at least one page of "
                 f"engine.page_size ({page_size})"
             )
+        cache_quant = _str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant
+        cache_rotate = _bool(raw, "cache_rotate", "engine")
+        if cache_rotate and cache_quant == "fp16":
+            raise ValueError("engine.cache_rotate: true needs a quantized engine.cache_quant")
         return cls(
             max_num_tokens=max_num_tokens,
             page_size=page_size,
             max_chunk_size=_int(raw, "max_chunk_size", "engine", cls.max_chunk_size, 1),
             max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
-            cache_quant=_str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant,
+            cache_quant=cache_quant,
+            cache_rotate=cache_rotate,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
         )
 
@@ -216,11 +222,72 @@ class EnginePreset:
         """Tokens the cache really holds: whole pages only."""
         return whole_pages(self.max_num_tokens, self.page_size) * self.page_size
 
+    @property
+    def batch_size_estimate(self) -> int:
+        """``max_batch_size``, or what the generator derives from the cache (half its pages,
+        at most 256: ``engine.generator.MAX_DERIVED_BATCH_SIZE``)."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        return max(1, min(256, whole_pages(self.max_num_tokens, self.page_size) // 2))
+
 
 def _cache_quants() -> tuple[str, ...]:
-    from engine.cache.kv_cache import CACHE_QUANTS
+    from engine.cache.quant import CACHE_QUANTS
 
     return CACHE_QUANTS
+
+
+@dataclass(frozen=True)
+class AutoscalingPreset:
+    """Ray Serve autoscaling of the engine replicas (``serving.autoscaling``). Serve adds a
+    replica when the replicas' average ongoing requests stay above ``target_ongoing_requests``
+    for ``upscale_delay_s`` and removes one when they stay below for ``downscale_delay_s``.
+    ``target_ongoing_requests`` defaults to half the engine's batch size: a replica takes more
+    requests than that only while a new one starts (batches stay efficient, latency bounded)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # None: half the engine's max batch size
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+    metrics_interval_s: float = 2.0
+    look_back_period_s: float = 10.0
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> AutoscalingPreset:
+        where = "serving.autoscaling"
+        _known_keys(raw, cls, where)
+        low = _int(raw, "min_replicas", where, cls.min_replicas, 0)
+        high = _int(raw, "max_replicas", where, cls.max_replicas, 1)
+        initial = _int(raw, "initial_replicas", where, None, 0)
+        if low > high:
+            raise ValueError(f"{where}.min_replicas ({low}) exceeds max_replicas ({high})")
+        if initial is not None and not low <= initial <= high:
+            raise ValueError(f"{where}.initial_replicas ({initial}) must be in [{low}, {high}]")
+        target = raw.get("target_ongoing_requests")
+        if target is not None:
+            target = _number(raw, "target_ongoing_requests", where, 0.0)
+            if target <= 0:
+                raise ValueError(f"{where}.target_ongoing_requests must be > 0, got {target}")
+        periods = {
+            key: _number(raw, key, where, getattr(cls, key))
+            for key in ("upscale_delay_s", "downscale_delay_s")
+        }
+        for key in ("metrics_interval_s", "look_back_period_s"):
+            periods[key] = _number(raw, key, where, getattr(cls, key))
+            if periods[key] <= 0:
+                raise ValueError(f"{where}.{key} must be > 0, got {periods[key]}")
+        return cls(low, high, initial, target, **periods)
+
+    def serve_config(self, engine: EnginePreset) -> dict[str, Any]:
+        """The deployment's ``autoscaling_config``."""
+        config = dataclasses.asdict(self)
+        if self.initial_replicas is None:
+            del config["initial_replicas"]
+        if self.target_ongoing_requests is None:
+            config["target_ongoing_requests"] = max(1, engine.batch_size_estimate // 2)
+        return config
 
 
 @dataclass(frozen=True)
@@ -229,6 +296,7 @@ class ServingPreset:
 
     model_id: str | None = None  # the id /v1/models lists (default: from the model section)
     num_replicas: int = 1
+    autoscaling: AutoscalingPreset | None = None  # replaces num_replicas when given
     router: str = "prefix"
     router_kwargs: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None  # None: 1 on CPU (replicas share small machines)
@@ -245,9 +313,20 @@ class ServingPreset:
             RouterSettings.from_kwargs(kwargs)
         except ValueError as e:
             raise ValueError(f"serving.router_kwargs: {e}") from None
+        autoscaling = None
+        if raw.get("autoscaling") is not None:
+            if "num_replicas" in raw:
+                raise ValueError(
+                    "serving: give either num_replicas or autoscaling, not both (autoscaling "
+                    "sets the replica count between its min_replicas and max_replicas)"
+                )
+            autoscaling = AutoscalingPreset.parse(
+                _mapping(raw["autoscaling"], "serving.autoscaling")
+            )
         return cls(
             model_id=_str(raw, "model_id", "serving"),
             num_replicas=_int(raw, "num_replicas", "serving", cls.num_replicas, 1),
+            autoscaling=autoscaling,
             router=_str(raw, "router", "serving", ROUTERS) or cls.router,
             router_kwargs=kwargs,
             torch_threads=_int(raw, "torch_threads", "serving", None, 1),

@@ -12,8 +12,12 @@ Limits (beyond the model's context and vocabulary):
 body                   at most ``MAX_BODY_BYTES`` (413 beyond), JSON nested at most
                        ``MAX_JSON_DEPTH`` deep, strings valid Unicode (no lone surrogates)
 fields                 only the ones this server honours; an unsupported OpenAI feature
-                       (``logprobs``, ``tools``, ...) set to anything but its neutral value is
+                       (``echo``, ``best_of``, ...) set to anything but its neutral value is
                        refused by name, an unknown field likewise
+``logprobs``           completions: 0 .. ``MAX_LOGPROBS``; chat: a boolean, with
+                       ``top_logprobs`` 0 .. ``MAX_LOGPROBS`` (``deployments.logprobs``)
+``response_format``    text, json_object, json_schema; chat ``tools`` with a forced
+                       ``tool_choice`` only (``deployments.structured``)
 ``n``                  1 .. ``MAX_CHOICES``
 ``top_k``              -1 or 0 (off) .. the vocabulary size
 ``seed``               a signed 64-bit integer
@@ -33,13 +37,17 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from engine.constraints.spec import ConstraintSpec
 from engine.request import MAX_CHOICES, GenerationRequest, SamplerSettings
+
+if TYPE_CHECKING:
+    from deployments.structured import ToolCalling
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,15 +69,16 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
         "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
+        "logprobs", "response_format",
     }
 )  # fmt: skip
+_CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 FIELDS = {
     False: _COMMON_FIELDS | {"prompt"},
-    True: _COMMON_FIELDS | {"messages", "max_completion_tokens"},
+    True: _COMMON_FIELDS | _CHAT_FIELDS | {"parallel_tool_calls"},
 }
 # OpenAI features this server does not implement, with the values that ask for nothing.
 UNSUPPORTED = {
-    "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -79,7 +88,6 @@ UNSUPPORTED = {
     "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -146,6 +154,9 @@ class RequestFields:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None  # only requests with the same salt share cached pages
+    logprobs: int | None = None  # the model's logprobs and this many alternatives
+    constraint: ConstraintSpec | None = None  # response_format, or the forced tool call's
+    tools: ToolCalling | None = None  # a forced tool call: the output is read back as one
 
     def generation(
         self, prompt_ids: list[int], max_new_tokens: int, page_hashes: list[int]
@@ -161,6 +172,8 @@ class RequestFields:
             stop_on_eos=not self.ignore_eos,
             page_hashes=tuple(page_hashes),
             cache_salt=self.cache_salt,
+            constraint=self.constraint,
+            logprobs=self.logprobs,
         )
 
 
@@ -313,6 +326,10 @@ def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
 
 def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
     """Validate the generation fields shared by both routes."""
+    # (imported here: they raise OpenAIError, from this module)
+    from deployments.logprobs import parse_logprobs
+    from deployments.structured import parse_response_format, parse_tools
+
     check_field_names(body, chat)
     n = _int_field(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
     if body.get("user") is not None:
@@ -328,7 +345,18 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
         stream=_bool_field(body, "stream"),
         include_usage=_bool_field(_stream_options(body), "include_usage"),
         cache_salt=_cache_salt(body),
+        logprobs=parse_logprobs(body, chat),
+        **_constraint_fields(parse_response_format(body), parse_tools(body, chat)),
     )
+
+
+def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:
+    if tools is None:
+        return {"constraint": response_format}
+    if response_format is not None:
+        message = "'response_format' cannot be combined with a forced tool call"
+        raise OpenAIError(message, param="response_format")
+    return {"constraint": tools.constraint(), "tools": tools}
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:

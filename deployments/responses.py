@@ -35,11 +35,13 @@ class ResponseFormat:
     model: str
     id: str
     created: int
+    request_id: str = ""  # the GenerationRequest's id (logs, routing audit); ``id`` wraps it
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> ResponseFormat:
+    def new(cls, chat: bool, model: str, request_id: str | None = None) -> ResponseFormat:
         prefix = "chatcmpl" if chat else "cmpl"
-        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        request_id = request_id or uuid.uuid4().hex
+        return cls(chat, model, f"{prefix}-{request_id}", int(time.time()), request_id)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

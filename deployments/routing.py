@@ -32,7 +32,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.prefix_index import PrefixPolicy, RouterSettings
+from deployments import routing_audit
+from deployments.prefix_index import PrefixPolicy
+from deployments.router_settings import RouterSettings
 from engine.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
@@ -118,7 +120,10 @@ class PrefixAwareRouter(RequestRouter):
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
         hashes = request_hashes(pending_request)
-        self.policy.routed(replica_id, request_id, hashes, token=id(pending_request))
+        predicted = self.policy.routed(replica_id, request_id, hashes, token=id(pending_request))
+        if hashes:  # explain the decision: /v1/stats compares it with the replica's cache use
+            request = pending_request.args[0]
+            routing_audit.predict(request.request_id, replica_id.unique_id, len(hashes), predicted)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.completed(replica_id, internal_request_id)

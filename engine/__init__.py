@@ -18,6 +18,7 @@ _EXPORTS = {
     "DynamicJob": "engine.job",
     "DynamicJobAsync": "engine.generator_async",
     "GenerationRequest": "engine.request",
+    "MMEmbedding": "engine.embeddings",
     "MODEL_EOS": "engine.job",
     "Model": "engine.model",
     "ModelConfig": "engine.config",
@@ -33,6 +34,7 @@ __all__ = [
     "DynamicJob",
     "DynamicJobAsync",
     "GenerationRequest",
+    "MMEmbedding",
     "Model",
     "ModelConfig",
     "PagedCache",
@@ -54,6 +56,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from engine.cache.kv_cache import PagedCache
     from engine.config import ModelConfig
+    from engine.embeddings import MMEmbedding
     from engine.generator import DynamicGenerator
     from engine.generator_async import DynamicGeneratorAsync, DynamicJobAsync
     from engine.job import MODEL_EOS, DynamicJob

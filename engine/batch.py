@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.embeddings import EmbeddingTable, EmbeddingTableBuilder, MMEmbedding
+
 if TYPE_CHECKING:
     from engine.cuda.attention import KernelPlan, KernelPlanKey, PaddedLayout
 
@@ -33,6 +35,8 @@ class SequenceInput:
     num_cached: int  # tokens of this sequence already in KV storage (their positions come first)
     pages: Sequence[int]  # page ids holding positions [0, num_cached + len(token_ids))
     logits_rows: int = 1  # logits wanted for this many trailing new tokens (0: none)
+    # the job's embedding containers, when its placeholder ids may be among token_ids
+    embeddings: Sequence[MMEmbedding] = ()
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -79,6 +83,8 @@ class ForwardBatch:
     seq_lens_host: tuple[int, ...] = ()
     page_size: int = 16
     attention: AttentionPlan = field(default_factory=AttentionPlan)
+    # rows that replace placeholder tokens in the embedding step (None: plain tokens only)
+    embeddings: EmbeddingTable | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,8 +114,11 @@ def build_forward_batch(
     slots: list[int] = []
     starts = [0]
     wanted: list[int] = []
+    embeds = EmbeddingTableBuilder() if any(s.embeddings for s in seqs) else None
     for seq in seqs:
         _check_pages(seq, page_size)
+        if seq.embeddings:
+            embeds.add(seq.token_ids, len(input_ids), seq.embeddings)
         for i, token in enumerate(seq.token_ids):
             pos = seq.num_cached + i
             input_ids.append(int(token))
@@ -136,6 +145,7 @@ def build_forward_batch(
         q_lens=q_lens,
         seq_lens_host=seq_lens,
         page_size=page_size,
+        embeddings=None if embeds is None else embeds.build(device),
     )
 
 

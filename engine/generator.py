@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from engine.cache.kv_cache import PagedCache
+from engine.cfg import merge_cfg_rows
+from engine.embeddings import check_prompt
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
-from engine.sampling import SampleOutput, SamplerSettings, sample
+from engine.sampling import BANNED_ROW, SampleOutput, SamplerSettings, sample
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -109,16 +111,26 @@ class DynamicGenerator:
         """Raise ValueError if ``job`` can never run here (read-only; safe from any thread)."""
         if not isinstance(job, DynamicJob):
             raise ValueError(f"enqueue takes a DynamicJob, got {type(job).__name__}")
-        total = job.prompt_tokens + job.max_new_tokens
-        if total > self.max_seq_len:
+        rows = [job.input_ids] + ([job.cfg_input_ids] if job.cfg_input_ids else [])
+        for ids in rows:  # a CFG job: both prompts
+            total = len(ids) + job.max_new_tokens
+            if total > self.max_seq_len:
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) + max_new_tokens ({job.max_new_tokens}) = "
+                    f"{total} exceeds max_seq_len {self.max_seq_len}"
+                )
+        # A job must fit the cache alone (a single row does by max_seq_len), or it would
+        # preempt itself forever.
+        pages = sum(-(-(len(ids) + job.max_new_tokens) // self.cache.page_size) for ids in rows)
+        if pages > self.cache.num_pages:
             raise ValueError(
-                f"prompt ({job.prompt_tokens} tokens) + max_new_tokens ({job.max_new_tokens}) = "
-                f"{total} exceeds max_seq_len {self.max_seq_len}"
+                f"the CFG job's two rows need {pages} pages with max_new_tokens; the cache "
+                f"has {self.cache.num_pages}"
             )
         vocab = self.model.config.vocab_size
-        bad = [t for t in job.input_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        hidden = self.model.config.hidden_size
+        every_id = [t for ids in rows for t in ids]
+        check_prompt(every_id, job.embeddings, vocab, hidden, self.model.dtype)
         _check_settings(job.gen_settings, vocab)
         if job.filters:
             self.mask_engine().validate(job.filters)
@@ -179,6 +191,7 @@ class DynamicGenerator:
             logger.exception("forward failed; ending the %d jobs of this step", len(plan.entries))
             return results + [self._fail(e.seq.owner, error) for e in plan.entries]
         prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
+        prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
         results += self._sample(plan, logits, masks)
@@ -187,7 +200,9 @@ class DynamicGenerator:
     def _launch_masks(self, plan: StepPlan):
         if self._masks is None:
             return None
-        return self._masks.launch([e.seq.owner.mask_source() for e in plan.entries if e.samples])
+        # one mask per sampled job: a CFG job's negative row is merged away before sampling
+        sampled = [e for e in plan.entries if e.samples and not e.seq.is_partner]
+        return self._masks.launch([e.seq.owner.mask_source() for e in sampled])
 
     def _start(self, job: DynamicJob) -> dict[str, Any]:
         job.mark_started()
@@ -196,9 +211,10 @@ class DynamicGenerator:
         return job.started_result()
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, masks=None) -> list[dict[str, Any]]:
-        jobs = [e.seq.owner for e in plan.entries if e.samples]
-        if not jobs:
+        entries = [e for e in plan.entries if e.samples]
+        if not entries:
             return []
+        jobs, logits = merge_cfg_rows(entries, logits)  # a CFG job's two rows -> one
         try:
             token_mask = None if masks is None else masks.result()
         except Exception as error:  # the grammar engine failed: its rows' jobs end
@@ -245,6 +261,10 @@ class DynamicGenerator:
         token_tensors = torch.tensor(out.tokens, dtype=torch.long).view(-1, 1, 1).unbind(0)
         results = []
         for i, job in enumerate(jobs):
+            if out.tokens[i] == BANNED_ROW:  # nothing could be sampled: this job only ends
+                message = f"every token is banned for job {job.identifier!r} at this step"
+                results.append(self._fail(job, ValueError(message)))
+                continue
             try:
                 result = job.receive_token(
                     out.tokens[i],
@@ -253,6 +273,7 @@ class DynamicGenerator:
                     top_tokens=out.top_tokens[i] if job.return_top_tokens else None,
                     top_probs=out.top_probs[i] if job.return_top_tokens else None,
                     logits=logits[i].cpu() if job.return_logits else None,
+                    logprobs=_logprobs_of(out, i) if job.return_logprobs is not None else None,
                 )
             except Exception as error:
                 results.append(self._fail(job, error))
@@ -381,3 +402,7 @@ def _per_prompt_settings(gen_settings, count: int) -> list[SamplerSettings | Non
     if len(settings) != count:
         raise ValueError(f"{len(settings)} gen_settings for {count} prompts")
     return settings
+
+
+def _logprobs_of(out: SampleOutput, row: int) -> tuple[float, list[int], list[float]]:
+    return out.logprobs[row], out.top_logprob_ids[row], out.top_logprobs[row]

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from engine.cache.prefix_hash import salt_root
+from engine.cfg import attach_negative, split_prompt_rows
 from engine.constraints.banned import BannedStrings
 from engine.constraints.errors import FilterError
+from engine.embeddings import MMEmbedding
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -53,22 +55,29 @@ class DynamicJob:
         return_top_tokens: int = 0,
         return_probs: bool = False,
         return_logits: bool = False,
+        return_logprobs: int | None = None,
         max_skips: int | None = None,
         cache_salt: str | None = None,
         filters: Seq[Any] | None = None,
         filter_prefer_eos: bool = False,
         banned_strings: Seq[str] | None = None,
         token_healing: bool = False,
+        embeddings: Seq[MMEmbedding] | None = None,
     ):
         """``filters``: ``engine.constraints`` filters the output must match (all of them);
         ``filter_prefer_eos``: sample EOS whenever the filters allow it. ``banned_strings``:
         case-insensitive strings that never appear in the output (rolled back and resampled).
         ``token_healing``: drop the last prompt token and let the first sampled token be any
-        token whose text starts with its text (not with filters)."""
-        self.input_ids = _as_id_list(input_ids)
+        token whose text starts with its text (not with filters). ``embeddings``: the
+        ``MMEmbedding`` containers whose placeholder ids ``input_ids`` holds.
+        ``input_ids=[positive, negative]`` with ``gen_settings.cfg_scale``: a CFG job
+        (``engine.cfg``)."""
+        self.input_ids, self.cfg_input_ids = split_prompt_rows(input_ids, gen_settings, _as_id_list)
         self.filters, self.filter_prefer_eos, self.banned_strings = _check_constraints(
             filters, filter_prefer_eos, banned_strings, token_healing
         )
+        if self.cfg_input_ids is not None:
+            _check_cfg_options(self.filters, self.banned_strings, token_healing, return_logprobs)
         self.token_healing = token_healing
         self._heal_token: int | None = None
         if token_healing and len(self.input_ids) > 1:
@@ -88,6 +97,9 @@ class DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_probs = return_probs
         self.return_logits = return_logits
+        # k: the model's log-probability of each token and its k most likely alternatives
+        # (raw logits, no temperature; see engine.sampling); None: not computed
+        self.return_logprobs = _check_logprobs(return_logprobs)
         self.max_skips = max_skips
         self.serial: int | None = None
         # max_skips: how often admission may pass this job over for later ones before it
@@ -95,12 +107,18 @@ class DynamicJob:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         self.cache_salt = cache_salt  # only jobs with the same salt share cached pages
+        # containers whose placeholder ids input_ids holds (checked against the model at
+        # enqueue: engine.embeddings.check_prompt)
+        self.embeddings: tuple[MMEmbedding, ...] = tuple(embeddings or ())
         self.seq = SeqState(
             tokens=list(self.input_ids),
             owner=self,
             max_skips=max_skips,
             hash_root=salt_root(cache_salt),
+            embeddings=self.embeddings,
         )
+        if self.cfg_input_ids is not None:
+            attach_negative(self.seq, self.cfg_input_ids)
         self.new_token_ids: list[int] = []
         self.full_completion = ""
         self.finished = False
@@ -125,8 +143,6 @@ class DynamicJob:
         ``options``: the job's other keyword arguments (``return_probs``, ...)."""
         if not 0 <= choice < request.n:
             raise ValueError(f"choice {choice} is outside the request's n={request.n}")
-        if request.logprobs is not None:
-            raise ValueError("logprobs are not supported by this engine yet")
         if request.constraint is not None:
             from engine.constraints.filters import Filter
 
@@ -141,6 +157,8 @@ class DynamicJob:
             seed=request.choice_seed(choice),
             identifier=request.choice_id(choice),
             cache_salt=request.cache_salt,
+            return_logprobs=request.logprobs,
+            embeddings=request.embeddings,
             **options,
         )
 
@@ -203,6 +221,7 @@ class DynamicJob:
             banned_tokens=tuple(banned),
             top_k_return=self.return_top_tokens,
             return_probs=self.return_probs,
+            logprobs=self.return_logprobs,
         )
 
     # -- results -------------------------------------------------------------------------------
@@ -233,11 +252,14 @@ class DynamicJob:
         top_probs: list[float] | None = None,
         logits: torch.Tensor | None = None,
         token_tensor: torch.Tensor | None = None,
+        logprobs: tuple[float, list[int], list[float]] | None = None,
     ) -> dict[str, Any]:
         """Take one sampled token; return its streaming result (final when ``eos``).
 
         ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
-        generator makes a whole step's in one call: a tensor per token costs ~10 us)."""
+        generator makes a whole step's in one call: a tensor per token costs ~10 us).
+        ``logprobs``: (the token's model logprob, top ids, their logprobs), with
+        ``return_logprobs``."""
         now = time.perf_counter()
         self._times.setdefault("first_token", now)
         self._times["last_token"] = now
@@ -245,11 +267,15 @@ class DynamicJob:
             self.constraint.consume(token)  # FilterError: the generator ends this job alone
         self.new_token_ids.append(token)
         self.seq.tokens.append(token)
+        if self.seq.partner is not None:  # a CFG job's negative row continues the same way
+            self.seq.partner.tokens.append(token)
         result = self.base_result("streaming")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
         data: dict[str, Any] = {}
         _attach_token_data(data, token_tensor, prob, top_tokens, top_probs, logits)
+        if logprobs is not None:
+            _attach_logprobs(data, *logprobs)
         if self._banned is None:
             result.update(data)
         else:
@@ -430,6 +456,18 @@ def _attach_token_data(result, token_tensor, prob, top_tokens, top_probs, logits
         result["logits"] = logits.reshape(1, 1, -1)
 
 
+def _attach_logprobs(result, logprob: float, top_ids: list[int], top_values: list[float]) -> None:
+    result["token_logprobs"] = torch.tensor([[logprob]], dtype=torch.float32)
+    result["top_logprob_ids"] = torch.tensor([[top_ids]], dtype=torch.long).reshape(1, 1, -1)
+    result["top_logprobs"] = torch.tensor([[top_values]], dtype=torch.float32).reshape(1, 1, -1)
+
+
+def _check_logprobs(k: int | None) -> int | None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"return_logprobs must be None or an int >= 0, got {k!r}")
+    return k
+
+
 def merge_token_data(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Several tokens' result data (each (1, 1, ...)) as one (1, n, ...) per key."""
     return {key: torch.cat([p[key] for p in parts], dim=1) for key in parts[0]}
@@ -518,3 +556,17 @@ def _copy_settings(settings: SamplerSettings | None) -> SamplerSettings:
         },
         token_bias=dict(settings.token_bias),
     )
+
+
+def _check_cfg_options(filters, banned_strings, token_healing: bool, logprobs) -> None:
+    """A CFG job samples one merged row from two sequences; the per-row features below do not
+    follow that merge yet, so they are refused rather than applied to one row only."""
+    given = {
+        "filters": bool(filters),
+        "banned_strings": bool(banned_strings),
+        "token_healing": token_healing,
+        "return_logprobs": logprobs is not None,
+    }
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        raise ValueError(f"a CFG job (input_ids=[positive, negative]) cannot use {refused} yet")

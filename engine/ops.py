@@ -17,6 +17,11 @@ import torch
 from engine.cuda.activation import silu_mul_reference
 from engine.cuda.attention import paged_attention_reference
 from engine.cuda.norm import add_rms_norm_reference, rms_norm_reference
+from engine.cuda.quant_reference import (
+    by_storage,
+    quant_paged_attention_reference,
+    quant_rotary_cache_write_reference,
+)
 from engine.cuda.rotary import rotary_cache_write_reference
 
 OPS_ENV = "ENGINE_OPS"
@@ -55,8 +60,13 @@ TORCH_OPS = OpSet(
     name="torch",
     rms_norm=rms_norm_reference,
     add_rms_norm=add_rms_norm_reference,
-    rotary_cache_write=rotary_cache_write_reference,
-    paged_attention=paged_attention_reference,
+    # Each op taking pages routes quantized storage (QuantPages) to its quantized variant.
+    rotary_cache_write=by_storage(
+        rotary_cache_write_reference, quant_rotary_cache_write_reference, pages_arg=5
+    ),
+    paged_attention=by_storage(
+        paged_attention_reference, quant_paged_attention_reference, pages_arg=1
+    ),
     silu_mul=silu_mul_reference,
 )
 
@@ -67,14 +77,20 @@ def cuda_ops() -> OpSet:
     from engine.cuda.activation import silu_mul_cuda
     from engine.cuda.attention import paged_attention_cuda
     from engine.cuda.norm import add_rms_norm_cuda, rms_norm_cuda
+    from engine.cuda.quant_kernels import (
+        paged_attention_quant_cuda,
+        quant_rotary_cache_write_cuda,
+    )
     from engine.cuda.rotary import rotary_cache_write_cuda
 
     return OpSet(
         name="cuda",
         rms_norm=rms_norm_cuda,
         add_rms_norm=add_rms_norm_cuda,
-        rotary_cache_write=rotary_cache_write_cuda,
-        paged_attention=paged_attention_cuda,
+        rotary_cache_write=by_storage(
+            rotary_cache_write_cuda, quant_rotary_cache_write_cuda, pages_arg=5
+        ),
+        paged_attention=by_storage(paged_attention_cuda, paged_attention_quant_cuda, pages_arg=1),
         silu_mul=silu_mul_cuda,
         compiles=True,
         supports_graphs=True,

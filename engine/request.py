@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.cache.prefix_hash import EmbeddingSpan
 from engine.constraints.spec import ConstraintSpec
 
 MAX_CHOICES = 16  # n: choices of one prompt run together on one replica
@@ -29,6 +30,9 @@ class SamplerSettings:
     min_p: 0 disables. Penalties: repetition_penalty 1.0, frequency/presence 0.0 disable;
     they look at the last ``penalty_range`` tokens of the context (prompt included), or the
     whole context when ``penalty_range`` is 0. token_bias: {token id: added logit}.
+    cfg_scale: classifier-free guidance for a job given ``[positive, negative]`` prompts
+    (None: off); the logits sampled are ``cfg * log_softmax(l_pos) + (1 - cfg) *
+    log_softmax(l_neg)``, so 1 samples the positive prompt and 0 the negative.
     """
 
     temperature: float = 1.0
@@ -41,6 +45,7 @@ class SamplerSettings:
     presence_penalty: float = 0.0
     penalty_range: int = 0
     token_bias: dict[int, float] = field(default_factory=dict)
+    cfg_scale: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", self)
@@ -52,6 +57,7 @@ class SamplerSettings:
         _check(math.isfinite(self.frequency_penalty), "frequency_penalty", self)
         _check(math.isfinite(self.presence_penalty), "presence_penalty", self)
         _check(self.penalty_range >= 0, "penalty_range", self)
+        _check(self.cfg_scale is None or math.isfinite(self.cfg_scale), "cfg_scale", self)
         for token, bias in self.token_bias.items():
             # -inf bans a token; +inf would turn the whole row into NaN after softmax
             if not isinstance(token, int) or token < 0 or math.isnan(bias) or bias == math.inf:
@@ -102,7 +108,9 @@ class GenerationRequest:
     isolation of the prefix cache); ``page_hashes`` must be computed with it.
     ``constraint``: what the output must match (JSON schema, regex, ...), enforced by a filter
     built on the replica. ``logprobs``: None for none; k >= 0 reports each token's
-    log-probability and the k most likely alternatives.
+    log-probability and the k most likely alternatives. ``embeddings``: the per-job embedding
+    containers (``engine.embeddings.MMEmbedding``) whose placeholder ids ``prompt_ids`` holds;
+    ``page_hashes`` must be computed with them (``prefix_hashes(..., embeddings=...)``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -118,12 +126,14 @@ class GenerationRequest:
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
     logprobs: int | None = None
+    embeddings: tuple[EmbeddingSpan, ...] = ()
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
         object.__setattr__(self, "prompt_ids", _token_ids(self.prompt_ids))
         object.__setattr__(self, "stop_strings", _stop_strings(self.stop_strings))
         object.__setattr__(self, "page_hashes", tuple(self.page_hashes))
+        object.__setattr__(self, "embeddings", _embeddings(self.embeddings))
         _require_int(self.max_new_tokens, "max_new_tokens", 1)
         _require_int(self.min_new_tokens, "min_new_tokens", 0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -137,6 +147,8 @@ class GenerationRequest:
             _require_int(self.seed, "seed", None)
         if not isinstance(self.settings, SamplerSettings):
             raise ValueError(f"settings must be a SamplerSettings, got {self.settings!r}")
+        if self.settings.cfg_scale is not None:  # one prompt here; CFG takes two (engine.cfg)
+            raise ValueError("cfg_scale needs a [positive, negative] DynamicJob, not a request")
         if not isinstance(self.stop_on_eos, bool):
             raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -173,6 +185,17 @@ def _token_ids(ids: Sequence[int]) -> tuple[int, ...]:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"prompt_ids holds {token!r}, not a token id")
     return tuple(ids)
+
+
+def _embeddings(embeddings: Sequence[EmbeddingSpan]) -> tuple[EmbeddingSpan, ...]:
+    # The containers hold tensors, so they are checked against the model at enqueue
+    # (engine.embeddings.check_prompt); here only their shape as far as hashing needs it.
+    if not isinstance(embeddings, Sequence):
+        raise ValueError(f"embeddings must be a sequence of containers, got {embeddings!r}")
+    for e in embeddings:
+        if not all(hasattr(e, name) for name in ("first_id", "num_tokens", "identity")):
+            raise ValueError(f"embeddings holds {type(e).__name__}, not an embedding container")
+    return tuple(embeddings)
 
 
 def _stop_strings(strings: Sequence[str]) -> tuple[str, ...]:

@@ -11,6 +11,22 @@ Reproducibility: each row draws its uniform random number from its own job's gen
 ``random.Random(seed)``) and samples by inverse CDF, so a seeded job picks the same tokens
 whatever else shares the batch. Tokens of exactly equal probability straddling a top-p cut
 are kept lowest ids first (a full sort, as before, kept them in an arbitrary order).
+
+Two kinds of probabilities come back, only for the rows that ask:
+
+- ``return_probs`` / ``top_k_return``: the job's *sampling* distribution, after penalties,
+  bias, bans, temperature and truncation, renormalised (a truncated token reads 0). A greedy
+  row (temperature 0, or top_k 1) reports that distribution at temperature 1 with its other
+  truncations (top_p, min_p, typical): its chosen token's probability is the processed model
+  probability, not the 1.0 ExLlamaV2 reports.
+- ``logprobs`` (k >= 0): the *model's* log-probabilities, ``log_softmax`` of the raw logits
+  over the tokenizer's vocabulary, before any penalty, bias, ban, filter or temperature (what
+  OpenAI and vLLM report): the chosen token's and the k most likely tokens'. The same for
+  greedy and sampled rows.
+
+A row whose every token is banned (bias, bans) has nothing to sample: its token comes back
+as ``BANNED_ROW`` (-1) and its probability as 0.0, never NaN; the generator ends that job
+with an error.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ import torch
 from engine.request import SamplerSettings
 
 TOP_P_CANDIDATES = 64  # top_p looks at this many most likely tokens first (x4 until enough)
+BANNED_ROW = -1  # the "token" of a row whose every token is banned
 
 
 @dataclass(slots=True)
@@ -37,6 +54,7 @@ class SampleRequest:
     banned_tokens: Sequence[int] = ()  # e.g. stop tokens before min_new_tokens
     top_k_return: int = 0  # how many top tokens (and probs) to return
     return_probs: bool = False  # return the chosen token's probability
+    logprobs: int | None = None  # k: model logprob of the chosen token and the top k
 
 
 @dataclass(slots=True)
@@ -47,6 +65,10 @@ class SampleOutput:
     probs: list[float] | None = None  # probability of each chosen token (final distribution)
     top_tokens: list[list[int]] | None = None
     top_probs: list[list[float]] | None = None
+    # model log-probabilities (raw logits), for rows with ``logprobs`` set (None elsewhere)
+    logprobs: list[float | None] | None = None
+    top_logprob_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 def sample(
@@ -67,43 +89,41 @@ def sample(
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
     logits = logits.float()
     limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
-    if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
+    raw_logits, dead = logits, None
+    banning = any(r.settings.token_bias or r.banned_tokens for r in requests)
+    if banning or any(r.settings.has_penalties for r in requests):
         logits = logits.clone()  # the caller's logits stay as they are
         _apply_penalties(logits, requests)
         _apply_bias_and_bans(logits, requests)
-    if token_mask is not None:
-        banning = any(r.banned_tokens or r.settings.token_bias for r in requests)
-        logits = _apply_token_mask(logits, token_mask, banning)
+    if token_mask is not None:  # INVARIANT (MaskEngine): every mask row allows a token
+        logits = logits + token_mask[:, : logits.shape[1]]
+    if banning:  # bans (and -inf biases) may leave a row without a token
+        dead = _all_banned(logits, limit)
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
     # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
     greedy_tokens = logits[:, :limit].max(-1).indices
     # Every row draws, greedy or not, so a job's random stream does not depend on its settings.
     draws = [r.rng.random() for r in requests]
     if all(r.settings.is_greedy for r in requests) and not _wants_extras(requests):
-        return SampleOutput(tokens=greedy_tokens.tolist())
-    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
-    uniforms = torch.tensor(draws, dtype=torch.float64, device=logits.device)
-    probs, support = _final_distribution(logits, requests, limit)
-    greedy = torch.tensor([r.settings.is_greedy for r in requests], device=logits.device)
-    tokens = torch.where(greedy, greedy_tokens, _inverse_cdf(probs, uniforms, support))
-    return _to_host(tokens, probs, requests)
+        tokens, probs = greedy_tokens, None
+    else:
+        # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
+        uniforms = torch.tensor(draws, dtype=torch.float64, device=logits.device)
+        probs, support = _final_distribution(logits, requests, limit)
+        greedy = torch.tensor([r.settings.is_greedy for r in requests], device=logits.device)
+        tokens = torch.where(greedy, greedy_tokens, _inverse_cdf(probs, uniforms, support))
+    out = _to_host(tokens, probs, requests, dead)
+    if any(r.logprobs is not None for r in requests):
+        _add_logprobs(out, raw_logits, tokens, requests, limit)
+    return out
 
 
-def _apply_token_mask(logits: torch.Tensor, mask_bias: torch.Tensor, banning: bool) -> torch.Tensor:
-    """Add the mask's bias (0 allowed, -inf not; every row allows something). With bans
-    (``banning``), a row they and the mask leave empty (a user's -inf bias on every token the
-    grammar allows) keeps the mask alone: the grammar wins. Never an all -inf row, never NaN."""
-    mask_bias = mask_bias[:, : logits.shape[1]]
-    masked = logits + mask_bias
-    if not banning:
-        return masked
-    empty = masked.amax(-1) == -math.inf
-    if bool(empty.any()):
-        allowed = mask_bias == 0
-        finite = logits.nan_to_num(neginf=-1e30)  # the logits without bans
-        fallback = torch.where(allowed.any(-1, keepdim=True), finite + mask_bias, finite)
-        masked = torch.where(empty[:, None], fallback, masked)
-    return masked
+def _all_banned(logits: torch.Tensor, limit: int) -> torch.Tensor:
+    """[B] bool: rows with no token left. They are made uniform (0 logits) so that nothing
+    downstream turns into NaN; their token is replaced by ``BANNED_ROW`` on the way out."""
+    dead = ~(logits[:, :limit] > -math.inf).any(-1)
+    logits.masked_fill_(dead[:, None], 0.0)
+    return dead
 
 
 def _wants_extras(requests: Sequence[SampleRequest]) -> bool:
@@ -302,11 +322,19 @@ def _inverse_cdf(
 
 
 def _to_host(
-    tokens: torch.Tensor, probs: torch.Tensor, requests: Sequence[SampleRequest]
+    tokens: torch.Tensor,
+    probs: torch.Tensor | None,
+    requests: Sequence[SampleRequest],
+    dead: torch.Tensor | None = None,
 ) -> SampleOutput:
-    out = SampleOutput(tokens=tokens.tolist())
+    # One transfer for the tokens, all-banned rows marked in it (no extra device sync).
+    marked = tokens if dead is None else torch.where(dead, BANNED_ROW, tokens)
+    out = SampleOutput(tokens=marked.tolist())
+    if probs is None:
+        return out
     if any(r.return_probs for r in requests):
-        out.probs = probs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        chosen = probs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        out.probs = [0.0 if t == BANNED_ROW else p for t, p in zip(out.tokens, chosen, strict=True)]
     k = max(r.top_k_return for r in requests)
     if k:
         top = probs.topk(min(k, probs.shape[1]), dim=-1)
@@ -314,3 +342,38 @@ def _to_host(
         out.top_tokens = [row[: r.top_k_return] for row, r in zip(indices, requests, strict=True)]
         out.top_probs = [row[: r.top_k_return] for row, r in zip(values, requests, strict=True)]
     return out
+
+
+def _add_logprobs(
+    out: SampleOutput,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    requests: Sequence[SampleRequest],
+    limit: int,
+) -> None:
+    """The model's log-probabilities (raw logits, vocabulary ids below ``limit``) of the chosen
+    tokens and the top k, computed on the device for the rows that asked only."""
+    rows = [i for i, r in enumerate(requests) if r.logprobs is not None]
+    if len(rows) == len(requests):  # a view, no copy
+        wanted, chosen_ids = logits[:, :limit], tokens[:, None]
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        wanted, chosen_ids = logits[index, :limit], tokens[index, None]
+    # log p = logit - logsumexp(row): no [B, V] log_softmax is written; the top k of the
+    # logits are the top k of the log-probabilities
+    norm = torch.logsumexp(wanted, dim=-1, keepdim=True)
+    chosen = (wanted.gather(1, chosen_ids.clamp(0, limit - 1)) - norm).squeeze(1).tolist()
+    k = min(max(requests[i].logprobs for i in rows), limit)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_values: list[list[float]] = [[] for _ in rows]
+    if k:
+        top = wanted.topk(k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), (top.values - norm).tolist()
+    out.logprobs = [None] * len(requests)
+    out.top_logprob_ids = [[] for _ in requests]
+    out.top_logprobs = [[] for _ in requests]
+    for j, i in enumerate(rows):
+        wanted = requests[i].logprobs
+        out.logprobs[i] = chosen[j]
+        out.top_logprob_ids[i] = top_ids[j][:wanted]
+        out.top_logprobs[i] = top_values[j][:wanted]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache.page_table import PageTable
-from engine.cache.prefix_hash import PageHash, page_hash, prefix_hashes
+from engine.cache.prefix_hash import EmbeddingSpan, PageHash, page_hash, prefix_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,16 @@ class SeqState:
     # Parent of the first page's hash: a cache salt's root (prefix_hash.salt_root), so only
     # sequences with the same salt share pages; None for unsalted sequences.
     hash_root: PageHash | None = None
+    # The job's embedding containers: page hashes cover their identity (prefix_hash), and
+    # the runner substitutes their rows for the placeholder ids.
+    embeddings: tuple[EmbeddingSpan, ...] = ()
+    # Classifier-free guidance: the two rows of one job run as a pair. The leader (positive
+    # prompt) is queued; its partner (negative prompt, ``is_partner``) follows it into the
+    # running list, and both are admitted, preempted and removed together. Each row keeps its
+    # last pending token until the other can compute its own in the same step, so both rows'
+    # logits always come from one forward.
+    partner: SeqState | None = None
+    is_partner: bool = False
 
     def __post_init__(self) -> None:
         if self.max_skips is not None and (
@@ -72,6 +82,21 @@ class SeqState:
     @property
     def num_pending(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    @property
+    def leader(self) -> SeqState:
+        return self.partner if self.is_partner else self
+
+    @property
+    def group(self) -> tuple[SeqState, ...]:
+        """The sequences scheduled as one: (self,) or (leader, partner)."""
+        lead = self.leader
+        return (lead,) if lead.partner is None else (lead, lead.partner)
+
+    @property
+    def held_tokens(self) -> int:
+        """Trailing tokens a prefill chunk leaves pending (1 in a CFG pair, see ``partner``)."""
+        return 0 if self.partner is None else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +145,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: SeqState) -> None:
-        """Drop a sequence (finished or cancelled) and return its pages at once."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self._release_pages(seq)
+        """Drop a sequence (finished or cancelled; a CFG pair whole) and return its pages."""
+        lead = seq.leader
+        if lead in self.running:
+            for member in lead.group:
+                self.running.remove(member)
+        elif lead in self.waiting:
+            self.waiting.remove(lead)
+        for member in lead.group:
+            self._release_pages(member)
 
     @property
     def admission_window(self) -> int:
@@ -153,7 +181,8 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
-        decoding = [s for s in self.running if s.num_pending <= self.config.max_q_size]
+        max_q = self.config.max_q_size
+        decoding = [s for s in self.running if all(m.num_pending <= max_q for m in s.group)]
         for seq in decoding:
             # Membership tests go to plan.preempted (almost always empty), not the running
             # list: a step must stay O(batch), not O(batch^2).
@@ -161,6 +190,9 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
+            lead_of_pair = seq.partner is not None and not seq.is_partner
+            if lead_of_pair and budget < seq.num_pending + seq.partner.num_pending:
+                break  # a CFG pair decodes whole or not at all
             n = min(seq.num_pending, budget)
             if n == 0:
                 continue
@@ -168,7 +200,7 @@ class Scheduler:
             while not preempted_itself and not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
-                preempted_itself = victim is seq
+                preempted_itself = victim in seq.group
             if not preempted_itself:
                 plan.entries.append(StepEntry(seq, seq.num_computed, n))
                 budget -= n
@@ -181,8 +213,10 @@ class Scheduler:
                 break
             if id(seq) in scheduled or (plan.preempted and seq in plan.preempted):
                 continue
-            n = min(seq.num_pending, budget, self._room(seq))
-            if n == 0 and seq is self.running[0]:
+            if seq.num_pending <= seq.held_tokens:
+                continue  # a CFG row waiting for its partner's last chunk
+            n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
+            if n == 0 and seq.leader is self.running[0]:  # (a CFG pair: either row)
                 n = self._make_room_for_oldest(seq, plan, budget)
             if n == 0:
                 continue
@@ -193,9 +227,9 @@ class Scheduler:
 
     def _make_room_for_oldest(self, seq: SeqState, plan: StepPlan, budget: int) -> int:
         """The oldest sequence must always progress: preempt newer ones until it can."""
-        while len(self.running) > 1:
+        while len(self.running) > len(seq.group):
             self._preempt(self.running[-1], plan)
-            n = min(seq.num_pending, budget, self._room(seq))
+            n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
             if n:
                 return n
         return 0
@@ -211,36 +245,60 @@ class Scheduler:
         passed_over: list[SeqState] = []
         in_flight = self._in_flight_hashes()
         for seq in list(itertools.islice(self.waiting, self.admission_window)):
-            if budget == 0 or len(self.running) >= self.config.max_batch_size:
+            # a CFG pair counts two sequences against max_batch_size
+            if budget == 0 or len(self.running) + len(seq.group) > self.config.max_batch_size:
                 break
             if self._next_page_in_flight(seq, in_flight):
                 continue  # another sequence is computing that page now; reuse it next step
             if any(s.skips >= self.max_skips(s) for s in passed_over):
                 break
-            n = self._try_admit(seq, budget)
-            if n == 0:
+            chunks = self._try_admit_group(seq, budget)
+            if chunks is None:
                 passed_over.append(seq)
                 continue
             for s in passed_over:
                 s.skips += 1
             self.waiting.remove(seq)
-            self.running.append(seq)
+            self.running.extend(seq.group)
             in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
             if not seq.admitted:
-                seq.admitted = True
+                for member in seq.group:  # (a resumed CFG row keeps its first cache hits)
+                    member.admitted = True
                 plan.admitted.append(seq)
-            plan.entries.append(StepEntry(seq, seq.num_computed, n))
-            budget -= n
+            for member, n in chunks:
+                if n:
+                    plan.entries.append(StepEntry(member, member.num_computed, n))
+                budget -= n
 
-    def _try_admit(self, seq: SeqState, budget: int) -> int:
-        """Attach the cached prefix and pages for a first chunk; 0 (no change) if it can't."""
+    def _try_admit_group(self, seq: SeqState, budget: int) -> list[tuple[SeqState, int]] | None:
+        """``_try_admit`` for each sequence of ``seq``'s group: (sequence, first chunk) each,
+        or None (and no change) if one can't start. A CFG row may start with an empty chunk
+        (all but its held last token cached)."""
+        if seq.partner is None:
+            n = self._try_admit(seq, budget)
+            return None if n == 0 else [(seq, n)]
+        chunks: list[tuple[SeqState, int]] = []
+        for member in seq.group:
+            n = self._try_admit(member, budget)
+            if n is None:
+                for started, _ in chunks:
+                    self._release_pages(started)
+                return None
+            chunks.append((member, n))
+            budget -= n
+        return chunks
+
+    def _try_admit(self, seq: SeqState, budget: int) -> int | None:
+        """Attach the cached prefix and pages for a first chunk; 0 (no change) if it can't
+        (None in a CFG pair, where an empty first chunk is fine)."""
+        failed = 0 if seq.partner is None else None
         hashes = self._matchable_hashes(seq)
         hits = self.table.match_prefix(hashes)
         remaining_pages = -(-len(seq.tokens) // self.page_size) - len(hits)
         # Keep one page in reserve per running sequence so admission does not immediately
         # force preemptions of the jobs that are decoding.
         if remaining_pages > self.table.num_available - len(self.running):
-            return 0
+            return failed
         self.table.acquire(hits)
         seq.pages = list(hits)
         seq.page_hashes = list(hashes[: len(hits)])
@@ -248,10 +306,10 @@ class Scheduler:
         if not seq.admitted:
             seq.cached_pages = len(hits)
             seq.cached_tokens = seq.num_computed
-        n = min(seq.num_pending, budget, self._room(seq))
-        if n == 0 or not self._grow(seq, n):
+        n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
+        if (n == 0 and seq.partner is None) or not self._grow(seq, n):
             self._release_pages(seq)
-            return 0
+            return failed
         seq.skips = 0
         return n
 
@@ -261,7 +319,10 @@ class Scheduler:
         if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
             full_pages = (len(seq.tokens) - 1) // self.page_size
             hashes = prefix_hashes(
-                seq.tokens[: full_pages * self.page_size], self.page_size, parent=seq.hash_root
+                seq.tokens[: full_pages * self.page_size],
+                self.page_size,
+                parent=seq.hash_root,
+                embeddings=seq.embeddings,
             )
             seq.hash_cache = (len(seq.tokens), hashes)
         return seq.hash_cache[1]
@@ -310,13 +371,15 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: SeqState, plan: StepPlan) -> None:
-        self.running.remove(seq)
-        plan.entries = [e for e in plan.entries if e.seq is not seq]
-        self._release_pages(seq)
-        seq.preemptions += 1
+        group = seq.group  # a CFG pair goes whole
+        for member in group:
+            self.running.remove(member)
+            self._release_pages(member)
+            plan.preempted.append(member)
+        plan.entries = [e for e in plan.entries if e.seq not in group]
+        group[0].preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)  # resumes first; its full pages are still cached
-        plan.preempted.append(seq)
+        self.waiting.appendleft(group[0])  # resumes first; its full pages are still cached
 
     def _release_pages(self, seq: SeqState) -> None:
         self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
@@ -362,7 +425,7 @@ class Scheduler:
         while len(seq.page_hashes) < seq.num_computed // ps:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
-            h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps])
+            h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps], embeddings=seq.embeddings)
             # The only in-place change of an entry: page i just became full (page-list
             # INVARIANT at _grow); once hashed it is never swapped again.
             seq.pages[i] = self.table.register(seq.pages[i], h)

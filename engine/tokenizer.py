@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.chat_template import compile_template, normalise_messages
 from engine.detokenizer import IncrementalDetokenizer, TokenIds, flat_ids
+from engine.embeddings import MMEmbedding, split_on_aliases
 from engine.gguf_file import find_gguf_file, open_gguf
 from engine.gguf_tokenizer import gguf_tokenizer_parts
 
@@ -177,17 +178,33 @@ class Tokenizer:
     # -- encode / decode ------------------------------------------------------------------
 
     def encode(
-        self, text: str | list[str], add_bos: bool = False, encode_special_tokens: bool = False
+        self,
+        text: str | list[str],
+        add_bos: bool = False,
+        encode_special_tokens: bool = False,
+        embeddings: Sequence[MMEmbedding] | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """str -> LongTensor (1, n); list[str] -> list of (1, n_i) tensors.
 
         The post-processor's specials are never added; ``add_bos`` prepends the BOS id.
         ``encode_special_tokens=True`` turns text like ``<|im_start|>`` into its special id;
         otherwise such text is encoded as ordinary text (safe for user input).
+        ``embeddings`` (one str only): each container's ``text_alias`` becomes its placeholder
+        ids; the text between aliases is encoded piece by piece.
         """
         if add_bos and self.bos_token_id is None:
             raise ValueError("add_bos=True but the tokenizer has no BOS token")
         tok = self._parse if encode_special_tokens else self._plain
+        if embeddings is not None:
+            if not isinstance(text, str):
+                raise ValueError("embeddings are given per prompt: encode one str at a time")
+            ids: list[int] = []
+            for part in split_on_aliases(text, embeddings):
+                if isinstance(part, str):
+                    ids += tok.encode(part, add_special_tokens=False).ids
+                else:
+                    ids += part.placeholder_ids
+            return self._as_tensor(ids, add_bos)
         if isinstance(text, str):
             return self._as_tensor(tok.encode(text, add_special_tokens=False).ids, add_bos)
         encodings = tok.encode_batch(list(text), add_special_tokens=False)

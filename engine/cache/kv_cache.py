@@ -1,7 +1,9 @@
-"""Paged K/V storage: per layer, K and V of shape [num_pages, page_size, kv_heads, head_dim].
+"""Paged K/V storage: per layer, K and V of shape [num_pages, page_size, kv_heads, head_dim],
+unquantized tensors in the model's dtype ("fp16") or ``QuantPages`` (q8/q6/q4, layout in
+engine/cache/quant.py).
 
-INVARIANT: this module is the one place that knows the layout; kernels and the attention
-reference take the tensors it returns.
+INVARIANT: this module (with quant.py) is the one place that knows the layout; kernels and
+the attention reference take the storage it returns.
 """
 
 from __future__ import annotations
@@ -9,9 +11,30 @@ from __future__ import annotations
 import torch
 
 from engine.cache.page_table import PageTable, whole_pages
+from engine.cache.quant import (
+    CACHE_QUANTS,
+    GROUP,
+    QUANT_BITS,
+    SCALE_DTYPE,
+    QuantPages,
+    allocate_quant_pages,
+    check_head_dim,
+    check_quant,
+    data_width,
+)
 from engine.config import ModelConfig
 
-KVPages = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_pages, v_pages)
+__all__ = [
+    "CACHE_QUANTS",
+    "KVPages",
+    "PagedCache",
+    "allocate_kv_pages",
+    "kv_bytes_per_token",
+    "kv_format",
+]
+
+Pages = torch.Tensor | QuantPages
+KVPages = list[tuple[Pages, Pages]]  # per layer: (k_pages, v_pages)
 
 
 def allocate_kv_pages(
@@ -20,47 +43,110 @@ def allocate_kv_pages(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    quant: str = "fp16",
+    rotate: bool | None = None,
 ) -> KVPages:
-    """Zeroed K/V page storage for every layer."""
+    """Zeroed K/V page storage for every layer (``quant``/``rotate``: see ``PagedCache``)."""
     if num_pages <= 0:
         raise ValueError(f"num_pages must be positive, got {num_pages}")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    rotate = check_quant(quant, rotate)
+    bits = QUANT_BITS[quant]
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    if bits is None:
+        return [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(config.num_layers)
+        ]
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
+        tuple(allocate_quant_pages(*shape, b, rotate, device) for b in bits)
         for _ in range(config.num_layers)
     ]
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V storage one token takes across all layers."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
-
-
-CACHE_QUANTS = ("fp16",)
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, quant: str = "fp16") -> int:
+    """Bytes of K and V storage one token takes across all layers (values plus scales)."""
+    check_quant(quant, None)
+    bits = QUANT_BITS[quant]
+    per_head = config.num_layers * config.num_kv_heads
+    if bits is None:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * per_head * config.head_dim * element
+    check_head_dim(config.head_dim)
+    scale_bytes = config.head_dim // GROUP * torch.empty((), dtype=SCALE_DTYPE).element_size()
+    return per_head * sum(data_width(config.head_dim, b) + scale_bytes for b in bits)
 
 
 class PagedCache:
     """The K/V page storage of one model plus the page table that manages it.
 
-    ``quant="fp16"`` stores K/V unquantized in the model's dtype (float16 on GPU, float32 for
-    CPU runs). Quantized storage (q8/q6/q4) is a later work item and raises for now.
+    ``quant``: "fp16" stores K/V unquantized in the model's dtype (float16 on GPU, float32 for
+    CPU runs); "q8", "q6" (K 8 bits, V 4 bits) and "q4" store packed integers plus a float16
+    scale per 32 elements, read in place by the attention. ``rotate`` (quantized modes only;
+    default on) applies a 32-point Hadamard rotation per group before quantizing.
     """
 
-    def __init__(self, model, max_num_tokens: int, page_size: int = 16, quant: str = "fp16"):
-        if quant not in CACHE_QUANTS:
-            raise ValueError(
-                f"cache quant {quant!r} is not supported yet; choose one of {CACHE_QUANTS}"
-            )
+    def __init__(
+        self,
+        model,
+        max_num_tokens: int,
+        page_size: int = 16,
+        quant: str = "fp16",
+        rotate: bool | None = None,
+    ):
+        self.rotate = check_quant(quant, rotate)
         self.model = model
         self.page_size = page_size
         self.quant = quant
         self.num_pages = whole_pages(max_num_tokens, page_size)
         self.max_num_tokens = self.num_pages * page_size
-        self.kv: KVPages = model.allocate_kv(self.num_pages, page_size)
+        self.kv: KVPages = allocate_kv_pages(
+            model.config, self.num_pages, page_size, model.dtype, model.device, quant, self.rotate
+        )
         self.page_table = PageTable(self.num_pages, page_size)
+
+    @classmethod
+    def from_budget(
+        cls,
+        model,
+        num_bytes: int,
+        page_size: int = 16,
+        quant: str = "fp16",
+        rotate: bool | None = None,
+    ) -> PagedCache:
+        """The largest cache of whole pages whose K/V storage fits ``num_bytes``: a quantized
+        mode holds proportionally more tokens in the same bytes."""
+        per_token = kv_bytes_per_token(model.config, model.dtype, quant)
+        pages = num_bytes // (per_token * page_size)
+        if pages < 1:
+            raise ValueError(
+                f"a budget of {num_bytes} bytes holds no page of {page_size} tokens "
+                f"({per_token} bytes per token in {quant})"
+            )
+        return cls(model, pages * page_size, page_size, quant, rotate)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token really takes in this cache's storage, all layers, K and V."""
+        return sum(_slot_bytes(k) + _slot_bytes(v) for k, v in self.kv)
+
+    def num_bytes(self) -> int:
+        return self.bytes_per_token() * self.max_num_tokens
+
+
+def kv_format(kv: KVPages) -> tuple[str, bool]:
+    """(quant mode, rotate) of existing storage, to allocate scratch pages like it."""
+    k, v = kv[0]
+    if not isinstance(k, QuantPages):
+        return "fp16", False
+    bits = (k.bits, v.bits)
+    return next(q for q, b in QUANT_BITS.items() if b == bits), k.rotate
+
+
+def _slot_bytes(pages: Pages) -> int:
+    if isinstance(pages, QuantPages):
+        return pages.bytes_per_slot()
+    return pages[0, 0].numel() * pages.element_size()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.cuda._launch import SIMULATOR, arg, check_dtype, cuda, kernels_available, stream
+from engine.cuda.kv_load import kv_loader
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 
@@ -39,11 +40,24 @@ def paged_attention_reference(
     K/V); returns [T, H, D]. Query at position p sees keys j with j <= p and, with a sliding
     window w, p - w < j.
     """
-    layout = _padded_layout(batch)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
+    layout = padded_layout(batch)
     k = _gather_pages(k_pages, batch, layout.num_blocks)
     v = _gather_pages(v_pages, batch, layout.num_blocks)
+    return padded_attention(q, k, v, batch, scale, sliding_window)
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The reference's attention over gathered context k, v [B, num_blocks * S, KV, D]."""
+    layout = padded_layout(batch)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
     mask = _mask(batch, layout, sliding_window)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
@@ -77,7 +91,7 @@ class PaddedLayout:
     kv_pos: torch.Tensor  # [num_blocks * page_size] key positions
 
 
-def _padded_layout(batch: ForwardBatch) -> PaddedLayout:
+def padded_layout(batch: ForwardBatch) -> PaddedLayout:
     """Index tensors mapping flat rows <-> [B, max_q] padded rows; built once per forward."""
     if batch.attention.layout is not None:
         return batch.attention.layout
@@ -190,9 +204,11 @@ def _row_sum_impl(rows: int, lanes: int, threads: int):
 
 @functools.cache
 def _attention_kernel(  # noqa: C901, PLR0915
-    head_dim: int, page_size: int, group: int, q_tile: int, lanes: int
+    head_dim: int, page_size: int, group: int, q_tile: int, lanes: int, k_bits: int, v_bits: int
 ):
-    """The attention kernel specialised on its compile-time constants."""
+    """The attention kernel specialised on its compile-time constants. ``k_bits``/``v_bits``:
+    the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
+    ``kv_loader``; the scale arrays are not read for unquantized pages."""
     D, PS, G, QT, LT = head_dim, page_size, group, q_tile, lanes
     DPL = D // LT
     NT = _NUM_WARPS * 32
@@ -206,6 +222,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     SM_RED = 2 * R * NT if SIMULATOR else 1
     NEG = _NEG
     row_sum = _row_sum_impl(R, LT, NT)
+    load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
     options = {}
     if not SIMULATOR and QV <= 32:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
@@ -214,8 +231,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
 
     @cuda.jit(fastmath=True, **options)
     def attention(  # noqa: C901, PLR0915
-        q, k_pages, v_pages, out, part_ml, part_o, block_tables, seq_lens, query_start_loc,
-        work, scale, window, min_chunk, num_splits,
+        q, k_pages, v_pages, k_scales, v_scales, out, part_ml, part_o, block_tables, seq_lens,
+        query_start_loc, work, scale, window, min_chunk, num_splits,
     ):  # fmt: skip
         sm_m = cuda.shared.array(SM_ROWS, float32)
         sm_l = cuda.shared.array(SM_ROWS, float32)
@@ -277,8 +294,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
             page = block_tables[b, jc // PS]
             slot = jc % PS
             for i in range(DPL):
-                kf[i] = float32(k_pages[page, slot, h, lane + LT * i])
-                vf[i] = float32(v_pages[page, slot, h, lane + LT * i])
+                kf[i] = load_k(k_pages, k_scales, page, slot, h, lane + LT * i)
+                vf[i] = load_v(v_pages, v_scales, page, slot, h, lane + LT * i)
             for r in range(R):
                 dot = float32(0.0)
                 if r // G < n_q:
@@ -551,11 +568,44 @@ def paged_attention_cuda(
     stream without a host sync.
     """
     _check_inputs(q, k_pages, v_pages, batch, sliding_window, num_splits)
+    pages = KVArgs(k_pages, v_pages, k_pages, v_pages, 0, 0, k_pages.shape[2])
+    return launch_attention(q, pages, batch, scale, sliding_window, num_splits)
+
+
+@dataclass(frozen=True, slots=True)
+class KVArgs:
+    """The page storage one attention launch reads: values, scales (unquantized pages pass
+    their values again: never read) and each one's format (kv_load.kv_loader)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+    k_bits: int
+    v_bits: int
+    kv_heads: int
+
+
+def launch_attention(
+    q: torch.Tensor,
+    pages: KVArgs,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """The attention (+ merge) launches over checked inputs; returns a new [T, H, D]."""
     tokens, heads, head_dim = q.shape
-    kv_heads = k_pages.shape[2]
+    kv_heads = pages.kv_heads
     plan = _plan(batch, heads, kv_heads, head_dim, sliding_window, num_splits, q.device)
     kernel = _attention_kernel(
-        head_dim, batch.page_size, heads // kv_heads, plan.q_tile, plan.lanes
+        head_dim,
+        batch.page_size,
+        heads // kv_heads,
+        plan.q_tile,
+        plan.lanes,
+        pages.k_bits,
+        pages.v_bits,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():
@@ -563,8 +613,10 @@ def paged_attention_cuda(
     launch_stream = stream()
     kernel[(plan.num_items, kv_heads, plan.num_splits), _NUM_WARPS * 32, launch_stream](
         arg(q),
-        arg(k_pages),
-        arg(v_pages),
+        arg(pages.k),
+        arg(pages.v),
+        arg(pages.k_scales),
+        arg(pages.v_scales),
         arg(out),
         arg(plan.part_ml),
         arg(plan.part_o),

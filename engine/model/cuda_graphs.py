@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
+from engine.embeddings import EMBEDDING_ID_BASE
 from engine.ops import OpSet
 
 logger = logging.getLogger(__name__)
@@ -179,8 +180,13 @@ class DecodeGraphs:
         """True when ``seqs`` is a decode step that fits a bucket."""
         if not 1 <= len(seqs) <= self.max_size:
             return False
+        # A prompt's last token after a prefix hit looks like a decode token; if it is an
+        # embedding placeholder, the eager forward (which substitutes rows) must run it.
         return all(
-            len(s.token_ids) == 1 and s.logits_rows == 1 and s.num_cached < self.max_seq_len
+            len(s.token_ids) == 1
+            and s.logits_rows == 1
+            and s.num_cached < self.max_seq_len
+            and not (s.embeddings and s.token_ids[0] >= EMBEDDING_ID_BASE)
             for s in seqs
         )
 

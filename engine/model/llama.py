@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, kv_pages: KVPages, ops: OpSet) -> torch.Tensor:
         """Final-normed hidden states [N, hidden] of the rows in ``batch.logits_indices``."""
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed_tokens(batch)
         rope = cos_sin(self.inv_freq, batch.positions, h.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_pages, strict=True):
@@ -191,6 +191,15 @@ class LlamaForCausalLM(nn.Module):
         # Only the rows whose logits are wanted need the final norm and the vocab matmul.
         rows = batch.logits_indices
         return ops.rms_norm(h[rows] + residual[rows], self.final_norm, self.cfg.rms_norm_eps)
+
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """[T, hidden]: the token embeddings, with per-job embedding rows written over the
+        placeholder positions (one index_copy for the whole batch)."""
+        table = batch.embeddings
+        if table is None:
+            return F.embedding(batch.input_ids, self.embed)
+        ids = batch.input_ids.index_fill(0, table.positions, 0)  # placeholders: any valid id
+        return F.embedding(ids, self.embed).index_copy_(0, table.positions, table.rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of final-normed hidden states."""

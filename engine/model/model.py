@@ -108,9 +108,14 @@ class Model:
         )
         return model
 
-    def allocate_kv(self, num_pages: int, page_size: int = 16) -> KVPages:
-        """Paged K/V storage for this model on its device, in its dtype."""
-        return allocate_kv_pages(self.config, num_pages, page_size, self.dtype, self.device)
+    def allocate_kv(
+        self, num_pages: int, page_size: int = 16, quant: str = "fp16", rotate: bool | None = None
+    ) -> KVPages:
+        """Paged K/V storage for this model on its device, in its dtype (or quantized: see
+        ``PagedCache``)."""
+        return allocate_kv_pages(
+            self.config, num_pages, page_size, self.dtype, self.device, quant, rotate
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pages: KVPages) -> torch.Tensor:

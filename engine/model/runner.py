@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
-from engine.cache.kv_cache import KVPages
+from engine.cache.kv_cache import KVPages, kv_format
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.ops import OpSet
 from engine.scheduler import StepPlan
@@ -106,7 +106,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile and load every kernel specialisation a forward needs now (never mid-request,
         nor during CUDA-graph capture), for this runner's page size."""
-        warm_up(self.model, self.ops, self.page_size)
+        warm_up(self.model, self.ops, self.page_size, *kv_format(self.kv_pages))
 
 
 def plan_rows(plan: StepPlan) -> list[SequenceInput]:
@@ -117,16 +117,20 @@ def plan_rows(plan: StepPlan) -> list[SequenceInput]:
             num_cached=e.start,
             pages=e.seq.pages,
             logits_rows=e.logits_rows,
+            embeddings=e.seq.embeddings,
         )
         for e in plan.entries
     ]
 
 
-def warm_up(model, ops: OpSet, page_size: int) -> None:
-    """Run a prefill and a decode forward of ``model`` once with ``ops`` on scratch pages (the
-    prefill crosses a page boundary), then whatever the op set compiles apart."""
+def warm_up(
+    model, ops: OpSet, page_size: int, quant: str = "fp16", rotate: bool | None = None
+) -> None:
+    """Run a prefill and a decode forward of ``model`` once with ``ops`` on scratch pages of
+    the cache's format (the prefill crosses a page boundary), then whatever the op set
+    compiles apart."""
     pages = [0, 1, 2]  # covers page_size + 2 tokens for any page size
-    kv = model.allocate_kv(len(pages), page_size)
+    kv = model.allocate_kv(len(pages), page_size, quant, rotate)
     prefill = SequenceInput([0] * (page_size + 1), num_cached=0, pages=pages)
     decode = SequenceInput([0], num_cached=page_size + 1, pages=pages)
     with torch.inference_mode():

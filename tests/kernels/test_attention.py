@@ -264,18 +264,31 @@ _COMPILE_SCRIPT = textwrap.dedent(
     dispatcher.get_current_device = lambda: Device()
     from engine.cuda import attention as A
 
+    PAGES = {0: "{dt}", 8: "int8", 4: "uint8"}
     ARGS = (
-        "{dt}[:, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, ::1], "
+        "{dt}[:, :, ::1], {kt}[:, :, :, ::1], {vt}[:, :, :, ::1], {ks}[:, :, :, ::1], "
+        "{vs}[:, :, :, ::1], {dt}[:, :, ::1], "
         "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], "
         "int32[::1], int32[:, ::1], float32, int64, int64, int64"
     )
-    for dt, (d, ps, g, qt, lt) in [("float16", (128, 16, 4, 1, 16)),
-                                   ("float16", (128, 16, 4, 2, 32)),
-                                   ("float32", (128, 16, 8, 1, 32))]:
-        kernel = A._attention_kernel(d, ps, g, qt, lt)
+    # (run dtype, (D, page size, group, q tile, lanes), (K bits, V bits)): fp16 pages and the
+    # quantized formats (engine/cache/quant.py) at Llama-3-8B's head shape.
+    for dt, (d, ps, g, qt, lt), (kb, vb) in [
+        ("float16", (128, 16, 4, 1, 16), (0, 0)),
+        ("float16", (128, 16, 4, 2, 32), (0, 0)),
+        ("float32", (128, 16, 8, 1, 32), (0, 0)),
+        ("float16", (128, 16, 4, 1, 16), (8, 8)),
+        ("float16", (128, 16, 4, 1, 16), (8, 4)),
+        ("float16", (128, 16, 4, 1, 16), (4, 4)),
+        ("float16", (128, 16, 4, 2, 32), (4, 4)),
+    ]:
+        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb)
+        scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
+        ARGS_NOW = ARGS.replace("{kt}", PAGES[kb]).replace("{vt}", PAGES[vb])
+        ARGS_NOW = ARGS_NOW.replace("{ks}", scales[kb]).replace("{vs}", scales[vb])
         opts = kernel.targetoptions
         ltoir, _ = cuda.compile(
-            kernel.py_func, "void(" + ARGS.format(dt=dt) + ")", cc=(9, 0), output="ltoir",
+            kernel.py_func, "void(" + ARGS_NOW.replace("{dt}", dt) + ")", cc=(9, 0), output="ltoir",
             device=False, abi="numba", fastmath=opts.get("fastmath", False),
             launch_bounds=opts.get("launch_bounds"),
         )
@@ -286,7 +299,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         log = linker.get_info_log()
         regs = re.search(r"Used (\\d+) registers", log).group(1)
         spills = re.search(r"(\\d+) bytes spill stores", log).group(1)
-        print(dt, d, ps, g, qt, lt, "registers", regs, "spill stores", spills)
+        print(dt, d, ps, g, qt, lt, kb, vb, "registers", regs, "spill stores", spills)
         assert spills == "0", log
     """
 )

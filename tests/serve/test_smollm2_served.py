@@ -75,3 +75,35 @@ def test_streaming_gives_the_same_answer(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_json_schema_answer_with_logprobs(client: openai.OpenAI) -> None:
+    """Constrained by a schema, the real model still answers the question; the logprobs of a
+    greedy answer put each chosen token first among the alternatives."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 40}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        },
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = out.choices[0]
+    assert "Paris" in json.loads(choice.message.content)["capital"]
+    assert choice.finish_reason == "stop"
+    entries = choice.logprobs.content
+    text = b"".join(bytes(e.bytes) for e in entries).decode()
+    assert text == choice.message.content
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 3 for e in entries)

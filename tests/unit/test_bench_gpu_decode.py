@@ -70,6 +70,25 @@ def test_dry_run_report_has_every_section(dry_run: tuple[dict, str]) -> None:
         assert all(r["tokens_per_s"] > 0 and r["cached_prompt_tokens"] == 0 for r in prefill)
 
 
+def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None:
+    report, stdout = dry_run
+    rows = report["models"]["tiny"]["kv_quant"]
+    assert list(rows) == ["fp16", "q8", "q6", "q4"]
+    workload = report["workload"]
+    for row in rows.values():
+        assert (row["batch"], row["context"]) == (
+            workload["quant_batch"],
+            workload["quant_context"],
+        )
+        assert row["decode_forward_tokens_per_s"] > 0 and row["decode_attention_tokens_per_s"] > 0
+    sizes = [rows[q]["bytes_per_token"] for q in rows]
+    assert sizes == sorted(sizes, reverse=True)
+    assert rows["q4"]["tokens_vs_fp16"] >= 3.5  # fp32 on CPU: 7.1x
+    goal = report["goals"]["q4_tokens_in_fp16_bytes"]
+    assert goal["measured"] == rows["q4"]["tokens_vs_fp16"] and goal["met"] is True
+    assert "kv q4" in stdout
+
+
 def test_dry_run_compares_with_transformers_on_the_same_weights(dry_run: tuple[dict, str]) -> None:
     report, _ = dry_run
     hf = report["models"]["tiny"]["transformers"]

@@ -13,7 +13,7 @@ import torch
 
 from engine.constraints.banned import BannedStrings, fold
 from engine.constraints.masks import device_mask_bias, mask_bias, pack_ids
-from engine.sampling import SampleRequest, SamplerSettings, sample
+from engine.sampling import BANNED_ROW, SampleRequest, SamplerSettings, sample
 
 
 def test_pack_and_bias_round_trip():
@@ -57,26 +57,17 @@ def test_masked_rows_pick_allowed_tokens_only(greedy):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_a_row_left_empty_by_bans_keeps_the_mask(greedy):
-    """The grammar allows only token 9 (EOS) while min_new_tokens bans it: the grammar wins,
-    and nothing is NaN."""
-    logits = torch.randn(1, 20)
-    mask = torch.zeros(1, 20, dtype=torch.bool)
-    mask[0, 9] = True
-    out = sample(logits, _requests(1, greedy, banned=(9,)), token_mask=_bias(mask))
-    assert out.tokens == [9] and out.probs[0] == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("greedy", [True, False])
-def test_a_mask_and_bans_leaving_nothing_never_give_nan(greedy):
-    """(A mask row allowing nothing at all never reaches the sampler: the MaskEngine unmasks
-    it; test_constraints checks that.)"""
+def test_a_row_the_mask_and_bans_leave_empty_is_reported_never_nan(greedy):
+    """Row 0: the grammar allows 9 and 12, a ban takes 9: 12 is picked. Row 1: the grammar
+    allows only 9 and a ban takes it: BANNED_ROW (the generator ends that job), no NaN.
+    (A mask row allowing nothing never reaches the sampler: test_no_mask_row_is_ever_empty.)"""
     logits = torch.randn(2, 20)
     mask = torch.zeros(2, 20, dtype=torch.bool)
-    mask[:, :3] = True
-    out = sample(logits, _requests(2, greedy, banned=(0, 1, 2)), token_mask=_bias(mask))
-    assert all(0 <= t < 3 for t in out.tokens)
-    assert all(p == p for p in out.probs)
+    mask[0, [9, 12]] = True
+    mask[1, 9] = True
+    out = sample(logits, _requests(2, greedy, banned=(9,)), token_mask=_bias(mask))
+    assert out.tokens == [12, BANNED_ROW]
+    assert out.probs[0] == pytest.approx(1.0) and out.probs[1] == 0.0
 
 
 def test_banned_strings_match_case_insensitively():

@@ -68,6 +68,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "max_chunk_size", True, "engine.max_chunk_size must be an integer, got True"),
         ("engine", "max_batch_size", 0, "engine.max_batch_size must be >= 1, got 0"),
         ("engine", "cache_quant", "q3", "engine.cache_quant 'q3' is not one of"),
+        ("engine", "cache_rotate", True, "engine.cache_rotate: true needs a quantized"),
+        ("engine", "cache_rotate", "on", "engine.cache_rotate must be true or false, got 'on'"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
         ("engine", "speculate", 4, r"unknown key\(s\) \['speculate'\] in 'engine'"),
         ("serving", "num_replicas", 0, "serving.num_replicas must be >= 1, got 0"),
@@ -124,6 +126,14 @@ def test_load_errors_name_the_file(tmp_path: pathlib.Path) -> None:
         ValueError, match=re.escape("bad.yaml: engine.page_size must be a power of two")
     ):
         Preset.load(bad)
+
+
+def test_cache_quant_and_rotate_select_the_mode() -> None:
+    raw = with_value("engine", "cache_quant", "q4")
+    raw["engine"]["cache_rotate"] = False
+    engine = Preset.parse(raw).engine
+    assert (engine.cache_quant, engine.cache_rotate) == ("q4", False)
+    assert Preset.parse(with_value("engine", "cache_quant", "q8")).engine.cache_rotate is None
 
 
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
@@ -189,3 +199,77 @@ def test_resolve_packaged_gguf(tmp_path: pathlib.Path, monkeypatch: pytest.Monke
         model.resolve_path()
     with pytest.raises(ValueError, match="'no_such_model_pkg' is not installed"):
         ModelPreset.parse({"package": "no_such_model_pkg"}).resolve_path()
+
+
+def _autoscaled(autoscaling: Any, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    raw = copy.deepcopy(BASE)
+    del raw["serving"]["num_replicas"]
+    raw["serving"]["autoscaling"] = autoscaling
+    raw["engine"].update(engine or {})
+    return raw
+
+
+def test_autoscaling_becomes_the_deployments_autoscaling_config() -> None:
+    raw = _autoscaled({"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 3})
+    preset = Preset.parse(raw)
+    config = preset.serving.autoscaling.serve_config(preset.engine)
+    assert config["min_replicas"] == 1 and config["max_replicas"] == 4
+    assert config["upscale_delay_s"] == 3.0
+    # 4096 tokens of 16-token pages: the engine batches 128 sequences, the target is half.
+    assert config["target_ongoing_requests"] == 64
+    explicit = Preset.parse(_autoscaled({"max_replicas": 2}, {"max_batch_size": 10}))
+    assert (
+        explicit.serving.autoscaling.serve_config(explicit.engine)["target_ongoing_requests"] == 5
+    )
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**config)  # Serve accepts every key we give it
+
+    from deployments.app import llm_deployment
+
+    options = llm_deployment(preset)._deployment_config.autoscaling_config
+    assert options is not None and options.max_replicas == 4
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "message"),
+    [
+        ({"min_replicas": 3, "max_replicas": 2}, "min_replicas (3) exceeds max_replicas (2)"),
+        ({"max_replicas": 2, "initial_replicas": 5}, "initial_replicas (5) must be in [1, 2]"),
+        ({"target_ongoing_requests": 0}, "target_ongoing_requests must be > 0"),
+        ({"max_replicas": 0}, "max_replicas must be >= 1"),
+        ({"upscale_delay_s": -1}, "upscale_delay_s must be a number >= 0"),
+        ({"metrics_interval_s": 0}, "metrics_interval_s must be > 0"),
+        ({"max_replicsa": 2}, "unknown key(s) ['max_replicsa']"),
+        ([1, 2], "serving.autoscaling must be a mapping"),
+    ],
+)
+def test_bad_autoscaling_is_refused(autoscaling: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Preset.parse(_autoscaled(autoscaling))
+
+
+def test_replica_count_and_autoscaling_together_are_refused() -> None:
+    raw = _autoscaled({"max_replicas": 2})
+    raw["serving"]["num_replicas"] = 2
+    with pytest.raises(ValueError, match="either num_replicas or autoscaling"):
+        Preset.parse(raw)
+
+
+@pytest.mark.parametrize(
+    "path", ["serve_config.yaml", "configs/serve/gpu.yaml", "configs/serve/cpu-autoscale.yaml"]
+)
+def test_serve_configs_validate_and_name_a_valid_preset(path: str) -> None:
+    """Each shipped serve config is a valid Serve schema whose preset loads; an autoscaled
+    preset's LLMServer entry sets no replica count that would fight the autoscaler, and the
+    ingress never reserves a CPU."""
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load((REPO_ROOT / path).read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    app = schema.applications[0]
+    preset = Preset.load(app.args["config"])
+    entries = {d.name: d for d in app.deployments}
+    assert entries["Ingress"].ray_actor_options.num_cpus == 0
+    if preset.serving.autoscaling is not None:
+        assert "num_replicas" not in raw["applications"][0]["deployments"][1]

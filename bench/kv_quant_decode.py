@@ -1,0 +1,129 @@
+"""The KV-cache-mode section of bench/gpu_decode.py: bytes per token and decode speed per mode.
+
+For each cache mode (fp16, q8, q6, q4; quantized modes with their default rotation) on a model
+already built by gpu_decode:
+
+    bytes_per_token      real K/V footprint (values + scales, all layers)
+    tokens_vs_fp16       tokens the same bytes hold, relative to fp16
+    decode_forward       Model.forward on one decode batch of B sequences x C cached tokens
+                         (tok/s), as gpu_decode's decode-fwd row
+    decode_attention     the op set's paged_attention alone on the same batch and pages, once
+                         per layer per step (tok/s): the part the page format changes
+
+Pages hold random K/V written through the cache-write op (quantized pages with real scales).
+Kept apart from gpu_decode.py (already long); it imports this module when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MODES = ("fp16", "q8", "q6", "q4")
+GOAL_ATTENTION_SPEEDUP = 1.5  # q4 decode attention tok/s / fp16's, batch 32 x 4k context
+GOAL_TOKENS_PER_BYTE = 3.5  # q4 tokens in fp16's bytes
+
+
+def _fill(model: Any, kv: list, pages: int, page_size: int, chunk: int = 8192) -> None:
+    """Random K/V in every slot of every layer, through the op set's cache write (so the
+    quantized pages hold real scales), ``chunk`` slots per call to bound the scratch memory."""
+    cfg, device, dtype = model.config, model.device, model.dtype
+    gen = torch.Generator(device=device).manual_seed(0)
+    total = pages * page_size
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        slots = torch.arange(start, start + n, device=device)
+        q = torch.zeros((n, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
+        cos = torch.ones((n, cfg.head_dim // 2), dtype=dtype, device=device)
+        sin = torch.zeros_like(cos)
+        for k_pages, v_pages in kv:
+            k, v = torch.randn((2, n, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device)
+            k, v = k.to(dtype), v.to(dtype)
+            model.ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+
+
+def _timed(step: Callable[[], None], steps: int, warmup: int, timer: Any) -> float:
+    for _ in range(warmup):
+        step()
+    with timer.measure() as elapsed:
+        for _ in range(steps):
+            step()
+    return elapsed.seconds
+
+
+def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, timer: Any) -> dict:
+    from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
+    from engine.cache.kv_cache import kv_bytes_per_token
+
+    size = wl.page_size
+    per_seq = -(-(context + 1) // size)
+    kv = model.allocate_kv(batch * per_seq, size, quant)
+    _fill(model, kv, batch * per_seq, size)
+    seqs = [
+        SequenceInput(
+            [4 + b % 100], num_cached=context, pages=range(b * per_seq, (b + 1) * per_seq)
+        )
+        for b in range(batch)
+    ]
+    fwd = build_forward_batch(seqs, size, model.device)
+    cfg = model.config
+    q = torch.randn((batch, cfg.num_heads, cfg.head_dim), device=model.device).to(model.dtype)
+    scale = cfg.head_dim**-0.5
+
+    def forward() -> None:
+        fwd.attention = AttentionPlan()  # planned per forward, as a fresh batch is
+        with torch.inference_mode():
+            model.forward(fwd, kv)
+
+    def attention() -> None:
+        fwd.attention = AttentionPlan()
+        for k_pages, v_pages in kv:
+            model.ops.paged_attention(q, k_pages, v_pages, fwd, scale)
+
+    tokens = batch * wl.decode_steps
+    forward_s = _timed(forward, wl.decode_steps, wl.warmup_steps, timer)
+    attention_s = _timed(attention, wl.decode_steps, wl.warmup_steps, timer)
+    return {
+        "quant": quant,
+        "batch": batch,
+        "context": context,
+        "steps": wl.decode_steps,
+        "bytes_per_token": kv_bytes_per_token(cfg, model.dtype, quant),
+        "decode_forward_tokens_per_s": tokens / forward_s,
+        "decode_attention_tokens_per_s": tokens / attention_s,
+        "attention_ms_per_step": 1000 * attention_s / wl.decode_steps,
+    }
+
+
+def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) -> dict:
+    """Rows per mode plus the ratios to fp16; prints one line per mode."""
+    rows = {}
+    for quant in MODES:
+        rows[quant] = measure_mode(model, quant, wl.quant_batch, wl.quant_context, wl, timer)
+        free()
+    base = rows["fp16"]
+    for row in rows.values():
+        row["tokens_vs_fp16"] = base["bytes_per_token"] / row["bytes_per_token"]
+        row["attention_vs_fp16"] = (
+            row["decode_attention_tokens_per_s"] / base["decode_attention_tokens_per_s"]
+        )
+        print(
+            f"  kv {row['quant']:5s} batch {row['batch']} ctx {row['context']}: "
+            f"{row['bytes_per_token']} B/token ({row['tokens_vs_fp16']:.2f}x tokens), "
+            f"forward {row['decode_forward_tokens_per_s']:.1f} tok/s, attention "
+            f"{row['decode_attention_tokens_per_s']:.1f} tok/s ({row['attention_vs_fp16']:.2f}x)",
+            flush=True,
+        )
+    return rows
+
+
+def kv_quant_goals(rows: dict | None) -> dict:
+    q4 = (rows or {}).get("q4")
+    speedup = None if q4 is None else q4["attention_vs_fp16"]
+    capacity = None if q4 is None else q4["tokens_vs_fp16"]
+    return {
+        "q4_decode_attention_vs_fp16": (GOAL_ATTENTION_SPEEDUP, speedup),
+        "q4_tokens_in_fp16_bytes": (GOAL_TOKENS_PER_BYTE, capacity),
+    }

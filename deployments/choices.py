@@ -1,0 +1,125 @@
+"""One choice of a response as the replica's messages arrive: its text, its log-probabilities
+and, for a forced tool call, the call read back from the constrained output. Used by the
+ingress (streamed chunks or one JSON body) and the batch job (records), so both agree.
+
+A replica message is ``{"index", "text", "token_ids", "eos", ["logprobs"], [final keys]}``
+(``deployments.llm_server``); ``logprobs`` holds one ``LogprobEntry`` per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.logprobs import LogprobsFormatter
+from deployments.responses import ResponseFormat, finish_reason
+from deployments.structured import ToolCalling, tool_call
+from engine.token_bytes import TokenBytes
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """What a response shows beyond text: ``tokens`` when log-probabilities were asked (to
+    spell each token), ``tools`` for a forced tool call."""
+
+    tokens: TokenBytes | None = None
+    tools: ToolCalling | None = None
+
+
+class ChoiceState:
+    """Accumulates one choice; ``chunks`` turns a message into stream chunks."""
+
+    def __init__(self, index: int, fmt: ResponseFormat, options: OutputOptions) -> None:
+        self.index = index
+        self.fmt = fmt
+        self.tools = options.tools if fmt.chat else None
+        self.logprobs = None
+        if options.tokens is not None:
+            self.logprobs = LogprobsFormatter(options.tokens, fmt.chat)
+        self.texts: list[str] = []
+        self.entries: list[Any] = []
+        self.final: dict[str, Any] = {}
+        self.call_id = f"call_{fmt.id[-24:]}_{index}"
+        self._call_started = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def add(self, message: dict[str, Any]) -> None:
+        self.texts.append(message["text"])
+        self.entries += message.get("logprobs", ())
+        if message["eos"]:
+            self.final = message
+
+    # -- one body --------------------------------------------------------------------------
+
+    def choice(self) -> dict[str, Any]:
+        """The choice's fields beyond ``fmt.full``'s: logprobs, tool calls, finish reason."""
+        out: dict[str, Any] = {}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs.format(self.entries)
+        call = self.tools.call(self.text) if self.tools is not None else None
+        if call is not None:
+            call["id"] = self.call_id
+            out["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+            out["finish_reason"] = self.tool_finish_reason()
+        return out
+
+    def tool_finish_reason(self) -> str:
+        reason = finish_reason(self.final)
+        return "tool_calls" if reason == "stop" else reason
+
+    # -- streaming -------------------------------------------------------------------------
+
+    def chunks(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """Stream chunks for one replica message (after ``add``-ing it)."""
+        self.add(message)
+        out = []
+        entries = message.get("logprobs", ())
+        delta = self._delta(message)
+        if delta is not None or entries:
+            chunk = self.fmt.chunk(delta or {}, index=self.index)
+            if self.logprobs is not None and entries:
+                chunk["choices"][0]["logprobs"] = self.logprobs.format(list(entries))
+            out.append(chunk)
+        if message["eos"]:
+            out += self._last_chunks()
+        return out
+
+    def _delta(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        text = message["text"]
+        if self.tools is None:
+            return {"content": text} if text else None
+        name = self.tools.single_name
+        if name is None or not text:  # several functions: the call is sent whole at the end
+            return None
+        part: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if not self._call_started:
+            self._call_started = True
+            part = {**tool_call(name, text, self.call_id), "index": 0}
+        return {"tool_calls": [part]}
+
+    def _last_chunks(self) -> list[dict[str, Any]]:
+        if self.tools is None:
+            return [self.fmt.chunk({}, finish_reason(self.final), index=self.index)]
+        out = []
+        if self.tools.single_name is None:
+            call = self.tools.call(self.text)
+            delta = (
+                {"tool_calls": [{**call, "id": self.call_id, "index": 0}]}
+                if call is not None
+                else {"content": self.text}  # cut short: not a call, shown as it came
+            )
+            out.append(self.fmt.chunk(delta, index=self.index))
+            if call is None:
+                return [*out, self.fmt.chunk({}, finish_reason(self.final), index=self.index)]
+        return [*out, self.fmt.chunk({}, self.tool_finish_reason(), index=self.index)]
+
+
+def full_body(fmt: ResponseFormat, choices: list[ChoiceState]) -> dict[str, Any]:
+    """The non-streaming response: ``fmt.full`` plus each choice's extras."""
+    body = fmt.full([c.text for c in choices], [c.final for c in choices])
+    for shown, state in zip(body["choices"], choices, strict=True):
+        shown.update(state.choice())
+    return body

@@ -1,0 +1,216 @@
+"""Structured output over HTTP: ``response_format`` and forced tool calls, parsed into the
+``ConstraintSpec`` a replica enforces with a grammar, and the tool calls read back.
+
+``response_format`` (both routes): ``{"type": "text"}`` (nothing), ``{"type": "json_object"}``
+(any JSON object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict",
+"description"}}`` (``strict`` defaults to false, as OpenAI's; strict refuses schema features
+the grammar cannot enforce, non-strict loosens them). OpenAI also requires the word "JSON" in
+the messages for ``json_object``; this server does not: the grammar makes the output JSON
+whatever the prompt says, and refusing would only break clients written for other servers.
+
+Tools (chat): ``tools`` (``{"type": "function", "function": {"name", "description",
+"parameters", "strict"}}``) with ``tool_choice`` ``"required"`` or ``{"type": "function",
+"function": {"name"}}``. One function (named, or the only one): the output is its arguments,
+constrained by its ``parameters`` schema. Several with ``"required"``: the output is
+``{"name": ..., "arguments": {...}}`` under an ``anyOf`` over the functions. Either way exactly
+one call is made. ``tool_choice`` ``"auto"`` (OpenAI's default when tools are given) and
+``"none"`` with tools, ``parallel_tool_calls: true`` (we never make several calls; ``false``
+is what we do anyway) and ``response_format`` together with a forced call are refused.
+The tools reach the prompt through the chat template's ``tools`` variable when the template
+uses one, else as a system message listing them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.protocol import OpenAIError, _short
+from engine.constraints.spec import ConstraintSpec
+
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+MAX_TOOLS = 128
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
+TYPES = ("text", "json_object", "json_schema")
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
+# -- response_format -------------------------------------------------------------------------
+
+
+def parse_response_format(body: dict[str, Any]) -> ConstraintSpec | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _format_error("'response_format' must be an object with a 'type'")
+    kind = value["type"]
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra or (kind != "json_schema" and value.get("json_schema") is not None):
+        raise _format_error(f"unexpected key in 'response_format': {(extra or ['json_schema'])[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object")
+    if kind == "json_schema":
+        return _json_schema(value.get("json_schema"))
+    raise _format_error(
+        f"response_format type {kind[:40]!r} is not text, json_object or json_schema"
+    )
+
+
+def _json_schema(spec: Any) -> ConstraintSpec:
+    if not isinstance(spec, dict):
+        raise _format_error("'response_format.json_schema' must be an object")
+    extra = sorted(set(spec) - SCHEMA_KEYS)
+    if extra:
+        raise _format_error(f"unexpected key 'response_format.json_schema.{extra[0][:40]}'")
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise _format_error("'response_format.json_schema.name' must match [a-zA-Z0-9_-]{1,64}")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _format_error("'response_format.json_schema.schema' must be a JSON schema object")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _format_error("'response_format.json_schema.strict' must be a boolean")
+    return _spec(schema, bool(strict), "response_format")
+
+
+def _spec(schema: dict[str, Any], strict: bool, param: str) -> ConstraintSpec:
+    try:
+        return ConstraintSpec.json_schema(schema, strict=strict)
+    except ValueError as e:
+        raise OpenAIError(f"invalid schema: {e}", param=param) from None
+
+
+def _format_error(message: str) -> OpenAIError:
+    return OpenAIError(message, param="response_format")
+
+
+# -- tools -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    name: str
+    parameters: dict[str, Any]
+    strict: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalling:
+    """A forced tool call: the tools as given (for the chat template) and the functions the
+    output may call (one: the output is its arguments; several: ``{"name", "arguments"}``)."""
+
+    tools: tuple[dict[str, Any], ...]
+    functions: tuple[Function, ...]
+
+    def constraint(self) -> ConstraintSpec:
+        strict = any(f.strict for f in self.functions)
+        if len(self.functions) == 1:
+            return _spec(self.functions[0].parameters, strict, "tools")
+        variants = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for f in self.functions
+        ]
+        return _spec({"anyOf": variants}, strict, "tools")
+
+    @property
+    def single_name(self) -> str | None:
+        """The function's name when it is known before the output (one function)."""
+        return self.functions[0].name if len(self.functions) == 1 else None
+
+    def call(self, text: str) -> dict[str, Any] | None:
+        """The OpenAI ``tool_calls`` entry for an output; None when it does not parse (cut by
+        ``max_tokens``) and the function is not known in advance."""
+        if self.single_name is not None:
+            return tool_call(self.single_name, text.strip())
+        try:
+            value = json.loads(text)
+            name, arguments = value["name"], value["arguments"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return tool_call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    call_id = call_id or f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_tools(body: dict[str, Any], chat: bool) -> ToolCalling | None:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and parallel is not False:
+        message = "'parallel_tool_calls' must be false: this server makes exactly one call"
+        raise OpenAIError(message, param="parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise OpenAIError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not chat:
+        raise OpenAIError("'tools' is only supported for chat completions", param="tools")
+    functions = _functions(tools)
+    return ToolCalling(tuple(tools), _chosen(functions, choice))
+
+
+def _functions(tools: Any) -> list[Function]:
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise OpenAIError(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    functions: list[Function] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            raise OpenAIError(f"tools[{i}] must be a function tool", param="tools")
+        extra = sorted(set(tool) - {"type", "function"}) + sorted(set(fn) - FUNCTION_KEYS)
+        if extra:
+            raise OpenAIError(f"tools[{i}] has an unexpected key {extra[0][:40]!r}", param="tools")
+        name, parameters = fn.get("name"), fn.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            message = f"tools[{i}].function.name must match [a-zA-Z0-9_-]{{1,64}}"
+            raise OpenAIError(message, param="tools")
+        if name in {f.name for f in functions}:
+            raise OpenAIError(f"two tools are named {name!r}", param="tools")
+        if not isinstance(parameters, dict):
+            raise OpenAIError(f"tools[{i}].function.parameters must be a schema", param="tools")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise OpenAIError(f"tools[{i}].function.strict must be a boolean", param="tools")
+        functions.append(Function(name, parameters, bool(strict)))
+    return functions
+
+
+def _chosen(functions: list[Function], choice: Any) -> tuple[Function, ...]:
+    if choice == "required":
+        return tuple(functions)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        match = [f for f in functions if f.name == name]
+        if not match:
+            message = f"tool_choice names no tool in 'tools': {_short(name)}"
+            raise OpenAIError(message, param="tool_choice")
+        return (match[0],)
+    if choice in (None, "auto", "none"):
+        shown = "auto (the default with tools)" if choice is None else choice
+        message = (
+            f'tool_choice {shown} is not supported by this server: use "required" or '
+            '{"type": "function", "function": {"name": ...}}'
+        )
+        raise OpenAIError(message, param="tool_choice")
+    raise OpenAIError("'tool_choice' is not a valid tool choice", param="tool_choice")
+
+
+def tools_system_message(tools: tuple[dict[str, Any], ...]) -> dict[str, str]:
+    """For a chat template without a ``tools`` variable: the tools as a system message."""
+    listing = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+    return {"role": "system", "content": f"You call one of these functions: {listing}"}

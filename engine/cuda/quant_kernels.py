@@ -1,0 +1,301 @@
+"""Numba CUDA ops over quantized pages (q8/q6/q4; layout in engine/cache/quant.py).
+
+- ``paged_attention_quant_cuda``: the paged attention kernel of attention.py, specialised on
+  the K and V page formats: each lane dequantizes the elements it owns as it loads them
+  (kv_load.py), so a q4 page moves a quarter of fp16's bytes and nothing is dequantized into a
+  buffer. With rotated pages the query is rotated once before the launch and the output once
+  after (torch matmuls over [T, H, D / 32, 32]; graph-capturable): the kernel itself works in
+  the rotated space and never inverts anything per key.
+- ``quant_rotary_cache_write_cuda``: rotary on q and k fused with the quantized write of k and
+  v (one launch, one block per token; see the comment above the kernel).
+
+Torch references: engine/cuda/quant_reference.py; tests check these against them under the
+simulator.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cache.quant import FP16_MAX, GROUP, QuantPages, qmax, rotate_groups
+from engine.cuda import _launch
+from engine.cuda.attention import KVArgs, launch_attention
+from engine.cuda.quant_reference import check_pair
+
+cuda = _launch.cuda
+nbt = cuda.types
+float32 = nbt.float32
+float16 = nbt.float16
+int32 = nbt.int32
+_MAX_THREADS = 256
+
+
+def _check_attention(q: torch.Tensor, k_pages, v_pages, batch: ForwardBatch, window, splits):
+    name = "paged_attention_quant_cuda"
+    if not _launch.kernels_available():
+        raise ValueError(f"{name}: no CUDA device (and NUMBA_ENABLE_CUDASIM is not set)")
+    if not isinstance(k_pages, QuantPages):
+        raise ValueError(f"{name}: takes QuantPages, got {type(k_pages).__name__}")
+    check_pair(k_pages, v_pages)
+    _launch.check_dtype(name, q)
+    _launch.check_device(name, q, k_pages.data, v_pages.data, batch.block_tables)
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [T, H, D], got shape {tuple(q.shape)}")
+    _, page_size, kv_heads, head_dim = k_pages.shape
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise ValueError(f"{name}: q {tuple(q.shape)} does not fit pages {k_pages.shape}")
+    if page_size != batch.page_size or q.shape[0] != batch.num_tokens:
+        raise ValueError(f"{name}: the batch does not match q {tuple(q.shape)} / page size")
+    if window is not None and window <= 0:
+        raise ValueError(f"{name}: sliding_window must be positive, got {window}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"{name}: num_splits must be >= 1, got {splits}")
+
+
+def paged_attention_quant_cuda(
+    q: torch.Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D]."""
+    _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
+    if k_pages.rotate:
+        q = rotate_groups(q)
+    pages = KVArgs(
+        k_pages.data,
+        v_pages.data,
+        k_pages.scales,
+        v_pages.scales,
+        k_pages.bits,
+        v_pages.bits,
+        k_pages.shape[2],
+    )
+    out = launch_attention(q, pages, batch, scale, sliding_window, num_splits)
+    return rotate_groups(out) if k_pages.rotate else out
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary + quantized cache write, one launch, one block per token.
+#
+# 1. Threads stride over the rotation pairs of q (rotated q goes to the output, as in
+#    rotary.py) and of k; rotated k (rounded to the run dtype, as the reference rounds it) and
+#    v go to shared memory as float32, buf[0] = K and buf[1] = V, [KV * D] each.
+# 2. With rotation, each thread computes whole output elements of the 32-point Hadamard
+#    transform of its group (sum of +-x_j, sign = parity of popcount(i & j), times 1/sqrt(32))
+#    into the second buffer.
+# 3. One thread per (K|V, head, group) takes the absmax, stores the fp16 scale (absmax/qmax,
+#    clamped to fp16's range) in the pages and its fp16-rounded value in shared memory.
+# 4. Threads stride over output bytes: q = clamp(floor(x / s + 0.5), -qmax, qmax) with the
+#    stored scale (1 where it is 0), int8 for 8 bits, two nibbles (q + 8) for 4 bits.
+# No fastmath: x / s must be the IEEE quotient the reference takes.
+# Padding tokens (negative slot) and slots past the pages rotate q and write nothing.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _quant_write_kernel(
+    dtype: torch.dtype, kv_heads: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool
+):
+    io = _launch.NUMBA_DTYPES[dtype]
+    KV, D = kv_heads, head_dim
+    N = KV * D
+    rotate_step = _hadamard_step(N)
+    scale_step = _scale_step(N, D, k_bits, v_bits)
+    write_k = _code_writer(k_bits, N, D)
+    write_v = _code_writer(v_bits, N, D)
+
+    @cuda.jit
+    def kernel(q, k, v, cos, sin, k_data, v_data, k_scales, v_scales, slot_mapping, q_out):
+        # sm[0] = K values, sm[1] = K scales, sm[2] = V values, sm[3] = V scales (float32)
+        sm = cuda.shared.array((4, N), float32)
+        tmp = cuda.shared.array((2, N), float32)
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        num_heads = q.shape[1]
+        half = D // 2
+        page_size = k_data.shape[1]
+        slot = slot_mapping[t]
+        write = slot >= 0 and slot < k_data.shape[0] * page_size
+        page = slot // page_size
+        offset = slot - page * page_size
+        for p in range(tid, (num_heads + KV) * half, nt):
+            h = p // half
+            j = p - h * half
+            c = float32(cos[t, j])
+            s = float32(sin[t, j])
+            if h < num_heads:
+                x1 = float32(q[t, h, j])
+                x2 = float32(q[t, h, j + half])
+                q_out[t, h, j] = io(float32(io(x1 * c)) + float32(io(-x2 * s)))
+                q_out[t, h, j + half] = io(float32(io(x2 * c)) + float32(io(x1 * s)))
+            elif write:
+                kh = h - num_heads
+                x1 = float32(k[t, kh, j])
+                x2 = float32(k[t, kh, j + half])
+                sm[0, kh * D + j] = float32(io(float32(io(x1 * c)) + float32(io(-x2 * s))))
+                sm[0, kh * D + j + half] = float32(io(float32(io(x2 * c)) + float32(io(x1 * s))))
+        if write:  # uniform per block: every thread takes the same branch
+            for e in range(tid, N, nt):
+                sm[2, e] = float32(v[t, e // D, e % D])
+            cuda.syncthreads()
+            if rotate:
+                rotate_step(sm, tmp, tid, nt)
+            scale_step(sm, k_scales, v_scales, page, offset, tid, nt)
+            cuda.syncthreads()
+            write_k(k_data, sm, 0, page, offset, tid, nt)
+            write_v(v_data, sm, 2, page, offset, tid, nt)
+
+    return kernel
+
+
+@functools.cache
+def _hadamard_step(n: int):
+    """Step 2: sm[0] and sm[2] ([n] values each) replaced by their per-group transforms."""
+    inv_sqrt = float32(1.0 / math.sqrt(GROUP))
+
+    def rotate_step(sm, tmp, tid, nt):
+        for e in range(tid, 2 * n, nt):
+            w = e // n
+            r = e - w * n
+            base = r - r % GROUP
+            i = r % GROUP
+            acc = float32(0.0)
+            for jj in range(GROUP):
+                m = i & jj
+                parity = (m ^ (m >> 1) ^ (m >> 2) ^ (m >> 3) ^ (m >> 4)) & 1
+                x = sm[2 * w, base + jj]
+                acc += -x if parity else x
+            tmp[w, r] = acc * inv_sqrt
+        cuda.syncthreads()
+        for e in range(tid, 2 * n, nt):
+            w = e // n
+            sm[2 * w, e - w * n] = tmp[w, e - w * n]
+        cuda.syncthreads()
+
+    return cuda.jit(device=True)(rotate_step)
+
+
+@functools.cache
+def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int):
+    """Step 3: each group's fp16 scale into the pages, and its float32 value (1 for a zero
+    scale: the group quantizes to zeros) into sm[1] (K) / sm[3] (V)."""
+    groups = n // GROUP
+    per_head = head_dim // GROUP
+    k_top, v_top = float32(qmax(k_bits)), float32(qmax(v_bits))
+    scale_max = float32(FP16_MAX)
+
+    def scale_step(sm, k_scales, v_scales, page, offset, tid, nt):
+        for g in range(tid, 2 * groups, nt):
+            w = g // groups
+            gg = g - w * groups
+            top = k_top if w == 0 else v_top
+            absmax = float32(0.0)
+            for jj in range(GROUP):
+                absmax = max(absmax, abs(sm[2 * w, gg * GROUP + jj]))
+            stored = float16(min(absmax / top, scale_max))
+            if w == 0:
+                k_scales[page, offset, gg // per_head, gg % per_head] = stored
+            else:
+                v_scales[page, offset, gg // per_head, gg % per_head] = stored
+            step = float32(stored)
+            sm[2 * w + 1, gg] = step if step > 0 else float32(1.0)
+
+    return cuda.jit(device=True)(scale_step)
+
+
+@functools.cache
+def _code_writer(bits: int, n: int, head_dim: int):
+    """Step 4 as a device function: ``write(pages, sm, row, page, offset, tid, nt)`` stores
+    the codes of the n = KV * D values in sm[row] (scales in sm[row + 1]) into a page slot."""
+    top = qmax(bits)
+    half = GROUP // 2
+    rnd = float32(0.5)
+
+    def code(x, s):
+        return min(max(int32(math.floor(x / s + rnd)), -top), top)
+
+    code = cuda.jit(device=True)(code)
+    if bits == 8:
+
+        def write(pages, sm, row, page, offset, tid, nt):
+            for e in range(tid, n, nt):
+                c = code(sm[row, e], sm[row + 1, e // GROUP])
+                pages[page, offset, e // head_dim, e % head_dim] = c
+
+    else:
+
+        def write(pages, sm, row, page, offset, tid, nt):
+            for b in range(tid, n // 2, nt):
+                g = b // half  # group index over all heads
+                j = b - g * half
+                s = sm[row + 1, g]
+                lo = code(sm[row, g * GROUP + j], s)
+                hi = code(sm[row, g * GROUP + j + half], s)
+                first = g * GROUP
+                byte = (lo + 8) | ((hi + 8) << 4)
+                pages[page, offset, first // head_dim, (first % head_dim) // 2 + j] = byte
+
+    return cuda.jit(device=True)(write)
+
+
+def _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping) -> None:
+    name = "quant_rotary_cache_write_cuda"
+    if not isinstance(k_pages, QuantPages):
+        raise ValueError(f"{name}: takes QuantPages, got {type(k_pages).__name__}")
+    check_pair(k_pages, v_pages)
+    _launch.check_dtype(name, q, k, v, cos, sin)
+    _launch.check_device(name, q, k, v, cos, sin, k_pages.data, v_pages.data, slot_mapping)
+    if len({t.dtype for t in (q, k, v, cos, sin)}) != 1:
+        raise ValueError(f"{name}: q, k, v, cos and sin must share a dtype")
+    tokens, _, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != head_dim:
+        raise ValueError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q")
+    if (k.shape[1], head_dim) != k_pages.shape[2:]:
+        raise ValueError(f"{name}: k {tuple(k.shape)} does not fit pages {k_pages.shape}")
+    if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(f"{name}: cos/sin must be [T, D/2]")
+    if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in _launch.NUMBA_INDEX_DTYPES:
+        raise ValueError(f"{name}: slot_mapping must be [T] int32/int64")
+
+
+def quant_rotary_cache_write_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``quant_rotary_cache_write_reference`` in one launch; returns the rotated q (new)."""
+    _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    tokens, heads, head_dim = q.shape
+    if tokens == 0:
+        return out
+    kv_heads = k.shape[1]
+    work = max((heads + kv_heads) * head_dim // 2, 2 * kv_heads * head_dim)
+    threads = 32
+    while threads < work and threads < _MAX_THREADS and not _launch.SIMULATOR:
+        threads *= 2
+    kernel = _quant_write_kernel(
+        q.dtype, kv_heads, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate
+    )
+    if _launch.SIMULATOR:  # the simulator copies arrays in as single buffers; a GPU takes views
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    args = (q, k, v, cos, sin, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales)
+    kernel[tokens, threads, _launch.stream()](
+        *(_launch.arg(t) for t in (*args, slot_mapping.contiguous(), out))
+    )
+    return out

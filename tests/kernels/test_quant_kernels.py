@@ -1,0 +1,122 @@
+"""The quantized-page kernels (engine/cuda/quant_kernels.py) against their torch references
+(engine/cuda/quant_reference.py): the fused rotary + quantizing cache write, and the paged
+attention reading q8/q6/q4 pages in place (decode, prefill, chunked prefill, split keys).
+
+Without a GPU they run in the simulator: head_dim 32 (one quantization group), page size 4,
+contexts of a few pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache.quant import GROUP, QUANT_BITS, QuantPages, allocate_quant_pages, write_slots
+from engine.cuda.quant_kernels import paged_attention_quant_cuda, quant_rotary_cache_write_cuda
+from engine.cuda.quant_reference import (
+    quant_paged_attention_reference,
+    quant_rotary_cache_write_reference,
+)
+from tests.kernels.common import DEVICE, TOL
+from tests.kernels.test_attention import make_case, rel_error
+from tests.kernels.test_rotary_cache_write import make_inputs
+
+
+def _pages(quant: str, rotate: bool, num_pages: int, page_size: int, kv_heads: int, dim: int):
+    return [
+        allocate_quant_pages(num_pages, page_size, kv_heads, dim, bits, rotate, DEVICE)
+        for bits in QUANT_BITS[quant]
+    ]
+
+
+def _copy(p: QuantPages) -> QuantPages:
+    return QuantPages(p.data.clone(), p.scales.clone(), p.bits, p.rotate)
+
+
+# --- cache write ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quant", "rotate", "dtype"),
+    [("q8", False, torch.float32), ("q4", False, torch.float16), ("q6", True, torch.float32)],
+)
+def test_cache_write_matches_reference(quant, rotate, dtype):
+    torch.manual_seed(0)
+    q, k, v, cos, sin, _, _ = make_inputs(3, 2, 1, 2 * GROUP, 4, 4, dtype)
+    k_pages, v_pages = _pages(quant, rotate, 4, 4, 1, 2 * GROUP)
+    ref_k, ref_v = _copy(k_pages), _copy(v_pages)
+    slots = torch.tensor([5, -1, 14], device=DEVICE)  # the middle token is padding
+    ref_q = quant_rotary_cache_write_reference(q, k, v, cos, sin, ref_k, ref_v, slots)
+    out = quant_rotary_cache_write_cuda(q, k, v, cos, sin, k_pages, v_pages, slots)
+    assert rel_error(out, ref_q) <= TOL[dtype]
+    for got, want in ((k_pages, ref_k), (v_pages, ref_v)):
+        if not rotate:  # same float32 operations in the same order: identical codes
+            assert torch.equal(got.scales, want.scales)
+            assert torch.equal(got.data, want.data)
+            continue
+        # The kernel's Hadamard sums in another order than torch's matmul: scales agree to
+        # fp16 rounding and a code may land one step over at a rounding boundary.
+        assert torch.allclose(got.scales.float(), want.scales.float(), rtol=2e-3, atol=0)
+        diff = _codes(got) - _codes(want)
+        assert diff.abs().max() <= 1 and (diff != 0).float().mean() < 0.05
+    written = torch.zeros(16, dtype=torch.bool)
+    written[[5, 14]] = True
+    scales = k_pages.scales.reshape(16, -1)
+    assert torch.all(scales[~written] == 0) and torch.all(scales[written] > 0)
+
+
+def _codes(p: QuantPages) -> torch.Tensor:
+    if p.bits == 8:
+        return p.data.int()
+    return torch.cat(((p.data & 15).int(), (p.data >> 4).int()), dim=-1)
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def _quantized_case(specs, quant, rotate, heads=2, kv_heads=1, dtype=torch.float32, seed=0):
+    q, k, v, batch = make_case(specs, heads, kv_heads, GROUP, dtype, seed=seed)
+    pool, page_size = k.shape[:2]
+    k_pages, v_pages = _pages(quant, rotate, pool, page_size, kv_heads, GROUP)
+    slots = torch.arange(pool * page_size, device=DEVICE)
+    write_slots(k_pages, k.reshape(-1, kv_heads, GROUP), slots)
+    write_slots(v_pages, v.reshape(-1, kv_heads, GROUP), slots)
+    return q, k_pages, v_pages, batch
+
+
+@pytest.mark.parametrize(
+    ("specs", "quant", "rotate", "splits"),
+    [
+        ([(5, 1), (9, 1)], "q4", False, None),  # decode
+        ([(0, 6), (3, 4)], "q8", True, None),  # prefill and chunked prefill
+        ([(2, 1), (11, 3)], "q6", True, 2),  # mixed rows, split key range + merge
+    ],
+)
+def test_attention_matches_reference(specs, quant, rotate, splits):
+    q, k_pages, v_pages, batch = _quantized_case(specs, quant, rotate)
+    scale = GROUP**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=splits)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+
+
+def test_attention_fp16_gqa_window():
+    q, k_pages, v_pages, batch = _quantized_case(
+        [(6, 1), (1, 2)], "q4", True, heads=4, kv_heads=2, dtype=torch.float16, seed=1
+    )
+    scale = GROUP**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, 3)
+    ref = quant_paged_attention_reference(q.float(), k_pages, v_pages, batch, scale, 3)
+    assert out.dtype == torch.float16
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+def test_attention_validates_inputs():
+    q, k_pages, v_pages, batch = _quantized_case([(3, 1)], "q8", False)
+    with pytest.raises(ValueError, match="QuantPages"):
+        paged_attention_quant_cuda(q, k_pages.data, v_pages, batch, 1.0)
+    other = QuantPages(v_pages.data, v_pages.scales, v_pages.bits, rotate=True)
+    with pytest.raises(ValueError, match="rotation"):
+        paged_attention_quant_cuda(q, k_pages, other, batch, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_attention_quant_cuda(q[..., :16], k_pages, v_pages, batch, 1.0)
