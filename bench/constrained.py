@@ -9,8 +9,10 @@ so the filters' share of each step is much larger (a worst case for the overhead
 
 The schema forces a long answer (an array of at least 40 objects), so every constrained job
 decodes all ``max_new_tokens``; unconstrained jobs ignore EOS, so both decode the same count.
-Each case: enqueue 32 chat prompts, run until every job has its first token (prefill), then
-time the decode steps. Cases alternate over ``--rounds`` rounds; medians are reported. The
+Each round builds one generator per case (32 chat prompts each, prefilled untimed), then runs
+their decode steps interleaved (none, background, sync, none, ...) so that the load of a shared
+machine falls on every case alike; tokens/s is 32 / the median step time. Medians over
+``--rounds`` rounds are reported. The
 mask timings: ``fill`` is the time spent filling bitmasks (host threads), ``wait`` the time the
 step waited for them after its forward (with background evaluation, fill - wait was hidden).
 
@@ -23,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import random
 import statistics
 import time
 from datetime import UTC, datetime
@@ -83,8 +86,8 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
     return out
 
 
-def run_case(model, tokenizer, case: str, max_new_tokens: int) -> dict:
-    cache = PagedCache(model, BATCH * 512, page_size=16)
+def make_generator(model, tokenizer, case: str, max_new_tokens: int) -> DynamicGenerator:
+    cache = PagedCache(model, BATCH * 256, page_size=16)
     generator = DynamicGenerator(
         model, cache, tokenizer, max_batch_size=BATCH, filter_background_eval=case != "json_sync"
     )
@@ -101,32 +104,72 @@ def run_case(model, tokenizer, case: str, max_new_tokens: int) -> dict:
             )
         )
     jobs = list(generator._jobs.values())
-    while any(not j.new_token_ids for j in jobs):  # prefill (and first tokens)
+    while any(not j.new_token_ids for j in jobs):  # prefill (and first tokens): not timed
         generator.iterate()
-    masks = generator._masks
-    fill0, wait0 = (masks.timings.fill_s, masks.timings.wait_s) if masks else (0.0, 0.0)
-    tokens0 = sum(len(j.new_token_ids) for j in jobs)
-    steps, start = 0, time.perf_counter()
-    reasons = []
-    while generator.num_remaining_jobs():
-        reasons += [r["eos_reason"] for r in generator.iterate() if r["eos"]]
-        steps += 1
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(j.new_token_ids) for j in jobs) - tokens0
+    generator.bench_jobs = jobs
+    return generator
+
+
+def run_round(model, tokenizer, max_new_tokens: int) -> dict[str, dict]:
+    """The three cases' decode steps interleaved (none, background, sync, none, ...), so the
+    load of a shared machine falls on all of them alike; per-step times are compared."""
+    generators = {case: make_generator(model, tokenizer, case, max_new_tokens) for case in CASES}
+    times: dict[str, list[float]] = {case: [] for case in CASES}
+    marks = {}
+    for case, g in generators.items():
+        t = g._masks.timings if g._masks else None
+        marks[case] = (t.fill_s, t.wait_s) if t else (0.0, 0.0)
+    while any(g.num_remaining_jobs() for g in generators.values()):
+        for case, g in generators.items():
+            if g.num_remaining_jobs():
+                start = time.perf_counter()
+                g.iterate()
+                times[case].append(time.perf_counter() - start)
+    return {case: summarise_case(generators[case], times[case], marks[case]) for case in CASES}
+
+
+def summarise_case(generator, times: list[float], mark: tuple[float, float]) -> dict:
+    steps = len(times)
+    median = statistics.median(times)
     result = {
-        "tokens": tokens,
         "steps": steps,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "ms_per_step": 1e3 * elapsed / steps,
-        "eos_reasons": sorted(set(reasons)),
+        "median_ms_per_step": 1e3 * median,
+        "mean_ms_per_step": 1e3 * statistics.fmean(times),
+        "tokens_per_s": BATCH / median,  # every step decodes one token for each of the 32 jobs
     }
+    masks = generator._masks
     if masks:
-        result["mask_fill_ms_per_step"] = 1e3 * (masks.timings.fill_s - fill0) / steps
-        result["mask_wait_ms_per_step"] = 1e3 * (masks.timings.wait_s - wait0) / steps
-        if filters:
-            result["valid_json"] = sum(_valid_prefix(j.full_completion) for j in jobs)
+        result["mask_fill_ms_per_step"] = 1e3 * (masks.timings.fill_s - mark[0]) / steps
+        result["mask_wait_ms_per_step"] = 1e3 * (masks.timings.wait_s - mark[1]) / steps
+        jobs = generator.bench_jobs
+        result["json_prefix_ok"] = sum(_valid_prefix(j.full_completion) for j in jobs)
     return result
+
+
+def sampler_cost(vocab: int, repeats: int = 40) -> dict:
+    """The main thread's cost of masks alone: greedy sampling of [32, vocab] logits with and
+    without a mask bias, and the bias's construction from a bitmask (done on the mask thread,
+    during the forward, with background evaluation), interleaved, medians in ms."""
+    from engine.constraints.masks import mask_bias
+    from engine.sampling import SampleRequest, sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(BATCH, vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (BATCH, words), dtype=torch.int32)
+    requests = [SampleRequest(SamplerSettings.greedy(), random.Random(i)) for i in range(BATCH)]
+    times: dict[str, list[float]] = {"plain_ms": [], "masked_ms": [], "bias_ms": []}
+    bias = mask_bias(bitmask, vocab, "cpu")
+    for _ in range(repeats):
+        for key, fn in (
+            ("plain_ms", lambda: sample(logits, requests, vocab)),
+            ("masked_ms", lambda: sample(logits, requests, vocab, token_mask=bias)),
+            ("bias_ms", lambda: mask_bias(bitmask, vocab, "cpu")),
+        ):
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {key: 1e3 * statistics.median(values) for key, values in times.items()}
 
 
 def _valid_prefix(text: str) -> bool:
@@ -139,6 +182,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "random"])
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smollm2-rounds", type=int, default=None, help="default: --rounds")
     parser.add_argument("--quick", action="store_true", help="1 round, 16 tokens")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -151,13 +195,16 @@ def main() -> None:
         "max_new_tokens": max_new,
         "rounds": rounds,
         "models": {},
+        "sampler_batch32": sampler_cost(tokenizer.vocab_size),
     }
+    print("sampler, batch 32, greedy (ms):", report["sampler_batch32"])
     for name in args.models:
         model = load(name, tokenizer)
         runs = {case: [] for case in CASES}
-        for _ in range(rounds):
-            for case in CASES:
-                runs[case].append(run_case(model, tokenizer, case, max_new))
+        model_rounds = args.smollm2_rounds if name == "smollm2" and args.smollm2_rounds else rounds
+        for _ in range(model_rounds):
+            for case, result in run_round(model, tokenizer, max_new).items():
+                runs[case].append(result)
         report["models"][name] = summarise(runs)
         print_table(name, report["models"][name])
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +213,8 @@ def main() -> None:
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Medians over rounds; the cost of a case is taken per round (its steps interleaved with
+    the unconstrained ones of the same round), then the median."""
     out = {}
     for case, results in runs.items():
         median = {
@@ -173,10 +222,15 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             for key in results[0]
             if isinstance(results[0][key], int | float)
         }
+        median["tokens_per_s"] = BATCH / (median["median_ms_per_step"] / 1e3)
         out[case] = {"median": median, "runs": results}
-    base = out["none"]["median"]["tokens_per_s"]
     for case in CASES[1:]:
-        out[case]["cost_vs_none"] = 1 - out[case]["median"]["tokens_per_s"] / base
+        costs = [
+            1 - base["median_ms_per_step"] / r["median_ms_per_step"]
+            for base, r in zip(runs["none"], runs[case], strict=True)
+        ]
+        out[case]["cost_vs_none"] = statistics.median(costs)
+        out[case]["cost_per_round"] = costs
     return out
 
 
@@ -187,7 +241,7 @@ def print_table(name: str, summary: dict) -> None:
         m = data["median"]
         cost = data.get("cost_vs_none")
         print(
-            f"{case:<18}{m['tokens_per_s']:>9.1f}{m['ms_per_step']:>9.1f}"
+            f"{case:<18}{m['tokens_per_s']:>9.1f}{m['median_ms_per_step']:>9.1f}"
             f"{m.get('mask_fill_ms_per_step', 0):>9.2f}{m.get('mask_wait_ms_per_step', 0):>9.2f}"
             f"{'' if cost is None else f'{100 * cost:.1f}%':>8}"
         )

@@ -190,6 +190,7 @@ class DynamicGenerator:
                     max(self.model.config.vocab_size, self.tokenizer.vocab_size),
                     sorted(self.default_stop_tokens),
                     background=self.filter_background_eval,
+                    device=self.model.device,
                 )
             return self._masks
 
@@ -261,7 +262,7 @@ class DynamicGenerator:
             return []
         jobs, logits = merge_cfg_rows(entries, logits)  # a CFG job's two rows -> one
         try:
-            token_mask = self._token_mask(masks, logits)
+            token_mask = None if masks is None else masks.result()
         except Exception as error:  # the grammar engine failed: its rows' jobs end
             logger.exception("filter masks failed; ending the constrained jobs of this step")
             failed = [self._fail(j, error) for j in jobs if j.mask_source() is not None]
@@ -271,14 +272,6 @@ class DynamicGenerator:
                 return failed
             return failed + self._sample_rows(jobs, logits, None)
         return self._sample_rows(jobs, logits, token_mask)
-
-    def _token_mask(self, masks, logits: torch.Tensor) -> torch.Tensor | None:
-        bitmask = None if masks is None else masks.result()
-        if bitmask is None:
-            return None
-        from engine.constraints.masks import unpack_bitmask
-
-        return unpack_bitmask(bitmask, logits.shape[1], logits.device)
 
     def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:
         try:

@@ -81,21 +81,23 @@ def sample(
 
     ``vocab_limit``: ids at or above it are never picked (a model's embedding table is often
     padded past the tokenizer's last id; those rows decode to nothing).
-    ``token_mask``: bool [B, V] (or wider), the tokens each row may pick (constrained decoding;
-    all True for unconstrained rows), applied in one masked fill after penalties and bans.
+    ``token_mask``: float [B, V] (or wider), an additive bias: 0 for the tokens each row may
+    pick, -inf for the others (constrained decoding; all 0 for unconstrained rows), applied in
+    one add after penalties and bans.
     """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
     logits = logits.float()
     limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
     raw_logits, dead = logits, None
-    if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
+    banning = any(r.settings.token_bias or r.banned_tokens for r in requests)
+    if banning or any(r.settings.has_penalties for r in requests):
         logits = logits.clone()  # the caller's logits stay as they are
         _apply_penalties(logits, requests)
         _apply_bias_and_bans(logits, requests)
-    if token_mask is not None:
-        logits = _apply_token_mask(logits, token_mask)
-    if logits is not raw_logits:  # bans or a mask: a row may have no token left
+    if token_mask is not None:  # INVARIANT (MaskEngine): every mask row allows a token
+        logits = logits + token_mask[:, : logits.shape[1]]
+    if banning:  # bans (and -inf biases) may leave a row without a token
         dead = _all_banned(logits, limit)
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
     # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
@@ -122,23 +124,6 @@ def _all_banned(logits: torch.Tensor, limit: int) -> torch.Tensor:
     dead = ~(logits[:, :limit] > -math.inf).any(-1)
     logits.masked_fill_(dead[:, None], 0.0)
     return dead
-
-
-def _apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Mask disallowed tokens to -inf. A row the mask and the bans leave empty (a grammar that
-    allows only EOS while min_new_tokens bans it) keeps the mask alone: the grammar wins. A row
-    with nothing allowed at all stays unmasked (its grammar then refuses the token and ends
-    that job with an error): never an all -inf row, never NaN."""
-    allowed = allowed[:, : logits.shape[1]]
-    masked = logits.masked_fill(~allowed, -math.inf)
-    empty = ~(masked > -math.inf).any(-1)
-    if bool(empty.any()):
-        # the pre-ban logits (no -inf from bans) under the mask, if the mask allows anything
-        unbanned = torch.where(allowed, logits.nan_to_num(neginf=-1e30), -math.inf)
-        mask_empty = ~allowed.any(-1, keepdim=True)
-        fallback = torch.where(mask_empty, logits.nan_to_num(neginf=-1e30), unbanned)
-        masked = torch.where(empty[:, None], fallback, masked)
-    return masked
 
 
 def processed_distribution(

@@ -5,7 +5,7 @@ Filters describe a grammar (``JSONSchemaFilter(schema)``, ``RegexFilter(pattern)
 ``ChoiceFilter([...])``, ``GrammarFilter(lark)``, or ``Filter.from_spec(spec)``); each job that
 carries them gets its own llguidance matchers (``JobConstraint``) when it is enqueued. The
 generator computes every constrained row's allowed-token bitmask on host threads while the
-forward runs and applies them on the device in one masked fill.
+forward runs and applies them on the device as one additive logit bias.
 
 Only ``ConstraintSpec`` is imported eagerly: the ingress imports this package, and the rest
 needs llguidance (and torch). The other names load on first use.

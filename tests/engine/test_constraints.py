@@ -302,3 +302,16 @@ def test_try_consume_and_rollback_for_drafts(tiny):
     constraint.rollback(constraint.num_consumed)
     with pytest.raises(FilterError):
         constraint.consume(encode("x")[0])
+
+
+def test_no_mask_row_is_ever_empty(tiny):
+    """No row of a step's mask is ever empty (the sampler relies on it): a matcher in its
+    error state allows at most EOS (else its row is left open); the job fails on consume."""
+    engine = tiny.generator(filter_background_eval=False).mask_engine()
+    broken = engine.constraint([RegexFilter("[0-9]+")], prefer_eos=False)
+    with pytest.raises(FilterError):
+        broken.consume(engine.tokenizer.tokenize_str("x")[0])
+    fine = engine.constraint([RegexFilter("[0-9]+")], prefer_eos=False)
+    bias = engine.launch([broken, fine, None]).result()
+    assert bool((bias[0] == 0).any()) and bool((bias[2] == 0).all())
+    assert 0 < int((bias[1] == 0).sum()) < bias.shape[1]

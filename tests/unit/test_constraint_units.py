@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -11,21 +12,26 @@ import pytest
 import torch
 
 from engine.constraints.banned import BannedStrings, fold
-from engine.constraints.masks import pack_ids, unpack_bitmask, unpack_with_shifts
-from engine.sampling import SampleRequest, SamplerSettings, sample
+from engine.constraints.masks import device_mask_bias, mask_bias, pack_ids
+from engine.sampling import BANNED_ROW, SampleRequest, SamplerSettings, sample
 
 
-def test_pack_and_unpack_round_trip():
+def test_pack_and_bias_round_trip():
     vocab = 77
     ids = frozenset({0, 5, 31, 32, 63, 64, 76})
     words = (vocab + 31) // 32
     bitmask = torch.from_numpy(pack_ids(ids, words)[None, :].copy())
-    allowed = unpack_bitmask(bitmask, vocab, torch.device("cpu"))
-    assert allowed.shape == (1, vocab)
-    assert set(allowed[0].nonzero().flatten().tolist()) == ids
-    assert torch.equal(unpack_with_shifts(bitmask, vocab), allowed)  # the accelerator's way
-    everything = unpack_bitmask(torch.full((2, words), -1, dtype=torch.int32), vocab, "cpu")
-    assert bool(everything.all())
+    bias = mask_bias(bitmask, vocab, torch.device("cpu"))
+    assert bias.shape == (1, vocab) and bias.dtype == torch.float32
+    assert set((bias[0] == 0).nonzero().flatten().tolist()) == ids
+    assert bool((bias[0][bias[0] != 0] == -math.inf).all())
+    assert torch.equal(device_mask_bias(bitmask, vocab, "cpu"), bias)  # the accelerator's way
+    everything = mask_bias(torch.full((2, words), -1, dtype=torch.int32), vocab, "cpu")
+    assert bool((everything == 0).all())
+
+
+def _bias(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.where(allowed, 0.0, -math.inf)
 
 
 def _requests(n, greedy=False, banned=()):
@@ -44,30 +50,24 @@ def test_masked_rows_pick_allowed_tokens_only(greedy):
     mask[0, [3, 7]] = True
     mask[1, 40] = True
     mask[2] = True  # an unconstrained row
-    out = sample(logits, _requests(3, greedy), token_mask=mask)
+    out = sample(logits, _requests(3, greedy), token_mask=_bias(mask))
     assert out.tokens[0] in (3, 7) and out.tokens[1] == 40
     assert out.tokens[2] == sample(logits[2:], _requests(3, greedy)[2:]).tokens[0]
     assert all(p == p and 0 < p <= 1 for p in out.probs)  # no NaN
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_a_row_left_empty_by_bans_keeps_the_mask(greedy):
-    """The grammar allows only token 9 (EOS) while min_new_tokens bans it: the grammar wins,
-    and nothing is NaN."""
-    logits = torch.randn(1, 20)
-    mask = torch.zeros(1, 20, dtype=torch.bool)
-    mask[0, 9] = True
-    out = sample(logits, _requests(1, greedy, banned=(9,)), token_mask=mask)
-    assert out.tokens == [9] and out.probs[0] == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("greedy", [True, False])
-def test_an_all_false_mask_never_gives_nan(greedy):
+def test_a_row_the_mask_and_bans_leave_empty_is_reported_never_nan(greedy):
+    """Row 0: the grammar allows 9 and 12, a ban takes 9: 12 is picked. Row 1: the grammar
+    allows only 9 and a ban takes it: BANNED_ROW (the generator ends that job), no NaN.
+    (A mask row allowing nothing never reaches the sampler: test_no_mask_row_is_ever_empty.)"""
     logits = torch.randn(2, 20)
     mask = torch.zeros(2, 20, dtype=torch.bool)
-    out = sample(logits, _requests(2, greedy), token_mask=mask)
-    assert all(0 <= t < 20 for t in out.tokens)
-    assert all(p == p for p in out.probs)
+    mask[0, [9, 12]] = True
+    mask[1, 9] = True
+    out = sample(logits, _requests(2, greedy, banned=(9,)), token_mask=_bias(mask))
+    assert out.tokens == [12, BANNED_ROW]
+    assert out.probs[0] == pytest.approx(1.0) and out.probs[1] == 0.0
 
 
 def test_banned_strings_match_case_insensitively():
