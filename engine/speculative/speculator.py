@@ -30,6 +30,8 @@ from engine.speculative.rejection import DraftRows, Verification, verify
 
 logger = logging.getLogger(__name__)
 
+MIN_NGRAM = 2  # shortest suffix an n-gram draft may follow
+
 
 @dataclasses.dataclass(slots=True)
 class _JobState:
@@ -82,7 +84,9 @@ class Speculator:
     def _state(self, job) -> _JobState:
         state = self._jobs.get(job.serial)
         if state is None:
-            ngram = NGramIndex(self.max_ngram) if self.draft is None else None
+            # a lone recurring token predicts little (open chat): suffixes of 2+ tokens only
+            min_ngram = min(MIN_NGRAM, self.max_ngram)
+            ngram = NGramIndex(self.max_ngram, min_ngram) if self.draft is None else None
             state = self._jobs[job.serial] = _JobState(ngram=ngram)
         return state
 
