@@ -2,6 +2,8 @@
 ``serve deploy`` places one engine replica per node, requests are routed across both nodes, a
 batch job is submitted to the head, and when the second node is killed mid-load its requests end
 with clean errors while the app recovers on the head node.
+
+Reduced size for CI; ``PAGEDSERVE_MULTINODE_FULL=1`` sends more and longer streams.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from tests.serve.test_batch import (
 from tests.serve.test_faults import Outcome, replica_stats, stream_chat
 
 pytestmark = pytest.mark.ray
+
+FULL = os.environ.get("PAGEDSERVE_MULTINODE_FULL") == "1"
+SPREAD_STREAMS = 16 if FULL else 8  # short streams that must reach both nodes
+LOSS_STREAMS, LOSS_TOKENS = (12, 800) if FULL else (6, 400)  # in flight when the node dies
 
 # What a client must never see in an error (the reliability issue's rule): Ray internals.
 LEAKS = re.compile(r"ray::|pid=|actor_id|Traceback|ip=\d", re.IGNORECASE)
@@ -178,7 +184,7 @@ def test_two_nodes_serve_route_batch_and_survive_losing_one(nodes: TwoNodes) -> 
     assert len({r["node_id"] for r in stats}) == 2, "both replicas on one node"
 
     # Requests are routed across both nodes (new prefixes spread over the replicas).
-    outcomes = _streams(nodes.base_url, 8, 8)
+    outcomes = _streams(nodes.base_url, SPREAD_STREAMS, 8)
     assert all(o.done and not o.errors for o in outcomes)
     served = {r["node_id"]: r["requests_served"] for r in replica_stats(nodes.base_url)}
     assert all(count > 0 for count in served.values()), served
@@ -197,7 +203,7 @@ def test_two_nodes_serve_route_batch_and_survive_losing_one(nodes: TwoNodes) -> 
     # The second node dies mid-load: its streams end with clean errors, none hangs, and the
     # app keeps serving from the head.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        load = pool.submit(_streams, nodes.base_url, 6, 400)
+        load = pool.submit(_streams, nodes.base_url, LOSS_STREAMS, LOSS_TOKENS)
         time.sleep(3)
         os.killpg(nodes.worker.pid, signal.SIGKILL)
         outcomes = load.result(timeout=300)
