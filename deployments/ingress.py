@@ -207,11 +207,12 @@ class Ingress:
     async def stats(self, request: Request) -> Response:
         """Per replica: the generator's stats plus requests served, and what this ingress's
         router predicted about its cache vs what the replica's cache really supplied."""
-        replicas = await _replica_stats(self._llm)
+        replicas, unreachable = await _replica_stats(self._llm)
         audit = routing_audit.summary()
         for replica in replicas:
             replica["routing"] = audit.get(replica.get("replica_id"), None)
-        return JSONResponse({"object": "stats", "replicas": replicas})
+        body = {"object": "stats", "replicas": replicas, "replicas_unreachable": unreachable}
+        return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -254,10 +255,19 @@ class Ingress:
             )
 
 
-async def _replica_stats(llm: DeploymentHandle) -> list[dict[str, Any]]:
-    """Ask every replica for its stats (a control-plane call, not the hot path)."""
+STATS_TIMEOUT_S = 30.0
+
+
+async def _replica_stats(llm: DeploymentHandle) -> tuple[list[dict[str, Any]], int]:
+    """Ask every replica for its stats (a control-plane call, not the hot path): the answers,
+    and how many replicas did not answer (one that died or is being replaced must not turn
+    the whole stats call into an error)."""
     response = llm.broadcast("stats")
-    return list(await response.results_async(return_exceptions=False))
+    answers = await response.results_async(timeout_s=STATS_TIMEOUT_S, return_exceptions=True)
+    stats = [a for a in answers if isinstance(a, dict)]
+    for failure in (a for a in answers if not isinstance(a, dict)):
+        logger.warning("a replica did not answer its stats: %s", type(failure).__name__)
+    return stats, len(answers) - len(stats)
 
 
 async def _indexed(stream, request_id: str) -> AsyncIterator[tuple[int, dict[str, Any]]]:

@@ -86,10 +86,13 @@ def test_chat_logprobs_streaming_matches_non_streaming(client: openai.OpenAI) ->
         for choice in chunk.choices:
             if choice.logprobs is not None:
                 streamed[choice.index] += choice.logprobs.content
-    for index in (0, 1):
-        assert [(e.token, e.logprob) for e in streamed[index]] == [
-            (e.token, e.logprob) for e in out.choices[index].logprobs.content
-        ]
+    for index in (0, 1):  # the same tokens; the values may differ in the last float bits
+        # (the two requests share forwards with different batch compositions)
+        expected = out.choices[index].logprobs.content
+        assert [e.token for e in streamed[index]] == [e.token for e in expected]
+        assert [e.logprob for e in streamed[index]] == pytest.approx(
+            [e.logprob for e in expected], abs=1e-4
+        )
     plain = client.chat.completions.create(**args)
     assert plain.choices[0].logprobs is None
 
