@@ -47,6 +47,7 @@ from deployments.responses import ResponseFormat, sse
 from deployments.structured import ToolCalling, tools_system_message
 from engine.cache.prefix_hash import prefix_hashes, salt_root
 from engine.config import ModelConfig
+from engine.model.model import resolve_device, resolve_dtype
 from engine.request import GenerationRequest
 from engine.token_bytes import TokenBytes
 from engine.tokenizer import Tokenizer
@@ -75,6 +76,9 @@ class PromptBuilder:
         # than context x that cannot fit: refused before spending time tokenizing it.
         self.max_prompt_chars = self.context_length * _longest_token_bytes(self.tokenizer)
         self.token_bytes = TokenBytes(self.tokenizer)  # spells tokens in logprobs
+        # the replicas' compute dtype: prompt_embeds rows are cast to it here, so the content
+        # hash (page hashes, routing) is the one the replicas compute
+        self.run_dtype = resolve_dtype(preset.model.dtype, resolve_device(preset.model.device))
 
     def completion_ids(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -104,6 +108,17 @@ class PromptBuilder:
         except Exception as e:  # jinja errors, the template's raise_exception, forged tokens
             raise OpenAIError(f"chat template failed: {e}", param="messages") from None
         return self.check_prompt(ids, "messages")
+
+    def prompt_embeddings(self, body: dict[str, Any]) -> tuple:
+        """``prompt_embeds`` (completions) as one container in the replicas' run dtype, or ()."""
+        value = body.get("prompt_embeds")
+        if value is None:
+            return ()
+        if body.get("prompt") is not None:
+            raise OpenAIError("give either 'prompt' or 'prompt_embeds', not both", param="prompt")
+        from deployments.prompt_embeds import embedding_from_body
+
+        return (embedding_from_body(value, self.config.hidden_size, self.run_dtype),)
 
     def check_text_length(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -148,11 +163,16 @@ class PromptBuilder:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
         one replica runs them, sharing the prompt's pages)."""
         fields = parse_fields(body, chat, self.config.vocab_size)
-        ids = self.chat_ids(body, fields.tools) if chat else self.completion_ids(body)
+        embeddings = self.prompt_embeddings(body) if not chat else ()
+        if embeddings:
+            ids = self.check_prompt(list(embeddings[0].placeholder_ids), "prompt_embeds")
+        else:
+            ids = self.chat_ids(body, fields.tools) if chat else self.completion_ids(body)
         max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
-        hashes = prefix_hashes(ids, self.page_size, parent=salt_root(fields.cache_salt))
+        root = salt_root(fields.cache_salt)
+        hashes = prefix_hashes(ids, self.page_size, parent=root, embeddings=embeddings)
         try:
-            return fields, fields.generation(ids, max_new, hashes)
+            return fields, fields.generation(ids, max_new, hashes, embeddings)
         except ValueError as e:  # a limit the field checks above did not foresee
             raise OpenAIError(f"invalid request: {e}") from None
 

@@ -74,7 +74,7 @@ _COMMON_FIELDS = frozenset(
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 FIELDS = {
-    False: _COMMON_FIELDS | {"prompt"},
+    False: _COMMON_FIELDS | {"prompt", "prompt_embeds"},
     True: _COMMON_FIELDS | _CHAT_FIELDS | {"parallel_tool_calls"},
 }
 # OpenAI features this server does not implement, with the values that ask for nothing.
@@ -159,7 +159,11 @@ class RequestFields:
     tools: ToolCalling | None = None  # a forced tool call: the output is read back as one
 
     def generation(
-        self, prompt_ids: list[int], max_new_tokens: int, page_hashes: list[int]
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        page_hashes: list[int],
+        embeddings: tuple = (),
     ) -> GenerationRequest:
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
@@ -174,6 +178,7 @@ class RequestFields:
             cache_salt=self.cache_salt,
             constraint=self.constraint,
             logprobs=self.logprobs,
+            embeddings=embeddings,
         )
 
 

@@ -422,3 +422,49 @@ def test_health_answers_while_big_prompts_are_refused(base_url: str) -> None:
         sender.join()
     assert [status for status, _ in results] == [400] * 3
     assert answered >= 1
+
+
+def test_prompt_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI) -> None:
+    """The same rows through HTTP (``prompt_embeds``) and through the library's job API give the
+    same greedy completion; the second request reuses the first one's pages (content hashes)."""
+    import torch
+
+    from deployments.preset import Preset
+    from deployments.prompt_embeds import encode_rows
+    from engine import (
+        DynamicGenerator,
+        DynamicJob,
+        MMEmbedding,
+        Model,
+        PagedCache,
+        SamplerSettings,
+        Tokenizer,
+    )
+
+    path = Preset.load("configs/demo.yaml").model.resolve_path()  # the replicas' demo model
+    model = Model.from_pretrained(path, device="cpu", dtype="float32")
+    tokenizer = Tokenizer.from_pretrained(path)
+    rows = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    embedding = MMEmbedding(rows.to(model.dtype), model=model)
+    generator = DynamicGenerator(model, PagedCache(model, 1024), tokenizer)
+    job = DynamicJob(
+        list(embedding.placeholder_ids),
+        8,
+        stop_conditions=[],
+        gen_settings=SamplerSettings.greedy(),
+        embeddings=[embedding],
+    )
+    generator.enqueue(job)
+    while generator.num_remaining_jobs():
+        generator.iterate()
+    body = {"prompt_embeds": encode_rows(rows), "ignore_eos": True}
+    served = [
+        client.completions.create(
+            model="demo", prompt=None, max_tokens=8, temperature=0, extra_body=body
+        )
+        for _ in range(2)
+    ]
+    assert served[0].choices[0].text == job.full_completion
+    assert served[1].choices[0].text == job.full_completion
+    assert served[1].usage.prompt_tokens == 40
+    assert served[1].usage.prompt_tokens_details.cached_tokens == 32  # two full pages of 16
