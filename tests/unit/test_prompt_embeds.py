@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from deployments.protocol import OpenAIError
 from deployments.prompt_embeds import encode_rows
+from deployments.protocol import OpenAIError
 from engine.cache.prefix_hash import prefix_hashes
 
 
