@@ -85,23 +85,13 @@ def sample(
     pick, -inf for the others (constrained decoding; all 0 for unconstrained rows), applied in
     one add after penalties and bans.
     """
-    if logits.shape[0] != len(requests):
-        raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-    logits = logits.float()
-    limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
-    raw_logits, dead = logits, None
-    banning = any(r.settings.token_bias or r.banned_tokens for r in requests)
-    if banning or any(r.settings.has_penalties for r in requests):
-        logits = logits.clone()  # the caller's logits stay as they are
-        _apply_penalties(logits, requests)
-        _apply_bias_and_bans(logits, requests)
+    raw_logits, logits, limit = _edited_logits(logits, requests, vocab_limit)
+    dead = None
     if token_mask is not None:  # INVARIANT (MaskEngine): every mask row allows a token
         logits = logits + token_mask[:, : logits.shape[1]]
-    if banning:  # bans (and -inf biases) may leave a row without a token
-        dead = _all_banned(logits, limit)
-    # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
-    # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
-    greedy_tokens = logits[:, :limit].max(-1).indices
+    if any(r.settings.token_bias or r.banned_tokens for r in requests):
+        dead = _all_banned(logits, limit)  # bans (and -inf biases) may leave a row empty
+    greedy_tokens = _greedy_tokens(logits, limit)
     # Every row draws, greedy or not, so a job's random stream does not depend on its settings.
     draws = [r.rng.random() for r in requests]
     if all(r.settings.is_greedy for r in requests) and not _wants_extras(requests):
@@ -133,7 +123,8 @@ def processed_distribution(
     penalties, bias and bans) and the final probabilities [B, V] (after temperature and the
     truncations, renormalised), or None when every row is greedy. Draws nothing.
     (Speculative verification compares draft tokens against exactly these.)"""
-    logits, limit, greedy_tokens = _edited_logits(logits, requests, vocab_limit)
+    _, logits, limit = _edited_logits(logits, requests, vocab_limit)
+    greedy_tokens = _greedy_tokens(logits, limit)
     if all(r.settings.is_greedy for r in requests):
         return greedy_tokens, None
     return greedy_tokens, _final_distribution(logits, requests, limit)[0]
@@ -141,19 +132,25 @@ def processed_distribution(
 
 def _edited_logits(
     logits: torch.Tensor, requests: Sequence[SampleRequest], vocab_limit: int | None
-) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """(logits after penalties, bias and bans; the vocabulary limit; greedy tokens)."""
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the logits as float32, the same after penalties, bias and bans, the vocabulary
+    limit). The caller's tensor is never changed: edits go to a copy."""
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-    logits = logits.float()
-    limit = logits.shape[1] if vocab_limit is None else min(vocab_limit, logits.shape[1])
+    raw = logits.float()
+    limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
+    edited = raw
     if any(r.settings.has_penalties or r.settings.token_bias or r.banned_tokens for r in requests):
-        logits = logits.clone()  # the caller's logits stay as they are
-        _apply_penalties(logits, requests)
-        _apply_bias_and_bans(logits, requests)
+        edited = raw.clone()
+        _apply_penalties(edited, requests)
+        _apply_bias_and_bans(edited, requests)
+    return raw, edited, limit
+
+
+def _greedy_tokens(logits: torch.Tensor, limit: int) -> torch.Tensor:
     # Greedy picks on the logits themselves: softmax can round near-equal logits into ties.
     # (max's indices: the first maximum, as argmax, and several times faster on a CPU)
-    return logits, limit, logits[:, :limit].max(-1).indices
+    return logits[:, :limit].max(-1).indices
 
 
 def _wants_extras(requests: Sequence[SampleRequest]) -> bool:
