@@ -216,6 +216,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def machine_info() -> dict[str, Any]:
+    return {
+        "processor": platform.processor() or platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+    }
+
+
+def start_ray(num_cpus: int) -> None:
+    """A local Ray for the benchmark's apps; the demo model's cache folder is set before Ray
+    starts, so the replicas inherit it (the model is built there once)."""
+    os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(tempfile.gettempdir()) / "pagedserve"))
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=8)
@@ -235,10 +253,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     folder = Path(tempfile.mkdtemp(prefix="pagedserve-routing-bench-"))
-    # Before Ray starts, so the replicas inherit it (the demo model is built there once).
-    os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(tempfile.gettempdir()) / "pagedserve"))
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2)
     runs: dict[str, list[dict[str, Any]]] = {router: [] for router in ROUTERS}
     try:
         for _ in range(args.repeats):  # alternate, so slow phases of the machine hit both
@@ -252,13 +267,7 @@ def main() -> None:
     report = {
         "benchmark": "routing",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "cpu_cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "ray": ray.__version__,
-        },
+        "machine": machine_info(),
         "setup": {"replicas": 2, "device": "cpu", "torch_threads": 1, "model": "demo"},
         "workload": {k: v for k, v in vars(args).items() if k != "output"},
         "results": {

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import random
 import statistics
 import tempfile
@@ -34,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 import yaml
 from ray import serve
 from routing import (  # bench/routing.py (a script: python bench/routing_scaling.py)
@@ -42,7 +39,9 @@ from routing import (  # bench/routing.py (a script: python bench/routing_scalin
     _free_port,
     _percentile,
     ideal_cached_tokens,
+    machine_info,
     preset,
+    start_ray,
     stream_completion,
 )
 
@@ -270,9 +269,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     folder = Path(tempfile.mkdtemp(prefix="pagedserve-scaling-bench-"))
-    os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(tempfile.gettempdir()) / "pagedserve"))
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=args.scale_to, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=args.scale_to)
     runs: dict[str, list[dict[str, Any]]] = {router: [] for router in ROUTERS}
     try:
         for _ in range(args.repeats):
@@ -285,13 +282,7 @@ def main() -> None:
     report = {
         "benchmark": "routing_scaling",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "cpu_cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "ray": ray.__version__,
-        },
+        "machine": machine_info(),
         "setup": {"replicas": f"1 -> {args.scale_to}", "device": "cpu", "model": "demo"},
         "workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "results": {
