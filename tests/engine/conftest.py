@@ -51,6 +51,33 @@ def assert_no_pages_in_use(generator: DynamicGenerator) -> None:
     generator.cache.page_table.check_invariants()
 
 
+def run_to_end(generator: DynamicGenerator, jobs: list) -> list[list[int]]:
+    """Enqueue ``jobs``, iterate until every one finished, check that nothing stays
+    referenced; the jobs' new token ids."""
+    for job in jobs:
+        generator.enqueue(job)
+    while generator.num_remaining_jobs():
+        generator.iterate()
+    assert_no_pages_in_use(generator)
+    return [job.new_token_ids for job in jobs]
+
+
+def simulator_model_folder(tiny: Tiny, folder, hidden_size: int = 32):
+    """A 1-layer model over the tiny tokenizer, small enough for the CUDA simulator (every GPU
+    thread runs as a Python thread); ``hidden_size`` 64 gives heads of 32 (one quantization
+    group)."""
+    return build_model(
+        folder,
+        "llama_gqa",
+        vocab_size=tiny.tokenizer.vocab_size,
+        num_hidden_layers=1,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
 class QuantTiny(Tiny):
     """``Tiny`` whose generators get a quantized cache."""
 

@@ -7,25 +7,14 @@ import pytest
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
 from engine.ops import OPS_ENV, select_ops
-from tests.engine.conftest import assert_no_pages_in_use
-from tests.hf_models import build_model
+from tests.engine.conftest import run_to_end, simulator_model_folder
 
 
 @pytest.fixture(scope="module")
 def small(tiny, tmp_path_factory):
     """A 1-layer model with the tiny fixture's tokenizer: the simulator runs every GPU thread
     as a Python thread, so shapes stay minimal."""
-    folder = build_model(
-        tmp_path_factory.mktemp("sim"),
-        "llama_gqa",
-        vocab_size=tiny.tokenizer.vocab_size,
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return folder
+    return simulator_model_folder(tiny, tmp_path_factory.mktemp("sim"))
 
 
 def _greedy(model: Model, tokenizer, prompts: list[list[int]]) -> list[list[int]]:
@@ -34,12 +23,7 @@ def _greedy(model: Model, tokenizer, prompts: list[list[int]]) -> list[list[int]
     jobs = [
         DynamicJob(p, 3, gen_settings=SamplerSettings.greedy(), stop_conditions=[]) for p in prompts
     ]
-    for job in jobs:
-        generator.enqueue(job)
-    while generator.num_remaining_jobs():
-        generator.iterate()
-    assert_no_pages_in_use(generator)
-    return [job.new_token_ids for job in jobs]
+    return run_to_end(generator, jobs)
 
 
 def test_generator_through_cuda_kernels_matches_torch(small, tiny, monkeypatch):

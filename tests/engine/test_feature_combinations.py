@@ -7,22 +7,13 @@ import pytest
 import torch
 
 from engine import DynamicGenerator, DynamicJob, MMEmbedding, PagedCache, SamplerSettings
-from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.conftest import run_to_end
 
 PROMPTS = ["the quick red fox jumps over the quick red fox jumps over", "a b c a b c a b c a"]
 
 
 def _ids(tiny, text: str) -> list[int]:
     return tiny.tokenizer.encode(text)[0].tolist()
-
-
-def _run(generator, jobs: list[DynamicJob]) -> list[list[int]]:
-    for job in jobs:
-        generator.enqueue(job)
-    while generator.num_remaining_jobs():
-        generator.iterate()
-    assert_no_pages_in_use(generator)
-    return [job.new_token_ids for job in jobs]
 
 
 def _jobs(tiny) -> list[DynamicJob]:
@@ -36,10 +27,10 @@ def _jobs(tiny) -> list[DynamicJob]:
 
 
 def test_cfg_pair_beside_ngram_speculation_matches_plain(tiny) -> None:
-    plain = _run(tiny.generator(), _jobs(tiny))
+    plain = run_to_end(tiny.generator(), _jobs(tiny))
     speculating = tiny.generator(use_ngram_draft=True)
     speculating.speculator.policy.max_step_tokens = 256  # every eligible job drafts
-    assert _run(speculating, _jobs(tiny)) == plain
+    assert run_to_end(speculating, _jobs(tiny)) == plain
     assert speculating.stats()["spec_draft_tokens_proposed"] > 0  # the plain jobs did draft
 
 
@@ -56,7 +47,7 @@ def test_ngram_speculation_on_quantized_pages_matches_plain_on_the_same_pages(ti
 
     speculating = generator(use_ngram_draft=True)
     speculating.speculator.policy.max_step_tokens = 256
-    assert _run(speculating, jobs()) == _run(generator(), jobs())
+    assert run_to_end(speculating, jobs()) == run_to_end(generator(), jobs())
 
 
 def test_refused_combinations_name_what_is_refused(tiny) -> None:

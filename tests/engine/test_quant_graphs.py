@@ -10,23 +10,13 @@ import pytest
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.ops import OPS_ENV
-from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.conftest import run_to_end, simulator_model_folder
 from tests.engine.test_decode_graphs import PAGE, _decode_inputs, _fill_cache, _reference
-from tests.hf_models import build_model
 
 
 @pytest.fixture(scope="module")
 def small32(tiny, tmp_path_factory):
-    return build_model(
-        tmp_path_factory.mktemp("sim32"),
-        "llama_gqa",
-        vocab_size=tiny.tokenizer.vocab_size,
-        num_hidden_layers=1,
-        hidden_size=64,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    return simulator_model_folder(tiny, tmp_path_factory.mktemp("sim32"), hidden_size=64)
 
 
 def _greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool):
@@ -34,12 +24,7 @@ def _greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool):
     generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=8)
     settings = SamplerSettings.greedy()
     jobs = [DynamicJob(p, 3, gen_settings=settings, stop_conditions=[]) for p in prompts]
-    for job in jobs:
-        generator.enqueue(job)
-    while generator.num_remaining_jobs():
-        generator.iterate()
-    assert_no_pages_in_use(generator)
-    return [job.new_token_ids for job in jobs]
+    return run_to_end(generator, jobs)
 
 
 def test_generator_on_q4_pages_through_kernels_matches_torch(small32, tiny, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
-from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.conftest import assert_no_pages_in_use, simulator_model_folder
 from tests.hf_models import build_model
 
 GREEDY = SamplerSettings.greedy()
@@ -232,16 +232,7 @@ def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, 
     and cache-write kernels give the plain greedy tokens, with n-grams and a draft model."""
     from engine.ops import OPS_ENV
 
-    folder = build_model(
-        tmp_path_factory.mktemp("sim_spec"),
-        "llama_gqa",
-        vocab_size=tiny.tokenizer.vocab_size,
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    folder = simulator_model_folder(tiny, tmp_path_factory.mktemp("sim_spec"))
     monkeypatch.setenv(OPS_ENV, "cuda")
     model, draft = Model.from_pretrained(folder), Model.from_pretrained(folder)
     assert model.ops.name == "cuda"
