@@ -56,6 +56,7 @@ class DynamicGenerator:
         min_sampling_threads: int = 3,
         paged: bool = True,
         filter_background_eval: bool = True,
+        defer_text: bool | None = None,
     ):
         """``max_skips``: the default for jobs that set none (``DynamicJob.max_skips``).
         ``cuda_graphs``: decode steps through CUDA graphs (see ``ModelRunner``); None: on a GPU
@@ -71,7 +72,14 @@ class DynamicGenerator:
         ``min_sampling_threads`` (sampling is one batched tensor op on the device, not a thread
         pool: only the seed's defaults are accepted), ``paged`` (always paged: False is
         refused). ``filter_background_eval``: compute the filters' allowed-token masks on a
-        host thread while the forward runs (False: after it, before sampling)."""
+        host thread while the forward runs (False: after it, before sampling).
+
+        ``defer_text``: make a step's text (detokenizing, stop strings) while the NEXT step's
+        forward runs, so the host work of the text is off the path between two forwards; each
+        token's result then comes one ``iterate()`` later (see ``_render_pending``). None: on
+        when the model runs on a GPU (where the forward is asynchronous) and there is no
+        speculation; jobs with banned strings, filters or token healing always make their
+        text at once."""
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")
         _check_seed_options(max_sampling_threads, min_sampling_threads, paged)
@@ -101,6 +109,10 @@ class DynamicGenerator:
                 f"filter_background_eval must be a bool, got {filter_background_eval!r}"
             )
         self.filter_background_eval = filter_background_eval
+        self.defer_text = _resolve_defer_text(defer_text, model, speculating)
+        # (job, token, result data) taken in the last step, their text not made yet
+        self._text_pending: list[tuple[DynamicJob, int, dict[str, Any]]] = []
+        self._tokens_done: set[int] = set()  # serials of deferred jobs already out of the batch
         self._masks = None  # engine.constraints.masks.MaskEngine, built for the first filter
         self._masks_lock = threading.Lock()
         self.runner = ModelRunner(
@@ -203,6 +215,12 @@ class DynamicGenerator:
         from the next ``iterate()``. False if the job was not active."""
         if self._jobs.get(job.serial) is not job:
             return False
+        if emit_result:  # its last token's text first; that may end the job (a stop string)
+            self._undelivered += self._render_pending(only=job)
+            if job.finished:
+                return True
+        else:
+            self._text_pending = [p for p in self._text_pending if p[0] is not job]
         self._retire(job)
         if emit_result:
             self._undelivered.append(job.cancel_result())
@@ -225,18 +243,22 @@ class DynamicGenerator:
         plan = self.scheduler.schedule()
         results = [self._start(seq.owner) for seq in plan.admitted]
         if not plan.entries:
-            return results
+            return results + self._render_pending()
         qs = self.speculator.fill(plan) if self.speculator is not None else {}
         masks = self._launch_masks(plan)  # on a host thread while the forward runs
         try:
             logits = self.runner.forward_plan(plan)
         except Exception as error:  # the forward failed: its jobs end, the generator goes on
             logger.exception("forward failed; ending the %d jobs of this step", len(plan.entries))
-            return results + [self._fail(e.seq.owner, error) for e in plan.entries]
+            results += self._render_pending()
+            owners = dict.fromkeys(e.seq.owner for e in plan.entries)
+            return results + [self._fail(job, error) for job in owners if not job.finished]
         prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
         prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
+        # the previous step's text, made while the device runs this step's forward
+        results += self._render_pending()
         if any(e.drafts for e in plan.entries):
             return results + self._sample_speculative(plan, logits, qs, masks)
         results += self._sample(plan, logits, masks)
@@ -268,9 +290,13 @@ class DynamicGenerator:
             failed = [self._fail(j, error) for j in jobs if j.mask_source() is not None]
             keep = [i for i, j in enumerate(jobs) if j.mask_source() is None]
             jobs, logits, token_mask = [jobs[i] for i in keep], logits[keep], None
+            jobs, logits, _ = _without_finished(jobs, logits, None)
             if not jobs:
                 return failed
             return failed + self._sample_rows(jobs, logits, None)
+        jobs, logits, token_mask = _without_finished(jobs, logits, token_mask)
+        if not jobs:
+            return []
         return self._sample_rows(jobs, logits, token_mask)
 
     def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:
@@ -340,7 +366,7 @@ class DynamicGenerator:
                 results.append(self._fail(job, ValueError(message)))
                 continue
             try:
-                result = job.receive_token(
+                data = job.take_token(
                     out.tokens[i],
                     token_tensor=token_tensors[i],
                     prob=out.probs[i] if job.return_probs else None,
@@ -349,12 +375,49 @@ class DynamicGenerator:
                     logits=logits[i].cpu() if job.return_logits else None,
                     logprobs=_logprobs_of(out, i) if job.return_logprobs is not None else None,
                 )
+                if self.defer_text and job.defers_text:
+                    self._defer(job, out.tokens[i], data)
+                    continue
+                result = job.render_token(out.tokens[i], data)
             except Exception as error:
                 results.append(self._fail(job, error))
                 continue
             if job.rewind_to is not None:  # a banned-string rollback: take the tokens back
                 self.scheduler.truncate(job.seq, job.rewind_to)
                 job.rewind_to = None
+            if result["eos"]:
+                self._retire(job)
+            results.append(result)
+        return results
+
+    def _defer(self, job: DynamicJob, token: int, data: dict[str, Any]) -> None:
+        """Keep a taken token for the next step's ``_render_pending``; a job whose tokens are
+        complete leaves the batch now (its pages go back), its final result comes then."""
+        self._text_pending.append((job, token, data))
+        if job.tokens_complete:
+            self.scheduler.remove(job.seq)
+            self._tokens_done.add(job.serial)
+
+    def _render_pending(self, only: DynamicJob | None = None) -> list[dict[str, Any]]:
+        """The results of deferred tokens (``defer_text``), in the order they were sampled.
+
+        A stop string found here ends a job that the step now running may have scheduled
+        again: it is retired (its pages go back) and the row it gets in this step is dropped
+        before sampling (``_without_finished``), so nothing past the stop is taken."""
+        if only is None:
+            pending, self._text_pending = self._text_pending, []
+        else:
+            pending = [p for p in self._text_pending if p[0] is only]
+            self._text_pending = [p for p in self._text_pending if p[0] is not only]
+        results = []
+        for job, token, data in pending:
+            if self._jobs.get(job.serial) is not job:  # failed or cancelled meanwhile
+                continue
+            try:
+                result = job.render_token(token, data)
+            except Exception as error:
+                results.append(self._fail(job, error))
+                continue
             if result["eos"]:
                 self._retire(job)
             results.append(result)
@@ -368,7 +431,10 @@ class DynamicGenerator:
         return job.error_result(error)
 
     def _retire(self, job: DynamicJob) -> None:
-        self.scheduler.remove(job.seq)
+        if job.serial in self._tokens_done:  # a deferred job already out of the batch
+            self._tokens_done.discard(job.serial)
+        else:
+            self.scheduler.remove(job.seq)
         del self._jobs[job.serial]
         if self.speculator is not None:
             self.speculator.forget(job)
@@ -450,6 +516,28 @@ class DynamicGenerator:
             "prompt_tokens_total": self._prompt_tokens_total,
             "decode_graph_steps": self.runner.decode_graph_steps,
         }
+
+
+def _resolve_defer_text(defer_text: bool | None, model, speculating: bool) -> bool:
+    if defer_text is None:
+        return model.device.type == "cuda" and not speculating
+    if not isinstance(defer_text, bool):
+        raise ValueError(f"defer_text must be a bool or None, got {defer_text!r}")
+    if defer_text and speculating:
+        # a step's accepted drafts are taken and rendered together (receive_tokens)
+        raise ValueError("defer_text=True cannot be combined with speculative decoding")
+    return defer_text
+
+
+def _without_finished(jobs: list[DynamicJob], logits: torch.Tensor, token_mask):
+    """Drop the rows of jobs that ended while their step ran (a stop string in the previous
+    step's deferred text): their tokens are past the stop."""
+    keep = [i for i, job in enumerate(jobs) if not job.finished]
+    if len(keep) == len(jobs):
+        return jobs, logits, token_mask
+    index = torch.tensor(keep, dtype=torch.long, device=logits.device)
+    mask = None if token_mask is None else token_mask[index.to(token_mask.device)]
+    return [jobs[i] for i in keep], logits[index], mask
 
 
 def _check_seed_options(max_sampling_threads, min_sampling_threads, paged) -> None:

@@ -265,7 +265,23 @@ class DynamicJob:
         ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
         generator makes a whole step's in one call: a tensor per token costs ~10 us).
         ``logprobs``: (the token's model logprob, top ids, their logprobs), with
-        ``return_logprobs``."""
+        ``return_logprobs``. The same as ``take_token`` then ``render_token``."""
+        data = self.take_token(token, prob, top_tokens, top_probs, logits, token_tensor, logprobs)
+        return self.render_token(token, data)
+
+    def take_token(
+        self,
+        token: int,
+        prob: float | None = None,
+        top_tokens: list[int] | None = None,
+        top_probs: list[float] | None = None,
+        logits: torch.Tensor | None = None,
+        token_tensor: torch.Tensor | None = None,
+        logprobs: tuple[float, list[int], list[float]] | None = None,
+    ) -> dict[str, Any]:
+        """The token-level half of ``receive_token``: the sequence (and grammar) take the
+        token, so the next step can be scheduled; returns the token's result data for
+        ``render_token``, which makes the text (the generator may defer it a step)."""
         now = time.perf_counter()
         self._times.setdefault("first_token", now)
         self._times["last_token"] = now
@@ -275,13 +291,38 @@ class DynamicJob:
         self.seq.tokens.append(token)
         if self.seq.partner is not None:  # a CFG job's negative row continues the same way
             self.seq.partner.tokens.append(token)
-        result = self.base_result("streaming")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
         data: dict[str, Any] = {}
         _attach_token_data(data, token_tensor, prob, top_tokens, top_probs, logits)
         if logprobs is not None:
             _attach_logprobs(data, *logprobs)
+        return data
+
+    @property
+    def tokens_complete(self) -> bool:
+        """Whether the tokens taken so far end the job whatever their text holds (a stop
+        token, ``max_new_tokens``, a finished grammar): no further token is needed. A stop
+        string may end it sooner, which only ``render_token`` can see."""
+        count = len(self.new_token_ids)
+        if count and self.new_token_ids[-1] in self.stop_tokens and count > self.min_new_tokens:
+            return True
+        if count >= self.max_new_tokens:
+            return True
+        return self.constraint is not None and self.constraint.is_stopped()
+
+    @property
+    def defers_text(self) -> bool:
+        """Whether this job's text may be made a step after its token: not with banned
+        strings (a rollback takes the token back before the next one is sampled) or filters
+        (their masks follow the tokens step by step)."""
+        return self._banned is None and not self.needs_masks
+
+    def render_token(self, token: int, data: dict[str, Any]) -> dict[str, Any]:
+        """The text-level half of ``receive_token`` for the job's latest taken token: its
+        text (held back while it may start a stop string), and the end of the job by stop
+        token, stop string, grammar or ``max_new_tokens``."""
+        result = self.base_result("streaming")
         if self._banned is None:
             result.update(data)
         else:
