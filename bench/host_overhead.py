@@ -19,6 +19,12 @@ decode steps, then times decode steps, alternating plain steps (the headline num
 instrumented ones (the breakdown: the generator's own sub-steps wrapped with perf_counter
 timers). Medians are reported.
 
+``--text-stages inline deferred`` runs every case both ways: ``deferred`` is the generator's
+``defer_text=True`` (its default on a GPU), where a step renders the previous step's text, held
+text and stop strings (``_render_pending``) after handing the next forward to the device. The
+``text`` column is that stage; with a real forward it overlaps the device's work, so
+``critical us/step`` (step minus ``text``) is what the device waits for between forwards.
+
     PYTHONPATH=. python bench/host_overhead.py [--quick] [--output bench/results/host_overhead.json]
 """
 
@@ -70,7 +76,8 @@ MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
     "penalties": (SamplerSettings(**TOP, repetition_penalty=1.1, presence_penalty=0.5), ()),
     "greedy_stop": (SamplerSettings.greedy(), STOP_STRINGS),
 }
-PARTS = ("schedule", "batch", "sample", "receive", "other")
+PARTS = ("schedule", "batch", "sample", "receive", "text", "other")
+TEXT_STAGES = {"inline": False, "deferred": True}
 # (mode, batch, target us per step) from the issue "Host overhead per step"
 GOALS = (("greedy_stop", 256, 3000.0), ("penalties", 256, 5000.0), ("greedy", 1, 300.0))
 
@@ -102,6 +109,7 @@ def fixed_logits(rows: int, vocab: int, banned: set[int], seed: int = 0) -> torc
 class CaseResult:
     mode: str
     batch: int
+    text_stage: str  # "inline" or "deferred" (see TEXT_STAGES)
     steps: int
     tokens_per_step: float
     us_per_step: float  # median of plain (uninstrumented) steps
@@ -109,6 +117,8 @@ class CaseResult:
     us_per_step_instrumented: float
     breakdown_us: dict[str, float]  # medians per part (instrumented steps)
     sample_tensor_us: float  # the part of "sample" spent in engine.sampling.sample
+    critical_us_per_step: float  # instrumented steps minus the deferred text stage (median)
+    text_results_per_step: float  # results rendered one step late (median; 0 when inline)
 
 
 class StepTimers:
@@ -117,6 +127,7 @@ class StepTimers:
     def __init__(self, generator: DynamicGenerator):
         self.generator = generator
         self.totals: dict[str, float] = defaultdict(float)
+        self.text_results = 0  # results the deferred text stage returned (0 when inline)
         self._originals: list[tuple[Any, str, Any]] = []
 
     def _wrap(self, owner: Any, name: str, key: str) -> None:
@@ -126,9 +137,12 @@ class StepTimers:
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 totals[key] += time.perf_counter() - start
+            if key == "text":
+                self.text_results += len(result)
+            return result
 
         self._originals.append((owner, name, original))
         setattr(owner, name, timed)
@@ -136,12 +150,14 @@ class StepTimers:
     def __enter__(self) -> StepTimers:
         g = self.generator
         self.totals.clear()
+        self.text_results = 0
         self._wrap(g.scheduler, "schedule", "schedule")
         self._wrap(g.scheduler, "commit", "schedule")
         self._wrap(g.runner, "forward_plan", "batch")
         self._wrap(g, "_sample", "sample_all")
         self._wrap(g, "_receive", "receive")
         self._wrap(generator_module, "sample", "sample_tensor")
+        self._wrap(g, "_render_pending", "text")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -159,9 +175,13 @@ class StepTimers:
             "batch": t["batch"],
             "sample": t["sample_all"] - t["receive"],
             "receive": t["receive"],
+            # _render_pending runs inside _receive only when a job is cancelled, never here
+            "text": t["text"],
         }
         parts["other"] = total - sum(parts.values())
         parts["sample_tensor"] = t["sample_tensor"]
+        parts["critical"] = total - t["text"]
+        parts["text_results"] = self.text_results
         return parts
 
 
@@ -201,10 +221,18 @@ def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     )
 
 
-def make_generator(model, tokenizer, batch: int, seq_len: int) -> DynamicGenerator:
+def make_generator(
+    model, tokenizer, batch: int, seq_len: int, defer_text: bool = False
+) -> DynamicGenerator:
     cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
     generator = DynamicGenerator(
-        model, cache, tokenizer, max_batch_size=batch, max_seq_len=seq_len, max_chunk_size=MAX_CHUNK
+        model,
+        cache,
+        tokenizer,
+        max_batch_size=batch,
+        max_seq_len=seq_len,
+        max_chunk_size=MAX_CHUNK,
+        defer_text=defer_text,
     )
     eos = set(generator.default_stop_tokens)
     generator.runner = NullRunner(
@@ -259,13 +287,15 @@ def timed_steps(generator, steps: int) -> tuple[list[float], list[float], list[d
     return plain, instrumented, parts, tokens
 
 
-def run_case(model, tokenizer, mode: str, batch: int, args) -> CaseResult:
+def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> CaseResult:
     steps = max(args.min_steps, min(args.max_steps, args.step_budget // batch))
     warm = 3
     # jobs that finish prefill first decode while the others prefill
     prefill_steps = batch * args.prompt_len // MAX_CHUNK + 1
     new_tokens = warm + 2 * steps + prefill_steps + 8
-    generator = make_generator(model, tokenizer, batch, args.prompt_len + new_tokens)
+    generator = make_generator(
+        model, tokenizer, batch, args.prompt_len + new_tokens, TEXT_STAGES[text_stage]
+    )
     enqueue_jobs(generator, mode, batch, args.prompt_len, new_tokens)
     warm_up(generator, warm)
     plain, instrumented, parts, tokens = timed_steps(generator, steps)
@@ -275,6 +305,7 @@ def run_case(model, tokenizer, mode: str, batch: int, args) -> CaseResult:
     return CaseResult(
         mode=mode,
         batch=batch,
+        text_stage=text_stage,
         steps=steps,
         tokens_per_step=tokens / (2 * steps),
         us_per_step=us,
@@ -282,11 +313,15 @@ def run_case(model, tokenizer, mode: str, batch: int, args) -> CaseResult:
         us_per_step_instrumented=1e6 * statistics.median(instrumented),
         breakdown_us={k: 1e6 * statistics.median(p[k] for p in parts) for k in PARTS},
         sample_tensor_us=1e6 * statistics.median(p["sample_tensor"] for p in parts),
+        critical_us_per_step=1e6 * statistics.median(p["critical"] for p in parts),
+        text_results_per_step=statistics.median(p["text_results"] for p in parts),
     )
 
 
 def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
-    by_case = {(r.mode, r.batch): r for r in results}
+    # the goals are for the inline stage (a CPU generator's default); deferred rows add the
+    # critical path, which is what the device would wait for
+    by_case = {(r.mode, r.batch): r for r in results if r.text_stage == "inline"}
     out = []
     for mode, batch, target in GOALS:
         r = by_case.get((mode, batch))
@@ -307,15 +342,18 @@ def print_row(r: CaseResult) -> None:
     b = r.breakdown_us
     parts = " ".join(f"{b[k]:9.0f}" for k in PARTS)
     print(
-        f"{r.mode:12s} {r.batch:5d} {r.us_per_step:10.0f} {r.us_per_token:8.1f} {parts} "
-        f"{r.sample_tensor_us:9.0f}",
+        f"{r.mode:12s} {r.text_stage:8s} {r.batch:5d} {r.us_per_step:10.0f} "
+        f"{r.us_per_token:8.1f} {parts} {r.sample_tensor_us:9.0f} {r.critical_us_per_step:9.0f}",
         flush=True,
     )
 
 
 def print_header() -> None:
     parts = " ".join(f"{k:>9s}" for k in PARTS)
-    print(f"{'mode':12s} {'batch':>5s} {'us/step':>10s} {'us/tok':>8s} {parts} {'(tensor)':>9s}")
+    print(
+        f"{'mode':12s} {'text':8s} {'batch':>5s} {'us/step':>10s} {'us/tok':>8s} {parts} "
+        f"{'(tensor)':>9s} {'critical':>9s}"
+    )
 
 
 def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
@@ -339,6 +377,7 @@ def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
         "workload": {
             "prompt_len": args.prompt_len,
             "batches": list(args.batches),
+            "text_stages": list(args.text_stages),
             "modes": {
                 name: {"settings": repr(s), "stop_strings": list(stops)}
                 for name, (s, stops) in MODES.items()
@@ -356,6 +395,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a few seconds)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--batches", nargs="+", type=int, default=None)
+    p.add_argument(
+        "--text-stages",
+        nargs="+",
+        choices=list(TEXT_STAGES),
+        default=["inline"],
+        help="inline: text rendered in the step that sampled it; deferred: one step later",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--step-budget", type=int, default=4096, help="steps ~ budget / batch")
     p.add_argument("--min-steps", type=int, default=15)
@@ -384,8 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for mode in args.modes:
         for batch in args.batches:
-            results.append(run_case(model, tokenizer, mode, batch, args))
-            print_row(results[-1])
+            for stage in args.text_stages:
+                results.append(run_case(model, tokenizer, mode, batch, args, stage))
+                print_row(results[-1])
     for g in goals(results):
         print(
             f"goal {g['mode']} batch {g['batch']}: {g['measured_us_per_step']:.0f} us/step "

@@ -17,7 +17,7 @@ def test_quick_run_reports_every_mode_and_part(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--output", str(output),
-         "--cache-dir", str(tmp_path / "cache")],
+         "--cache-dir", str(tmp_path / "cache"), "--text-stages", "inline", "deferred"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -26,15 +26,23 @@ def test_quick_run_reports_every_mode_and_part(tmp_path: pathlib.Path) -> None:
     assert report["model"]["logits_width"] > report["model"]["tokenizer_vocab"]
     results = report["results"]
     modes = {"greedy", "topk_topp", "penalties", "greedy_stop"}
-    assert {(r["mode"], r["batch"]) for r in results} == {(m, b) for m in modes for b in (1, 4)}
+    stages = ("inline", "deferred")
+    assert {(r["mode"], r["batch"], r["text_stage"]) for r in results} == {
+        (m, b, s) for m in modes for b in (1, 4) for s in stages
+    }
     for r in results:
         assert r["tokens_per_step"] == r["batch"]  # every job decodes one token per step
         assert r["us_per_step"] > 0
         assert r["us_per_token"] == r["us_per_step"] / r["batch"]
         parts = r["breakdown_us"]
-        assert set(parts) == {"schedule", "batch", "sample", "receive", "other"}
+        assert set(parts) == {"schedule", "batch", "sample", "receive", "text", "other"}
         assert all(parts[k] > 0 for k in ("schedule", "batch", "sample", "receive"))
         assert 0 < r["sample_tensor_us"] <= parts["sample"]
-    assert [g["batch"] for g in report["goals"]] == [1]  # only batch-1 goals at quick sizes
-    for label in ("us/step", "greedy_stop", "goal greedy batch 1"):
+        # deferred: every job's token is rendered by the next step's text stage; inline: none
+        late = r["batch"] if r["text_stage"] == "deferred" else 0
+        assert r["text_results_per_step"] == late
+        assert r["critical_us_per_step"] < r["us_per_step_instrumented"]
+    # only batch-1 goals at quick sizes, and only for the inline stage
+    assert [g["batch"] for g in report["goals"]] == [1]
+    for label in ("us/step", "greedy_stop", "deferred", "critical", "goal greedy batch 1"):
         assert label in proc.stdout
