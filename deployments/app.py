@@ -45,7 +45,9 @@ def llm_deployment(preset: Preset) -> serve.Deployment:
     serving = preset.serving
     options: dict[str, Any] = {"num_replicas": serving.num_replicas}
     if serving.autoscaling is not None:
-        options = {"autoscaling_config": serving.autoscaling.serve_config(preset.engine)}
+        options = {
+            "autoscaling_config": serving.autoscaling.serve_config(preset.batch_size_estimate)
+        }
     if ROUTERS[serving.router] is not None:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTERS[serving.router],

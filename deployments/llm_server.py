@@ -59,6 +59,31 @@ def configure_torch_threads(option: int | None, device: torch.device) -> None:
     logger.info("torch threads capped at %d", threads)
 
 
+def _build_cache(model: Model, preset: Preset) -> PagedCache:
+    """The replica's paged cache: ``engine.max_num_tokens`` tokens, or as many whole pages as
+    ``engine.cache_bytes`` holds in ``engine.cache_quant`` (a quantized mode gets more)."""
+    engine = preset.engine
+    layout = (engine.page_size, engine.cache_quant, engine.cache_rotate)
+    if engine.cache_bytes is None:
+        return PagedCache(model, int(engine.max_num_tokens or 0), *layout)
+    cache = PagedCache.from_budget(model, engine.cache_bytes, *layout)
+    logger.info(
+        "engine.cache_bytes %d: %d tokens at %d bytes per token",
+        engine.cache_bytes,
+        cache.max_num_tokens,
+        cache.bytes_per_token(),
+    )
+    expected = preset.cache_tokens()
+    if cache.max_num_tokens != expected:  # e.g. the ops ran the model in another dtype
+        logger.warning(
+            "the cache holds %d tokens but the preset expected %d (the ingress's context "
+            "length follows the preset)",
+            cache.max_num_tokens,
+            expected,
+        )
+    return cache
+
+
 @dataclass
 class Delta:
     """Results of one job merged into one message for the ingress."""
@@ -209,9 +234,7 @@ class LLMServer:
         model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
         tokenizer = Tokenizer.from_pretrained(path)
         engine = preset.engine
-        cache = PagedCache(
-            model, engine.max_num_tokens, engine.page_size, engine.cache_quant, engine.cache_rotate
-        )
+        cache = _build_cache(model, preset)
         self.generator = DynamicGeneratorAsync(
             model,
             cache,
@@ -228,13 +251,16 @@ class LLMServer:
         self.requests_served = 0
         self.requests_active = 0
         logger.info(
-            "LLMServer ready: %s, context %d, %d pages of %d, %s cache (%d bytes per token)",
+            "LLMServer ready: %s, context %d, %s cache of %d tokens (%d pages of %d): "
+            "%d bytes per token, %d bytes",
             path,
             self.generator.generator.max_seq_len,
+            cache.quant + ("+rotate" if cache.rotate else ""),
+            cache.max_num_tokens,
             cache.num_pages,
             cache.page_size,
-            cache.quant + ("+rotate" if cache.rotate else ""),
             cache.bytes_per_token(),
+            cache.num_bytes(),
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:

@@ -16,15 +16,16 @@ import dataclasses
 import importlib.util
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from deployments.byte_size import parse_byte_size
 from deployments.router_settings import RouterSettings
-from engine.cache.page_table import whole_pages
+from engine.cache.page_table import budget_pages, whole_pages
 
 logger = logging.getLogger("ray.serve")
 
@@ -217,9 +218,14 @@ class _SpeculativeKeys:
 
 @dataclass(frozen=True)
 class EnginePreset:
-    """The engine of each replica: KV cache size and layout, scheduler budget, CUDA graphs."""
+    """The engine of each replica: KV cache size and layout, scheduler budget, CUDA graphs.
 
-    max_num_tokens: int = 16384  # paged K/V per replica, in tokens (rounded down to pages)
+    The cache is sized by ``max_num_tokens`` or by ``cache_bytes`` (a byte budget for the K/V
+    storage, never both): a budget holds as many whole pages as the model's bytes per token in
+    ``cache_quant`` allow, so a quantized cache gets proportionally more tokens."""
+
+    max_num_tokens: int | None = 16384  # paged K/V per replica in tokens (whole pages); or:
+    cache_bytes: int | None = None  # paged K/V per replica in bytes ("4GiB" in the YAML)
     page_size: int = 16
     max_chunk_size: int = 512  # token budget of one forward
     max_batch_size: int | None = None  # None: derived from the cache size
@@ -234,18 +240,14 @@ class EnginePreset:
         page_size = _int(raw, "page_size", "engine", cls.page_size, 1)
         if page_size & (page_size - 1):
             raise ValueError(f"engine.page_size must be a power of two, got {page_size}")
-        max_num_tokens = _int(raw, "max_num_tokens", "engine", cls.max_num_tokens, 1)
-        if max_num_tokens < page_size:
-            raise ValueError(
-                f"engine.max_num_tokens ({max_num_tokens}) must hold at least one page of "
-                f"engine.page_size ({page_size})"
-            )
+        max_num_tokens, cache_bytes = _cache_size(raw, page_size)
         cache_quant = _str(raw, "cache_quant", "engine", _cache_quants()) or cls.cache_quant
         cache_rotate = _bool(raw, "cache_rotate", "engine")
         if cache_rotate and cache_quant == "fp16":
             raise ValueError("engine.cache_rotate: true needs a quantized engine.cache_quant")
         return cls(
             max_num_tokens=max_num_tokens,
+            cache_bytes=cache_bytes,
             page_size=page_size,
             max_chunk_size=_int(raw, "max_chunk_size", "engine", cls.max_chunk_size, 1),
             max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
@@ -255,18 +257,37 @@ class EnginePreset:
             speculative=NgramSpeculation.parse(raw.get("speculative")),
         )
 
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens the cache really holds: whole pages only."""
-        return whole_pages(self.max_num_tokens, self.page_size) * self.page_size
+    def num_pages(self, kv_bytes_per_token: int | None = None) -> int:
+        """Whole pages of the cache. A byte budget needs the model's K/V bytes per token in
+        ``cache_quant`` (``Preset.kv_bytes_per_token``); a token count does not."""
+        if self.cache_bytes is None:
+            return whole_pages(int(self.max_num_tokens or 0), self.page_size)
+        if kv_bytes_per_token is None:
+            raise ValueError("engine.cache_bytes needs the model's K/V bytes per token")
+        try:
+            return budget_pages(self.cache_bytes, kv_bytes_per_token, self.page_size)
+        except ValueError as e:
+            raise ValueError(f"engine.cache_bytes: {e} in a {self.cache_quant} cache") from None
 
-    @property
-    def batch_size_estimate(self) -> int:
-        """``max_batch_size``, or what the generator derives from the cache (half its pages,
-        at most 256: ``engine.generator.MAX_DERIVED_BATCH_SIZE``)."""
-        if self.max_batch_size is not None:
-            return self.max_batch_size
-        return max(1, min(256, whole_pages(self.max_num_tokens, self.page_size) // 2))
+
+def _cache_size(raw: Mapping[str, Any], page_size: int) -> tuple[int | None, int | None]:
+    """(max_num_tokens, cache_bytes) from ``engine``: one of them, the default token count
+    when neither is given."""
+    if "cache_bytes" in raw:
+        if "max_num_tokens" in raw:
+            raise ValueError(
+                "engine: give either max_num_tokens or cache_bytes, not both (cache_bytes "
+                f"{raw['cache_bytes']!r} sizes the cache in bytes, max_num_tokens "
+                f"{raw['max_num_tokens']!r} in tokens)"
+            )
+        return None, parse_byte_size(raw["cache_bytes"], "engine.cache_bytes")
+    max_num_tokens = _int(raw, "max_num_tokens", "engine", None, 1) or EnginePreset.max_num_tokens
+    if max_num_tokens < page_size:
+        raise ValueError(
+            f"engine.max_num_tokens ({max_num_tokens}) must hold at least one page of "
+            f"engine.page_size ({page_size})"
+        )
+    return max_num_tokens, None
 
 
 def _cache_quants() -> tuple[str, ...]:
@@ -318,13 +339,14 @@ class AutoscalingPreset:
                 raise ValueError(f"{where}.{key} must be > 0, got {periods[key]}")
         return cls(low, high, initial, target, **periods)
 
-    def serve_config(self, engine: EnginePreset) -> dict[str, Any]:
-        """The deployment's ``autoscaling_config``."""
+    def serve_config(self, batch_size_estimate: Callable[[], int]) -> dict[str, Any]:
+        """The deployment's ``autoscaling_config`` (``batch_size_estimate``: see
+        ``Preset.batch_size_estimate``; only called when the target is derived from it)."""
         config = dataclasses.asdict(self)
         if self.initial_replicas is None:
             del config["initial_replicas"]
         if self.target_ongoing_requests is None:
-            config["target_ongoing_requests"] = max(1, engine.batch_size_estimate // 2)
+            config["target_ongoing_requests"] = max(1, batch_size_estimate() // 2)
         return config
 
 
@@ -421,7 +443,35 @@ class Preset:
     def context_length(self, max_position_embeddings: int) -> int:
         """Longest sequence (prompt + completion) a replica can hold: the model's positions,
         or the whole KV cache if that is smaller. Ingress and replicas both use this."""
-        return min(max_position_embeddings, self.engine.cache_tokens)
+        return min(max_position_embeddings, self.cache_tokens())
+
+    def kv_bytes_per_token(self) -> int:
+        """The model's K/V bytes per token in ``engine.cache_quant`` at its run dtype (reads
+        the model's config; what ``PagedCache.bytes_per_token`` reports once it is loaded)."""
+        from engine.cache.kv_cache import kv_bytes_per_token
+        from engine.config import ModelConfig
+        from engine.model.model import resolve_device, resolve_dtype
+
+        config = ModelConfig.from_pretrained(self.model.resolve_path())
+        dtype = resolve_dtype(self.model.dtype, resolve_device(self.model.device))
+        return kv_bytes_per_token(config, dtype, self.engine.cache_quant)
+
+    def cache_pages(self) -> int:
+        """Whole pages of each replica's cache (from engine.max_num_tokens, or from
+        engine.cache_bytes and the model's bytes per token)."""
+        engine = self.engine
+        return engine.num_pages(self.kv_bytes_per_token() if engine.cache_bytes else None)
+
+    def cache_tokens(self) -> int:
+        """Tokens each replica's cache really holds: whole pages only."""
+        return self.cache_pages() * self.engine.page_size
+
+    def batch_size_estimate(self) -> int:
+        """``engine.max_batch_size``, or what the generator derives from the cache (half its
+        pages, at most 256: ``engine.generator.MAX_DERIVED_BATCH_SIZE``)."""
+        if self.engine.max_batch_size is not None:
+            return self.engine.max_batch_size
+        return max(1, min(256, self.cache_pages() // 2))
 
     @property
     def model_id(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.page_table import PageTable, whole_pages
+from engine.cache.page_table import PageTable, budget_pages, whole_pages
 from engine.cache.quant import (
     CACHE_QUANTS,
     GROUP,
@@ -121,12 +121,10 @@ class PagedCache:
         """The largest cache of whole pages whose K/V storage fits ``num_bytes``: a quantized
         mode holds proportionally more tokens in the same bytes."""
         per_token = kv_bytes_per_token(model.config, model.dtype, quant)
-        pages = num_bytes // (per_token * page_size)
-        if pages < 1:
-            raise ValueError(
-                f"a budget of {num_bytes} bytes holds no page of {page_size} tokens "
-                f"({per_token} bytes per token in {quant})"
-            )
+        try:
+            pages = budget_pages(num_bytes, per_token, page_size)
+        except ValueError as e:
+            raise ValueError(f"{e} in a {quant} cache") from None
         return cls(model, pages * page_size, page_size, quant, rotate)
 
     def bytes_per_token(self) -> int:

@@ -197,3 +197,19 @@ def whole_pages(max_num_tokens: int, page_size: int) -> int:
             f"max_num_tokens ({max_num_tokens}) must hold at least one page of {page_size}"
         )
     return max_num_tokens // page_size
+
+
+def budget_pages(num_bytes: int, bytes_per_token: int, page_size: int) -> int:
+    """Whole pages whose K/V storage fits ``num_bytes`` (the one rule for a byte budget: the
+    cache and the serving preset both size with it)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if bytes_per_token <= 0:
+        raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token}")
+    pages = num_bytes // (bytes_per_token * page_size)
+    if pages < 1:
+        raise ValueError(
+            f"a budget of {num_bytes} bytes holds no page of {page_size} tokens "
+            f"({bytes_per_token} bytes per token)"
+        )
+    return pages

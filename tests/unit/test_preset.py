@@ -138,7 +138,7 @@ def test_cache_quant_and_rotate_select_the_mode() -> None:
 
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
     preset = Preset.parse(with_value("engine", "max_num_tokens", 1000))
-    assert preset.engine.cache_tokens == 992
+    assert preset.cache_tokens() == 992
     assert preset.context_length(max_position_embeddings=4096) == 992
     assert preset.context_length(max_position_embeddings=512) == 512
 
@@ -166,6 +166,84 @@ def test_context_length_is_the_same_in_ingress_and_engine(
         max_seq_len=preset.context_length(model.config.max_position_embeddings),
     )
     assert builder.context_length == generator.max_seq_len == cache.max_num_tokens == 992
+
+
+def _budgeted(cache_bytes: Any, **engine: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(BASE)
+    del raw["engine"]["max_num_tokens"]
+    raw["engine"].update(cache_bytes=cache_bytes, **engine)
+    raw["model"]["demo"] = dataclasses.asdict(TINY)
+    return raw
+
+
+def test_cache_bytes_and_max_num_tokens_are_exclusive() -> None:
+    raw = with_value("engine", "cache_bytes", "1GiB")
+    with pytest.raises(ValueError, match="either max_num_tokens or cache_bytes, not both"):
+        Preset.parse(raw, source="my.yaml")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("4 gigs", "engine.cache_bytes '4 gigs' has an unknown unit 'gigs'"),
+        ("lots", "engine.cache_bytes must be a byte count or a size like '4GiB', got 'lots'"),
+        (0, "engine.cache_bytes must be at least 1 byte, got 0"),
+        (None, "engine.cache_bytes must be a byte count or a size like '4GiB', got None"),
+    ],
+)
+def test_bad_cache_bytes_name_the_value(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"my.yaml: {message}")):
+        Preset.parse(_budgeted(value), source="my.yaml")
+
+
+def test_cache_bytes_give_a_quantized_cache_more_tokens(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same byte budget, sized by the model's bytes per token in each mode: q4 (4.5 bits
+    per element with its scales) holds >= 3.5x the tokens of an fp16 cache."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    tokens = {}
+    for quant in ("fp16", "q8", "q4"):
+        raw = _budgeted("1MiB", cache_quant=quant)
+        raw["model"]["dtype"] = "float16"
+        preset = Preset.parse(raw)
+        assert preset.engine.cache_bytes == 2**20 and preset.engine.max_num_tokens is None
+        tokens[quant] = preset.cache_tokens()
+        assert tokens[quant] * preset.kv_bytes_per_token() <= 2**20
+    # TINY: 1 layer, 1 KV head of 32 dims: fp16 K+V is 128 bytes per token
+    assert tokens["fp16"] == 2**20 // 128
+    assert tokens["q8"] >= 1.8 * tokens["fp16"]
+    assert tokens["q4"] >= 3.5 * tokens["fp16"]
+
+
+def test_cache_bytes_size_the_replica_like_the_ingress(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica sizes its cache with ``PagedCache.from_budget``; the ingress's context length
+    comes from the preset: both give the same tokens for a budget that is no whole page count."""
+    from deployments.ingress import PromptBuilder
+    from deployments.llm_server import _build_cache
+    from engine import Model
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    preset = Preset.parse(_budgeted(100_000, cache_quant="q4", max_batch_size=None))
+    model = Model.from_pretrained(preset.model.resolve_path(), device="cpu", dtype="float32")
+    cache = _build_cache(model, preset)
+    assert cache.quant == "q4" and cache.num_bytes() <= 100_000
+    assert cache.num_bytes() + cache.page_size * cache.bytes_per_token() > 100_000
+    assert PromptBuilder(preset).context_length == cache.max_num_tokens == preset.cache_tokens()
+    assert preset.batch_size_estimate() == cache.num_pages // 2
+
+
+def test_a_budget_below_one_page_is_refused(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    preset = Preset.parse(_budgeted("1KiB"))
+    with pytest.raises(
+        ValueError, match=re.escape("engine.cache_bytes: a budget of 1024 bytes holds no")
+    ):
+        preset.cache_tokens()
 
 
 def test_resolve_demo_path(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,14 +290,17 @@ def _autoscaled(autoscaling: Any, engine: dict[str, Any] | None = None) -> dict[
 def test_autoscaling_becomes_the_deployments_autoscaling_config() -> None:
     raw = _autoscaled({"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 3})
     preset = Preset.parse(raw)
-    config = preset.serving.autoscaling.serve_config(preset.engine)
+    config = preset.serving.autoscaling.serve_config(preset.batch_size_estimate)
     assert config["min_replicas"] == 1 and config["max_replicas"] == 4
     assert config["upscale_delay_s"] == 3.0
     # 4096 tokens of 16-token pages: the engine batches 128 sequences, the target is half.
     assert config["target_ongoing_requests"] == 64
     explicit = Preset.parse(_autoscaled({"max_replicas": 2}, {"max_batch_size": 10}))
     assert (
-        explicit.serving.autoscaling.serve_config(explicit.engine)["target_ongoing_requests"] == 5
+        explicit.serving.autoscaling.serve_config(explicit.batch_size_estimate)[
+            "target_ongoing_requests"
+        ]
+        == 5
     )
     from ray.serve.config import AutoscalingConfig
 
