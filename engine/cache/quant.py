@@ -6,13 +6,24 @@ Numba kernels (engine/cuda/quant_attention.py) follow the same rules, checked ag
 
 Layout, per layer and for K and V separately (``QuantPages``):
 
-- Groups of ``GROUP`` = 32 consecutive elements along head_dim, symmetric: one float16 scale
-  per group, ``scale = absmax / qmax`` (qmax = 2^(bits-1) - 1: 127 for 8 bits, 7 for 4) and
-  ``q = clamp(floor(x / scale + 0.5), -qmax, qmax)``, so ``|x - q * scale| <= scale / 2``.
-- 8 bits: ``data`` int8 ``[P, S, KV, D]``, one value per byte.
-- 4 bits: ``data`` uint8 ``[P, S, KV, D // 2]``: a group of 32 is 16 bytes (one 128-bit load)
-  plus its scale. Byte j of a group holds element j in its low nibble and element j + 16 in
-  its high nibble, each stored as q + 8 (1..15). This "split halves" packing lets the attention
+- Groups of ``GROUP`` = 32 consecutive elements along head_dim, symmetric (no zero point):
+  one float16 scale per group, value = q * scale, and
+  ``q = clamp(floor(x / scale + 0.5), -2^(bits-1), qmax)`` (qmax = 2^(bits-1) - 1).
+- 8 bits: ``scale = absmax / 127``, so ``|x - q * scale| <= scale / 2``; ``data`` int8
+  ``[P, S, KV, D]``, one value per byte.
+- 4 bits, rotated groups: the scale is searched (``search_scales``): the group's
+  largest-magnitude element m is mapped towards the code -8 (the 16th level absmax / 7 leaves
+  unused) by a signed scale ``-m / d`` for each divisor d in ``SEARCH_DIVISORS`` (d > 8 clips
+  the group's largest values to buy a finer step for the rest), and the candidate whose
+  stored scale reconstructs the group with the least squared error is kept. d = 7 is the
+  absmax / 7 scheme (up to the codes' sign), so a group's error never exceeds that scheme's:
+  L2 <= sqrt(32) s7 / 2. On SmolLM2's rotated keys and values it cuts the squared error by
+  ~29% and q4+rot's perplexity increase over 1024 tokens from +9.9% to +5.7%. Unrotated
+  groups keep absmax / 7: there clipping a key's outlier channel costs more than the finer
+  step buys (the same search measured +15.2% against +12.6%).
+  ``data`` uint8 ``[P, S, KV, D // 2]``: a group of 32 is 16 bytes (one 128-bit load) plus its
+  scale. Byte j of a group holds element j in its low nibble and element j + 16 in its high
+  nibble, each stored as q + 8 (0..15). This "split halves" packing lets the attention
   kernel's lanes, which own head dims lane, lane + LT, ..., read contiguous bytes.
 - ``scales``: float16 ``[P, S, KV, D // 32]``.
 
@@ -44,11 +55,19 @@ QUANT_BITS: dict[str, tuple[int, int] | None] = {
     "q4": (4, 4),
 }
 CACHE_QUANTS = tuple(QUANT_BITS)
+# 4-bit scale candidates: |m| / |scale| (exact in float32; the kernel takes the same list).
+SEARCH_DIVISORS = (7.0, 7.5, 8.0, 8.25, 8.5, 8.75, 9.0, 9.5)
+SEARCH_BITS = 4  # width whose rotated groups' scales are searched (8 bits: a ~7% gain only)
 
 
 def qmax(bits: int) -> int:
     """Largest quantized magnitude of a symmetric ``bits``-bit code."""
     return (1 << (bits - 1)) - 1
+
+
+def qmin(bits: int) -> int:
+    """Smallest code of a ``bits``-bit group (the 4-bit search uses it; absmax never does)."""
+    return -(1 << (bits - 1))
 
 
 def check_quant(quant: str, rotate: bool | None) -> bool:
@@ -140,23 +159,59 @@ def rotate_groups(x: torch.Tensor) -> torch.Tensor:
     return (groups @ hadamard(x.device)).reshape(shape).to(x.dtype)
 
 
-def quantize(x: torch.Tensor, bits: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (data [..., data_width], float16 scales [..., D // 32]); math in float32."""
+def quantize(
+    x: torch.Tensor, bits: int, rotate: bool, search: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (data [..., data_width], float16 scales [..., D // 32]); math in float32.
+    ``search`` (default: rotated 4-bit groups, ``searches``) picks each group's scale by
+    ``search_scales``, otherwise absmax / qmax."""
     head_dim = x.shape[-1]
     check_head_dim(head_dim)
     groups = x.float().reshape(*x.shape[:-1], head_dim // GROUP, GROUP)
     if rotate:
         groups = groups @ hadamard(x.device)
-    top = qmax(bits)
-    absmax = groups.abs().amax(dim=-1)
-    scales = (absmax / top).clamp_max(FP16_MAX).to(SCALE_DTYPE)
-    # Quantize with the stored (fp16-rounded) scale: the bound |x - q s| <= s/2 holds for the
-    # scale dequantization uses. A zero scale means an all-zero group (or one below fp16's
-    # range): dividing by 1 instead gives q = 0.
+    if searches(bits, rotate) if search is None else search:
+        scales = search_scales(groups, bits)
+    else:
+        absmax = groups.abs().amax(dim=-1)
+        scales = (absmax / qmax(bits)).clamp_max(FP16_MAX).to(SCALE_DTYPE)
+    return _pack(_codes(groups, scales, bits), bits), scales
+
+
+def searches(bits: int, rotate: bool) -> bool:
+    """Whether groups of this width and rotation get a searched scale (see the layout)."""
+    return bits == SEARCH_BITS and rotate
+
+
+def _codes(groups: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of groups [..., G, 32] under float16 scales [..., G], as integral floats.
+    Quantize with the stored (fp16-rounded) scale: dequantization uses that one. A zero
+    scale means an all-zero group (or one below fp16's range): dividing by 1 gives q = 0."""
     step = scales.float()
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.floor(groups / step[..., None] + 0.5).clamp(-top, top)
-    return _pack(q, bits), scales
+    step = torch.where(step != 0, step, torch.ones_like(step))
+    return torch.floor(groups / step[..., None] + 0.5).clamp(qmin(bits), qmax(bits))
+
+
+def search_scales(groups: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per group of [..., G, 32], the float16 scale -m / d (m: the group's first element of
+    largest magnitude; d in SEARCH_DIVISORS) whose codes reconstruct the group with the least
+    squared error (the first such d on a tie). The errors are summed in float64 from float32
+    residuals (q * scale is exact: a small integer times an fp16), so the choice does not
+    depend on the summation order the Numba kernel takes."""
+    first = groups.abs().argmax(dim=-1, keepdim=True)
+    m = groups.gather(-1, first)[..., 0]
+    best_scales = best_error = None
+    for d in SEARCH_DIVISORS:
+        scales = (m / -d).clamp(-FP16_MAX, FP16_MAX).to(SCALE_DTYPE)
+        residual = groups - _codes(groups, scales, bits) * scales.float()[..., None]
+        error = residual.double().square().sum(dim=-1)
+        if best_scales is None:
+            best_scales, best_error = scales, error
+            continue
+        better = error < best_error
+        best_scales = torch.where(better, scales, best_scales)
+        best_error = torch.where(better, error, best_error)
+    return best_scales
 
 
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:

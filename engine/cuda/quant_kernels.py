@@ -21,7 +21,16 @@ import math
 import torch
 
 from engine.batch import ForwardBatch
-from engine.cache.quant import FP16_MAX, GROUP, QuantPages, qmax, rotate_groups
+from engine.cache.quant import (
+    FP16_MAX,
+    GROUP,
+    SEARCH_DIVISORS,
+    QuantPages,
+    qmax,
+    qmin,
+    rotate_groups,
+    searches,
+)
 from engine.cuda import _launch
 from engine.cuda.attention import KVArgs, launch_attention
 from engine.cuda.quant_reference import check_pair
@@ -30,6 +39,7 @@ cuda = _launch.cuda
 nbt = cuda.types
 float32 = nbt.float32
 float16 = nbt.float16
+float64 = nbt.float64
 int32 = nbt.int32
 _MAX_THREADS = 256
 
@@ -92,9 +102,12 @@ def paged_attention_quant_cuda(
 # 2. With rotation, each thread computes whole output elements of the 32-point Hadamard
 #    transform of its group (sum of +-x_j, sign = parity of popcount(i & j), times 1/sqrt(32))
 #    into the second buffer.
-# 3. One thread per (K|V, head, group) takes the absmax, stores the fp16 scale (absmax/qmax,
-#    clamped to fp16's range) in the pages and its fp16-rounded value in shared memory.
-# 4. Threads stride over output bytes: q = clamp(floor(x / s + 0.5), -qmax, qmax) with the
+# 3. One thread per (K|V, head, group) picks the scale: absmax / qmax (clamped to fp16's
+#    range), or for rotated 4-bit groups quant.search_scales' search (the first element m of
+#    largest magnitude; per divisor d in turn the fp16 scale -m / d and the group's squared
+#    error under it, in float64; the first least kept). It stores the fp16 scale in the pages
+#    and its value in shared memory.
+# 4. Threads stride over output bytes: q = clamp(floor(x / s + 0.5), qmin, qmax) with the
 #    stored scale (1 where it is 0), int8 for 8 bits, two nibbles (q + 8) for 4 bits.
 # No fastmath: x / s must be the IEEE quotient the reference takes.
 # Padding tokens (negative slot) and slots past the pages rotate q and write nothing.
@@ -109,7 +122,7 @@ def _quant_write_kernel(
     KV, D = kv_heads, head_dim
     N = KV * D
     rotate_step = _hadamard_step(N)
-    scale_step = _scale_step(N, D, k_bits, v_bits)
+    scale_step = _scale_step(N, D, k_bits, v_bits, rotate)
     write_k = _code_writer(k_bits, N, D)
     write_v = _code_writer(v_bits, N, D)
 
@@ -186,45 +199,91 @@ def _hadamard_step(n: int):
 
 
 @functools.cache
-def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int):
+def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool):
     """Step 3: each group's fp16 scale into the pages, and its float32 value (1 for a zero
     scale: the group quantizes to zeros) into sm[1] (K) / sm[3] (V)."""
     groups = n // GROUP
     per_head = head_dim // GROUP
     k_top, v_top = float32(qmax(k_bits)), float32(qmax(v_bits))
+    k_search, v_search = searches(k_bits, rotate), searches(v_bits, rotate)
     scale_max = float32(FP16_MAX)
+    k_scale, v_scale = _searched_scale(k_bits), _searched_scale(v_bits)
 
     def scale_step(sm, k_scales, v_scales, page, offset, tid, nt):
         for g in range(tid, 2 * groups, nt):
             w = g // groups
             gg = g - w * groups
-            top = k_top if w == 0 else v_top
-            absmax = float32(0.0)
-            for jj in range(GROUP):
-                absmax = max(absmax, abs(sm[2 * w, gg * GROUP + jj]))
-            stored = float16(min(absmax / top, scale_max))
+            if w == 0 and k_search:
+                stored = k_scale(sm, 0, gg * GROUP)
+            elif w == 1 and v_search:
+                stored = v_scale(sm, 2, gg * GROUP)
+            else:
+                top = k_top if w == 0 else v_top
+                absmax = float32(0.0)
+                for jj in range(GROUP):
+                    absmax = max(absmax, abs(sm[2 * w, gg * GROUP + jj]))
+                stored = float16(min(absmax / top, scale_max))
             if w == 0:
                 k_scales[page, offset, gg // per_head, gg % per_head] = stored
             else:
                 v_scales[page, offset, gg // per_head, gg % per_head] = stored
             step = float32(stored)
-            sm[2 * w + 1, gg] = step if step > 0 else float32(1.0)
+            sm[2 * w + 1, gg] = step if step != 0 else float32(1.0)
 
     return cuda.jit(device=True)(scale_step)
+
+
+@functools.cache
+def _searched_scale(bits: int):
+    """``scale(sm, row, first) -> float16``: quant.search_scales for the group of 32 values
+    at sm[row, first:first + 32], in the same float32 / float64 operations."""
+    divisors = tuple(float32(-d) for d in SEARCH_DIVISORS)
+    num = len(divisors)
+    scale_max = float32(FP16_MAX)
+    code = _coder(bits)
+
+    def scale(sm, row, first):
+        m = float32(0.0)
+        for jj in range(GROUP):  # the first element of largest magnitude, as torch's argmax
+            x = sm[row, first + jj]
+            if abs(x) > abs(m):
+                m = x
+        best = float16(0.0)
+        best_error = float64(0.0)
+        for c in range(num):
+            stored = float16(min(max(m / divisors[c], -scale_max), scale_max))
+            s = float32(stored)
+            step = s if s != 0 else float32(1.0)
+            error = float64(0.0)
+            for jj in range(GROUP):
+                x = sm[row, first + jj]
+                r = float64(x - float32(code(x, step)) * s)
+                error += r * r
+            if c == 0 or error < best_error:
+                best, best_error = stored, error
+        return best
+
+    return cuda.jit(device=True)(scale)
+
+
+@functools.cache
+def _coder(bits: int):
+    """``code(x, s)``: the ``bits``-bit code of x under the step s (step 4's rounding)."""
+    low, high = qmin(bits), qmax(bits)
+    rnd = float32(0.5)
+
+    def code(x, s):
+        return min(max(int32(math.floor(x / s + rnd)), low), high)
+
+    return cuda.jit(device=True)(code)
 
 
 @functools.cache
 def _code_writer(bits: int, n: int, head_dim: int):
     """Step 4 as a device function: ``write(pages, sm, row, page, offset, tid, nt)`` stores
     the codes of the n = KV * D values in sm[row] (scales in sm[row + 1]) into a page slot."""
-    top = qmax(bits)
     half = GROUP // 2
-    rnd = float32(0.5)
-
-    def code(x, s):
-        return min(max(int32(math.floor(x / s + rnd)), -top), top)
-
-    code = cuda.jit(device=True)(code)
+    code = _coder(bits)
     if bits == 8:
 
         def write(pages, sm, row, page, offset, tid, nt):

@@ -5,6 +5,9 @@ rounded to fp16) every element rounds to the nearest multiple of s inside [-qmax
 so |x - deq(q(x))| <= s / 2 (plus float32 rounding of x / s: a relative 2^-22 of |x| / s
 steps at most). With the rotation the bound holds per element in the rotated space; back in
 the original space H is orthonormal, so the group's error keeps its L2 norm: <= sqrt(32) s / 2.
+Rotated 4-bit groups search their scale among candidates that include absmax / 7's (up to the
+sign), keeping the least squared error: their error is at most that scheme's, so the same L2
+bound holds with s7 = fp16(absmax / 7); per element it does not (the search may clip).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from engine.cache.quant import (
     GROUP,
+    SEARCH_DIVISORS,
     QuantPages,
     allocate_quant_pages,
     check_quant,
@@ -62,12 +66,47 @@ def test_rotated_error_bounds(bits):
     x = _data()
     data, scales = quantize(x, bits, rotate=True)
     deq = dequantize(data, scales, bits)  # still in the rotated space
-    step = scales.float()
-    err_rot = _groups(rotate_groups(x) - deq).abs().amax(dim=-1)
-    assert torch.all(err_rot <= step / 2 * (1 + SLACK) + 1e-6)
+    step = scales.float().abs()
+    if bits == 8:  # absmax / 127: half a step per element
+        err_rot = _groups(rotate_groups(x) - deq).abs().amax(dim=-1)
+        assert torch.all(err_rot <= step / 2 * (1 + SLACK) + 1e-6)
+    else:  # searched: the absmax / 7 scheme's step bounds the group's L2 error
+        step = quantize(x, bits, rotate=True, search=False)[1].float()
     back = rotate_groups(deq)
     l2 = _groups(x - back).norm(dim=-1)
     assert torch.all(l2 <= math.sqrt(GROUP) * step / 2 * (1 + SLACK) + 1e-6)
+
+
+def test_searched_scales_never_lose_to_absmax():
+    """Rotated 4-bit: per group the searched scale's squared error is at most absmax / 7's
+    (its first candidate), lower in total, and it uses the code -8 absmax never does."""
+    x = rotate_groups(_data(seed=3))
+    plain = dequantize(*quantize(x, 4, rotate=False, search=False), 4)
+    data, scales = quantize(x, 4, rotate=False, search=True)
+    searched = dequantize(data, scales, 4)
+    err_plain = _groups(x - plain).double().square().sum(dim=-1)
+    err_searched = _groups(x - searched).double().square().sum(dim=-1)
+    assert torch.all(err_searched <= err_plain * (1 + 1e-12))
+    assert err_searched.sum() < 0.85 * err_plain.sum()
+    assert int((data & 15).min()) == 0 or int((data >> 4).min()) == 0
+    # the chosen scale is -m / d for one of the divisors (m: the group's extreme element)
+    groups = _groups(x)
+    m = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))[..., 0]
+    ratios = (m / -scales.float())[m != 0]
+    nearest = torch.tensor(SEARCH_DIVISORS)[
+        (ratios[:, None] - torch.tensor(SEARCH_DIVISORS)).abs().argmin(-1)
+    ]
+    assert torch.allclose(ratios, nearest, rtol=2**-10)
+    assert len(set(nearest.tolist())) >= 4
+
+
+def test_search_is_the_default_for_rotated_4_bit_only():
+    x = _data()
+    for bits, rotate in ((4, True), (4, False), (8, True)):
+        want = quantize(x, bits, rotate, search=bits == 4 and rotate)
+        got = quantize(x, bits, rotate)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(quantize(x, 4, True)[1], quantize(x, 4, True, search=False)[1])
 
 
 def test_rotation_shrinks_outlier_groups():
