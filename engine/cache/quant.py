@@ -18,9 +18,10 @@ Layout, per layer and for K and V separately (``QuantPages``):
   stored scale reconstructs the group with the least squared error is kept. d = 7 is the
   absmax / 7 scheme (up to the codes' sign), so a group's error never exceeds that scheme's:
   L2 <= sqrt(32) s7 / 2. On SmolLM2's rotated keys and values it cuts the squared error by
-  ~29% and q4+rot's perplexity increase over 1024 tokens from +9.9% to +5.7%. Unrotated
+  ~29% and q4+rot's perplexity increase over the 4096-token bench text from +8.4% to +4.7%
+  (bench/results/kv_quant_quality.json). Unrotated
   groups keep absmax / 7: there clipping a key's outlier channel costs more than the finer
-  step buys (the same search measured +15.2% against +12.6%).
+  step buys (the same search measured +15.2% against +12.6% over 1024 tokens).
   ``data`` uint8 ``[P, S, KV, D // 2]``: a group of 32 is 16 bytes (one 128-bit load) plus its
   scale. Byte j of a group holds element j in its low nibble and element j + 16 in its high
   nibble, each stored as q + 8 (0..15). This "split halves" packing lets the attention

@@ -76,11 +76,12 @@ def test_quality_goals_on_the_full_text(model, tokenizer):
     ids = text_ids(tokenizer, TEXT_TOKENS)
     prompts = prompts_from(ids, NUM_PROMPTS)
     modes = parse_modes("fp32,q8+rot,q4,q4+rot")
-    fp16, q8, q4, q4_rot = measure(model, tokenizer, ids, prompts, 32, modes)
-    # The goal is 0.99; measured 0.93 (28 of 32 prompts identical over 32 tokens, while
-    # float noise alone changes none): a shortfall on this model, held here so it cannot drop.
+    fp32, q8, q4, q4_rot = measure(model, tokenizer, ids, prompts, 32, modes)
+    # The goal is 0.99; measured 0.93 (29 of 32 prompts identical over 32 tokens, while
+    # an fp16 or bf16 cache changes none): a shortfall on this model, held here so it cannot drop.
     assert q8.agreement >= 0.9
-    assert abs(q8.perplexity / fp16.perplexity - 1) < 0.005
-    assert q4_rot.perplexity < q4.perplexity  # the rotation helps on this model
+    assert abs(q8.perplexity / fp32.perplexity - 1) < 0.005
+    assert q4_rot.perplexity < q4.perplexity  # the rotation (and its scale search) helps
     assert q4_rot.perplexity > q8.perplexity
-    assert q4_rot.perplexity / fp16.perplexity < 1.1  # goal 1.02: measured 1.08 on this model
+    # goal 1.02: measured 1.047 with the scale search (1.084 with absmax / 7 scales)
+    assert q4_rot.perplexity / fp32.perplexity < 1.06
