@@ -228,6 +228,7 @@ class DynamicJob:
             top_k_return=self.return_top_tokens,
             return_probs=self.return_probs,
             logprobs=self.return_logprobs,
+            key=None if ahead else self.serial,  # drafts ahead: a context of this call only
         )
 
     # -- results -------------------------------------------------------------------------------

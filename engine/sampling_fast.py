@@ -1,0 +1,277 @@
+"""The generator's sampler: ``engine.sampling.sample`` without a pass over the vocabulary
+beyond one read of the logits, with per-row parameters kept across steps.
+
+``SamplerState.sample`` returns what ``engine.sampling.sample`` (the reference) returns, with
+the same random draws; the work differs:
+
+- Penalties, biases and bans are written into the logits in place at the positions they
+  change (``engine.sampling_penalties``) and put back afterwards: no [B, V] copy.
+- Greedy tokens come from block maxima (``engine.sampling_candidates``): no ``max`` with
+  indices over the vocabulary, no probabilities.
+- Sampled rows with a top_k (2 .. ``MAX_FAST_TOP_K``) run temperature, top-k, top-p, min-p
+  and the inverse-CDF draw over their ``max(top_k) + 1`` largest logits only (found through
+  block maxima, no ``topk`` over the vocabulary); the softmax over the whole row is never
+  computed, since truncating to those candidates and renormalising makes it cancel out.
+- Per-row parameter tensors (temperature, top-k, top-p, min-p, penalties) are built once
+  per batch composition and settings values (``RowParams``), not every step.
+
+Where the results can differ from the reference (the same candidates in the same order,
+the same draws, the same float32 operations per candidate otherwise):
+
+- the reference's probabilities are ``softmax`` over the whole row, scaled by ``1 / sum``
+  of every ``exp``; here they are ``exp(l / T - max)`` over the candidates, normalised by
+  their own sum. Mathematically the same distribution; in float32 a value may differ in the
+  last bits, so a token differs only when a draw (or a top-p / min-p cut) lands within that
+  rounding of a boundary: for one draw, a chance of about 1e-7.
+- two different logits whose probabilities round to the same float32 count as a tie in the
+  reference's top-k and as distinct here.
+
+Everything else goes to the reference, unchanged: batches with a sampled row without a
+top_k (its mass needs the whole row), a top_k above ``MAX_FAST_TOP_K``, typical sampling,
+``return_probs`` or ``top_k_return``, rows with NaN or with every token banned, and rows
+whose ties at the k-th candidate reach past the candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+import torch
+
+from engine.sampling import (
+    SampleOutput,
+    SampleRequest,
+    _add_logprobs,
+    _apply_bias_and_bans,
+    _inverse_cdf,
+    _top_p_cut,
+    sample,
+)
+from engine.sampling_candidates import Blocks
+from engine.sampling_penalties import (
+    ContextIndex,
+    LogitEdits,
+    PenaltyScratch,
+    apply_sparse_penalties,
+    penalty_keys,
+)
+
+MAX_FAST_TOP_K = 1024  # larger top_k go to the reference (the candidate set stops paying)
+_SETTINGS_KEY = attrgetter(
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_range",
+)
+
+
+@dataclass(slots=True)
+class RowParams:
+    """Per-row sampling parameters of one batch, as tensors on the logits' device."""
+
+    key: tuple  # (device, every row's settings values): a change rebuilds
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    fast: bool  # every sampled row is one the candidate path handles
+    temps: torch.Tensor  # [B, 1] float32: the temperature, 1.0 for greedy rows
+    top_k: torch.Tensor  # [B, 1] long, 1 for greedy rows
+    max_top_k: int  # over the sampled rows
+    top_p: torch.Tensor | None  # [B, 1] float32; None when every row has 1.0
+    min_p: torch.Tensor | None  # [B, 1] float32; None when every row has 0
+    penalised: list[int]  # rows with penalties
+    penalties: torch.Tensor  # [rows with penalties, 3]: repetition, frequency, presence
+
+    @classmethod
+    def build(cls, key: tuple, requests: Sequence[SampleRequest], device) -> RowParams:
+        settings = [r.settings for r in requests]
+        greedy = [s.is_greedy for s in settings]
+        sampled = [s for s, g in zip(settings, greedy, strict=True) if not g]
+        fast = all(2 <= s.top_k <= MAX_FAST_TOP_K and s.typical >= 1.0 for s in sampled)
+        penalised = [i for i, s in enumerate(settings) if s.has_penalties]
+        top_p = [s.top_p for s in settings]
+        min_p = [s.min_p for s in settings]
+        return cls(
+            key=key,
+            greedy=torch.tensor(greedy, device=device),
+            all_greedy=all(greedy),
+            fast=fast,
+            # as the reference: float32 tensors from the Python floats
+            temps=torch.tensor(
+                [1.0 if g else s.temperature for s, g in zip(settings, greedy, strict=True)],
+                device=device,
+            )[:, None],
+            top_k=torch.tensor(
+                [1 if g else s.top_k for s, g in zip(settings, greedy, strict=True)],
+                device=device,
+            )[:, None],
+            max_top_k=max((s.top_k for s in sampled), default=1),
+            top_p=torch.tensor(top_p, device=device)[:, None] if min(top_p) < 1.0 else None,
+            min_p=torch.tensor(min_p, device=device)[:, None] if max(min_p) > 0 else None,
+            penalised=penalised,
+            penalties=torch.tensor(
+                [
+                    [s.repetition_penalty, s.frequency_penalty, s.presence_penalty]
+                    for s in (settings[i] for i in penalised)
+                ],
+                device=device,
+            ).reshape(-1, 3),
+        )
+
+
+class SamplerState:
+    """Sampling for one generator across steps: cached ``RowParams``, each job's
+    ``ContextIndex`` (keyed by ``SampleRequest.key``) and the penalty scratch buffer."""
+
+    def __init__(self) -> None:
+        self._params: RowParams | None = None
+        self._contexts: dict[int, ContextIndex] = {}
+        self._scratch = PenaltyScratch()
+
+    def params(self, requests: Sequence[SampleRequest], device) -> RowParams:
+        # keyed by value: settings objects are mutable, their identity proves nothing
+        key = (str(device), tuple(_SETTINGS_KEY(r.settings) for r in requests))
+        if self._params is None or self._params.key != key:
+            self._params = RowParams.build(key, requests, device)
+        return self._params
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SampleRequest],
+        vocab_limit: int | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> SampleOutput:
+        """``engine.sampling.sample`` (same arguments, same output), faster (see above)."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        params = self.params(requests, logits.device)
+        extras = any(r.return_probs or r.top_k_return for r in requests)
+        if not params.fast or extras:
+            return sample(logits, requests, vocab_limit, token_mask)
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            out = self._sample_fast(logits, requests, vocab_limit, token_mask, params)
+        if out is None:  # a case the candidates cannot decide: nothing was drawn yet
+            return sample(logits, requests, vocab_limit, token_mask)
+        self._forget_others(requests)
+        return out
+
+    def _sample_fast(self, logits, requests, vocab_limit, token_mask, params: RowParams):
+        raw = logits.float()
+        if not raw.is_contiguous():
+            raw = raw.contiguous()
+        limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
+        edits = LogitEdits(raw.view(-1))
+        try:
+            self._edit(raw, edits, requests, params)
+            x = raw if token_mask is None else raw + token_mask[:, : raw.shape[1]]
+            tokens = _choose(x, limit, params, requests)
+        finally:
+            edits.restore()
+        if tokens is None:
+            return None
+        out = SampleOutput(tokens=tokens.tolist())
+        if any(r.logprobs is not None for r in requests):
+            _add_logprobs(out, raw, tokens, requests, limit)
+        return out
+
+    def _edit(self, raw, edits: LogitEdits, requests, params: RowParams) -> None:
+        """Penalties, then biases and bans (the reference's order), in place."""
+        vocab = raw.shape[1]
+        # (row, its index among the penalised rows) for rows with a context to look at
+        rows = [(i, j) for j, i in enumerate(params.penalised) if requests[i].context]
+        if rows:
+            windows = [self._window(requests[i]) for i, _ in rows]
+            keys, slot = penalty_keys([i for i, _ in rows], windows, vocab, raw.device)
+            edits.save(keys)
+            penalties = params.penalties
+            if len(rows) < len(params.penalised):
+                penalties = penalties[[j for _, j in rows]]
+            apply_sparse_penalties(edits.flat, keys, slot, penalties, self._scratch)
+        touched = [
+            i * vocab + t % vocab
+            for i, r in enumerate(requests)
+            for t in (*r.settings.token_bias, *r.banned_tokens)
+            if -vocab <= t < vocab
+        ]
+        if touched:
+            edits.save(torch.tensor(touched, device=raw.device))
+            _apply_bias_and_bans(raw, requests)
+
+    def _window(self, request: SampleRequest) -> torch.Tensor:
+        if request.key is None:  # no job to keep it for: index this context once
+            index = ContextIndex()
+        else:
+            index = self._contexts.get(request.key)
+            if index is None:
+                index = self._contexts[request.key] = ContextIndex()
+        index.sync(request.context)
+        return index.window(request.settings.penalty_range)
+
+    def _forget_others(self, requests: Sequence[SampleRequest]) -> None:
+        """Drop the context indexes of jobs long gone (a job absent for one step keeps its)."""
+        if len(self._contexts) > 2 * len(requests) + 16:
+            live = {r.key for r in requests}
+            self._contexts = {k: v for k, v in self._contexts.items() if k in live}
+
+
+def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.Tensor | None:
+    """Each row's token, or None when a row needs the reference (then nothing is drawn)."""
+    blocks = Blocks.of(x, limit)
+    if blocks.has_nan() or bool((blocks.row_max == -math.inf).any()):
+        return None  # NaN rows and rows with every token banned: the reference's handling
+    greedy_tokens = blocks.greedy()
+    if params.all_greedy:
+        for r in requests:  # every row draws, so a job's stream ignores its settings
+            r.rng.random()
+        return greedy_tokens
+    n = params.max_top_k + 1
+    if n > limit:
+        return None
+    values, ids = blocks.top(n)
+    probs = _candidate_probs(values, ids, x.shape[1], params)
+    if probs is None:
+        return None
+    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
+    uniforms = torch.tensor(
+        [r.rng.random() for r in requests], dtype=torch.float64, device=x.device
+    )
+    # the CDF in id order, as the reference's over the whole row (zeros add no step)
+    order = ids.argsort(-1)
+    sorted_ids = ids.gather(1, order)
+    picked = _inverse_cdf(probs.gather(1, order), uniforms)
+    sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
+    return torch.where(params.greedy, greedy_tokens, sampled)
+
+
+def _candidate_probs(
+    values: torch.Tensor, ids: torch.Tensor, vocab: int, params: RowParams
+) -> torch.Tensor | None:
+    """The final distribution over the candidates (``values``: logits, descending), as the
+    reference's ``_final_distribution`` does over the whole row; None when a sampled row's
+    ties at its k-th value reach past the candidates."""
+    scaled = values / params.temps
+    probs = torch.exp(scaled - scaled[:, :1])  # descending, as the values
+    kth = probs.gather(1, params.top_k - 1)
+    covered = (probs[:, -1:] < kth).squeeze(1) | params.greedy
+    if not bool(covered.all()):
+        return None
+    probs = probs * (probs >= kth)  # ties with the k-th are kept, as the reference's
+    if params.top_p is not None:
+        disabled = params.top_p >= 1.0
+        mass = params.top_p * probs.sum(-1, keepdim=True)
+        cut, last_id = _top_p_cut(probs, ids, mass, vocab)
+        cut = torch.where(disabled, 0.0, cut)
+        # tokens tied with the cut past the number kept: lowest ids first, as the reference
+        drop = (probs == cut) & (ids > last_id)
+        probs = torch.where(drop, 0.0, probs * (probs >= cut))
+    if params.min_p is not None:
+        probs = probs * (probs >= params.min_p * probs.max(-1, keepdim=True).values)
+    return probs / probs.sum(-1, keepdim=True)
