@@ -27,7 +27,7 @@ class ContextIndex:
     between two calls; a context shorter than the index, or whose token at the index's last
     position differs, is indexed again from scratch."""
 
-    __slots__ = ("ids", "length", "_last")
+    __slots__ = ("_last", "ids", "length")
 
     def __init__(self) -> None:
         self.ids = torch.empty(0, dtype=torch.long)
