@@ -25,19 +25,32 @@ text and stop strings (``_render_pending``) after handing the next forward to th
 ``text`` column is that stage; with a real forward it overlaps the device's work, so
 ``critical us/step`` (step minus ``text``) is what the device waits for between forwards.
 
+``--baseline REF`` runs the same cases with the engine at git ref REF too: a temporary
+``git worktree`` at REF, and this script (the same harness) in a subprocess whose PYTHONPATH
+puts that tree's ``engine`` first, mode by mode before this engine's cases, so both see the
+same load. The JSON then holds both (``results``, ``baseline``) and a per-case
+``comparison``.
+
     PYTHONPATH=. python bench/host_overhead.py [--quick] [--output bench/results/host_overhead.json]
+    PYTHONPATH=. python bench/host_overhead.py --baseline main --batches 1 64 256
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +60,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+import engine
 import engine.generator as generator_module
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
 from engine.batch import build_forward_batch
@@ -156,7 +170,11 @@ class StepTimers:
         self._wrap(g.runner, "forward_plan", "batch")
         self._wrap(g, "_sample", "sample_all")
         self._wrap(g, "_receive", "receive")
-        self._wrap(generator_module, "sample", "sample_tensor")
+        sampler = getattr(g, "_sampler", None)  # engines with a SamplerState call it instead
+        if sampler is not None:
+            self._wrap(sampler, "sample", "sample_tensor")
+        else:
+            self._wrap(generator_module, "sample", "sample_tensor")
         self._wrap(g, "_render_pending", "text")
         return self
 
@@ -193,7 +211,26 @@ def load(cache_dir: Path, tokenizer_vocab: int) -> tuple[Model, Tokenizer]:
 
 def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     """A byte-level BPE of ``vocab_size`` ids (the demo's special tokens first) trained on
-    seeded pseudo-words, with the demo model's tokenizer and generation configs."""
+    seeded pseudo-words, with the demo model's tokenizer and generation configs. The trained
+    tokenizer is kept beside the model (a ``--baseline`` run loads it twice)."""
+    configs = {
+        name: json.loads((folder / f"{name}.json").read_text())
+        for name in ("tokenizer_config", "config", "generation_config")
+    }
+    saved = folder / f"bench_tokenizer_{vocab_size}.json"
+    if not saved.exists():
+        tmp = saved.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(_train_tokenizer(vocab_size))
+        tmp.replace(saved)
+    return Tokenizer(
+        saved.read_text(),
+        tokenizer_config=configs["tokenizer_config"],
+        model_config=configs["config"],
+        generation_config=configs["generation_config"],
+    )
+
+
+def _train_tokenizer(vocab_size: int) -> str:
     rng = random.Random(0)
     syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"] + list("aeiou")
     words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(60000)]
@@ -209,16 +246,7 @@ def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     hf.train_from_iterator(lines, trainer=trainer)
-    configs = {
-        name: json.loads((folder / f"{name}.json").read_text())
-        for name in ("tokenizer_config", "config", "generation_config")
-    }
-    return Tokenizer(
-        hf.to_str(),
-        tokenizer_config=configs["tokenizer_config"],
-        model_config=configs["config"],
-        generation_config=configs["generation_config"],
-    )
+    return hf.to_str()
 
 
 def make_generator(
@@ -318,10 +346,11 @@ def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> 
     )
 
 
-def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
+def goals(results: list[CaseResult] | list[dict]) -> list[dict[str, Any]]:
     # the goals are for the inline stage (a CPU generator's default); deferred rows add the
     # critical path, which is what the device would wait for
-    by_case = {(r.mode, r.batch): r for r in results if r.text_stage == "inline"}
+    rows = [r if isinstance(r, dict) else asdict(r) for r in results]
+    by_case = {(r["mode"], r["batch"]): r for r in rows if r["text_stage"] == "inline"}
     out = []
     for mode, batch, target in GOALS:
         r = by_case.get((mode, batch))
@@ -331,18 +360,92 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
                     "mode": mode,
                     "batch": batch,
                     "target_us_per_step": target,
-                    "measured_us_per_step": r.us_per_step,
-                    "met": r.us_per_step <= target,
+                    "measured_us_per_step": r["us_per_step"],
+                    "met": r["us_per_step"] <= target,
                 }
             )
     return out
 
 
-def print_row(r: CaseResult) -> None:
+@contextmanager
+def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
+    """A temporary git worktree of the repository at ``ref`` (and its commit), removed on
+    exit."""
+    repo = Path(__file__).resolve().parents[1]
+    found = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode:
+        raise SystemExit(f"--baseline {ref!r} is not a commit of {repo}: {found.stderr.strip()}")
+    commit = found.stdout.strip()
+    folder = Path(tempfile.mkdtemp(prefix="host-overhead-baseline-"))
+    tree = folder / "tree"
+    add = ["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet", str(tree), commit]
+    subprocess.run(add, check=True)
+    try:
+        yield tree, commit
+    finally:
+        remove = ["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)]
+        subprocess.run(remove, check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_baseline(args, mode: str, tree: Path) -> dict[str, Any]:
+    """This script's cases of one mode with the engine of ``tree``: a subprocess whose
+    PYTHONPATH puts that tree's ``engine`` package first (the harness stays this one)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "baseline.json"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *(["--quick"] if args.quick else []),
+            *("--modes", mode, "--batches", *map(str, args.batches)),
+            *("--text-stages", *args.text_stages, "--prompt-len", str(args.prompt_len)),
+            *("--step-budget", str(args.step_budget), "--min-steps", str(args.min_steps)),
+            *("--max-steps", str(args.max_steps), "--threads", str(args.threads)),
+            *("--tokenizer-vocab", str(args.tokenizer_vocab), "--cache-dir", str(args.cache_dir)),
+            *("--output", str(output), "--label", f"baseline {args.baseline}"),
+        ]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
+        return json.loads(output.read_text())
+
+
+def comparison(before: list[dict], after: list[CaseResult]) -> list[dict[str, Any]]:
+    """Per case: us per step with the baseline engine and with this one."""
+    key = ("mode", "batch", "text_stage")
+    old = {tuple(r[k] for k in key): r for r in before}
+    out = []
+    for r in after:
+        b = old.get((r.mode, r.batch, r.text_stage))
+        if b is not None:
+            out.append(
+                {
+                    "mode": r.mode,
+                    "batch": r.batch,
+                    "text_stage": r.text_stage,
+                    "baseline_us_per_step": b["us_per_step"],
+                    "us_per_step": r.us_per_step,
+                    "baseline_sample_tensor_us": b["sample_tensor_us"],
+                    "sample_tensor_us": r.sample_tensor_us,
+                    "speedup": b["us_per_step"] / r.us_per_step,
+                }
+            )
+    return out
+
+
+def print_row(r: CaseResult | dict, engine: str = "this") -> None:
+    r = r if isinstance(r, dict) else asdict(r)
+    r = argparse.Namespace(**r)
     b = r.breakdown_us
     parts = " ".join(f"{b[k]:9.0f}" for k in PARTS)
     print(
-        f"{r.mode:12s} {r.text_stage:8s} {r.batch:5d} {r.us_per_step:10.0f} "
+        f"{engine:10s} {r.mode:12s} {r.text_stage:8s} {r.batch:5d} {r.us_per_step:10.0f} "
         f"{r.us_per_token:8.1f} {parts} {r.sample_tensor_us:9.0f} {r.critical_us_per_step:9.0f}",
         flush=True,
     )
@@ -351,7 +454,8 @@ def print_row(r: CaseResult) -> None:
 def print_header() -> None:
     parts = " ".join(f"{k:>9s}" for k in PARTS)
     print(
-        f"{'mode':12s} {'text':8s} {'batch':>5s} {'us/step':>10s} {'us/tok':>8s} {parts} "
+        f"{'engine':10s} {'mode':12s} {'text':8s} {'batch':>5s} {'us/step':>10s} "
+        f"{'us/tok':>8s} {parts} "
         f"{'(tensor)':>9s} {'critical':>9s}"
     )
 
@@ -384,6 +488,7 @@ def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
             },
             "forward": "null: plan_rows + build_forward_batch on the CPU, fixed logits",
         },
+        "engine": str(Path(engine.__file__).parent),
         "units": "microseconds; medians over timed decode steps",
         "results": [asdict(r) for r in results],
         "goals": goals(results),
@@ -409,6 +514,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-vocab", type=int, default=TOKENIZER_VOCAB)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--label", default="")
+    p.add_argument(
+        "--baseline",
+        metavar="REF",
+        default=None,
+        help="also run every case with the engine at git ref REF (a temporary worktree), "
+        "side by side; both go into the JSON with a per-case comparison",
+    )
     p.add_argument("--output", type=Path, default=RESULTS)
     p.add_argument(
         "--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "pagedserve-bench"
@@ -424,22 +536,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.baseline is None:
+        run(args, None)
+    else:
+        with baseline_tree(args.baseline) as (tree, commit):
+            run(args, (tree, commit))
+
+
+def run(args, baseline: tuple[Path, str] | None) -> None:
+    """Every case with this engine; with a baseline tree, each mode's cases with that
+    engine first (a subprocess), so the two run side by side under the same load."""
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.cache_dir, args.tokenizer_vocab)
-    print_header()
-    results = []
+    results: list[CaseResult] = []
+    before: list[dict] = []
     for mode in args.modes:
+        if baseline is not None:
+            other = run_baseline(args, mode, baseline[0])
+            before += [r | {"engine": other["engine"]} for r in other["results"]]
+        print_header()
+        for row in (r for r in before if r["mode"] == mode):
+            print_row(row, engine=args.baseline)
         for batch in args.batches:
             for stage in args.text_stages:
                 results.append(run_case(model, tokenizer, mode, batch, args, stage))
                 print_row(results[-1])
-    for g in goals(results):
-        print(
-            f"goal {g['mode']} batch {g['batch']}: {g['measured_us_per_step']:.0f} us/step "
-            f"(target {g['target_us_per_step']:.0f}) {'met' if g['met'] else 'NOT met'}"
-        )
+    for name, rows in (("this", results), (args.baseline, before)):
+        for g in goals(rows):
+            print(
+                f"goal {g['mode']} batch {g['batch']} [{name}]: "
+                f"{g['measured_us_per_step']:.0f} us/step (target "
+                f"{g['target_us_per_step']:.0f}) {'met' if g['met'] else 'NOT met'}"
+            )
+    out = report(args, results, tokenizer)
+    if baseline is not None:
+        out["baseline"] = {
+            "ref": args.baseline,
+            "commit": baseline[1],
+            "engine": before[0]["engine"] if before else None,
+            "results": before,
+            "goals": goals(before),
+        }
+        out["comparison"] = comparison(before, results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report(args, results, tokenizer), indent=2) + "\n")
+    args.output.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.output}")
 
 

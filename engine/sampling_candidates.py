@@ -16,7 +16,7 @@ maximum is taken with one vectorised ``amax`` pass. Then:
   the ties) are those a ``topk`` over the whole row returns; which of several ids tied on
   the n-th value comes out may differ, and the sampler never depends on that.
 
-Rows holding NaN are not handled here (``amax`` propagates it): callers check ``has_nan``.
+Rows holding NaN are not handled here (``amax`` propagates it): callers check ``row_max``.
 """
 
 from __future__ import annotations
@@ -55,10 +55,6 @@ class Blocks:
 
     def block_view(self) -> torch.Tensor:
         return self.x[:, : self.full * BLOCK].unflatten(1, (self.full, BLOCK))
-
-    def has_nan(self) -> bool:
-        """Whether any row holds NaN (the maxima propagate it)."""
-        return bool(torch.isnan(self.row_max).any())
 
     def greedy(self) -> torch.Tensor:
         """[B] long: the first id of each row's maximum. Exactly

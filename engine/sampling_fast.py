@@ -60,6 +60,7 @@ from engine.sampling_penalties import (
 )
 
 MAX_FAST_TOP_K = 1024  # larger top_k go to the reference (the candidate set stops paying)
+MIN_BLOCK_ROWS = 16  # block maxima for batches of at least this many rows
 _SETTINGS_KEY = attrgetter(
     "temperature",
     "top_k",
@@ -134,6 +135,8 @@ class SamplerState:
         self._params: RowParams | None = None
         self._contexts: dict[int, ContextIndex] = {}
         self._scratch = PenaltyScratch()
+        self.fast_calls = 0  # calls served by the candidate path (the rest: the reference)
+        self.reference_calls = 0
 
     def params(self, requests: Sequence[SampleRequest], device) -> RowParams:
         # keyed by value: settings objects are mutable, their identity proves nothing
@@ -154,12 +157,16 @@ class SamplerState:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
         params = self.params(requests, logits.device)
         extras = any(r.return_probs or r.top_k_return for r in requests)
-        if not params.fast or extras:
+        # a few greedy rows without penalties: the reference is already one whole-row op
+        small_greedy = params.all_greedy and not params.penalised and len(requests) < MIN_BLOCK_ROWS
+        out = None
+        if params.fast and not extras and not small_greedy:
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                out = self._sample_fast(logits, requests, vocab_limit, token_mask, params)
+        if out is None:  # a case for the reference (nothing was drawn yet)
+            self.reference_calls += 1
             return sample(logits, requests, vocab_limit, token_mask)
-        with torch.inference_mode():  # the runner's logits are inference tensors
-            out = self._sample_fast(logits, requests, vocab_limit, token_mask, params)
-        if out is None:  # a case the candidates cannot decide: nothing was drawn yet
-            return sample(logits, requests, vocab_limit, token_mask)
+        self.fast_calls += 1
         self._forget_others(requests)
         return out
 
@@ -190,11 +197,11 @@ class SamplerState:
         if rows:
             windows = [self._window(requests[i]) for i, _ in rows]
             keys, slot = penalty_keys([i for i, _ in rows], windows, vocab, raw.device)
-            edits.save(keys)
+            values = edits.save(keys)
             penalties = params.penalties
             if len(rows) < len(params.penalised):
                 penalties = penalties[[j for _, j in rows]]
-            apply_sparse_penalties(edits.flat, keys, slot, penalties, self._scratch)
+            apply_sparse_penalties(edits.flat, keys, slot, penalties, self._scratch, values)
         touched = [
             i * vocab + t % vocab
             for i, r in enumerate(requests)
@@ -224,18 +231,24 @@ class SamplerState:
 
 def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.Tensor | None:
     """Each row's token, or None when a row needs the reference (then nothing is drawn)."""
-    blocks = Blocks.of(x, limit)
-    if blocks.has_nan() or bool((blocks.row_max == -math.inf).any()):
+    n = params.max_top_k + 1
+    if n > limit and not params.all_greedy:
+        return None
+    if x.shape[0] < MIN_BLOCK_ROWS:  # a few rows: whole-row ops cost less than more calls
+        best = x[:, :limit].max(-1)  # the reference's greedy op
+        greedy_tokens, row_max, blocks = best.indices, best.values, None
+    else:
+        blocks = Blocks.of(x, limit)
+        greedy_tokens, row_max = None, blocks.row_max
+    if bool((torch.isnan(row_max) | (row_max == -math.inf)).any()):
         return None  # NaN rows and rows with every token banned: the reference's handling
-    greedy_tokens = blocks.greedy()
+    if greedy_tokens is None:
+        greedy_tokens = blocks.greedy()
     if params.all_greedy:
         for r in requests:  # every row draws, so a job's stream ignores its settings
             r.rng.random()
         return greedy_tokens
-    n = params.max_top_k + 1
-    if n > limit:
-        return None
-    values, ids = blocks.top(n)
+    values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
     probs = _candidate_probs(values, ids, x.shape[1], params)
     if probs is None:
         return None

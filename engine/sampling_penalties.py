@@ -93,12 +93,14 @@ def apply_sparse_penalties(
     slot: torch.Tensor,
     params: torch.Tensor,
     scratch: PenaltyScratch,
+    values: torch.Tensor | None = None,
 ) -> None:
     """Penalise ``flat`` (the logits viewed flat) at ``keys``; ``params`` [rows, 3]: each
     penalised row's (repetition, frequency, presence) as float32, ``slot`` picks its row.
-    The dense form's operations, in its order, on the touched values only."""
+    The dense form's operations, in its order, on the touched values only (``values``: those
+    at ``keys`` when the caller has them already)."""
     counts = scratch.count(keys, flat.numel())
-    values = flat[keys]
+    values = flat[keys] if values is None else values
     rep, freq, presence = params[slot].unbind(1)
     # Repetition penalty (CTRL style): shrink positive logits, push negative ones further down.
     values = torch.where(values > 0, values / rep, values * rep)
@@ -116,8 +118,11 @@ class LogitEdits:
         self.flat = flat
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def save(self, keys: torch.Tensor) -> None:
-        self._saved.append((keys, self.flat[keys]))
+    def save(self, keys: torch.Tensor) -> torch.Tensor:
+        """Remember (and return) the values at ``keys``."""
+        values = self.flat[keys]
+        self._saved.append((keys, values))
+        return values
 
     def restore(self) -> None:
         # last saved first: an earlier save holds the value before every later edit
