@@ -49,12 +49,15 @@ def test_block_greedy_is_the_first_maximum(vocab, ties):
             assert torch.equal(Blocks.of(x, limit).greedy(), expected), (vocab, limit, seed)
 
 
-@pytest.mark.parametrize("vocab", [3 * BLOCK + 7, 1000, 4099])
+@pytest.mark.parametrize("vocab", [3 * BLOCK + 7, 1000, 4099, 4096])
 @pytest.mark.parametrize("n", [2, 6, 51])
-def test_block_top_values_are_topk_values(vocab, n):
+@pytest.mark.parametrize("cut", [0, 3])
+def test_block_top_values_are_topk_values(vocab, n, cut):
     for seed, ties in ((0, False), (1, True), (2, True)):
         x = _logits(24, vocab, seed, ties)
-        limit = vocab - 3
+        if seed == 2:
+            x = _logits(30, vocab, seed, ties)[3:27]  # rows of a larger tensor (an offset)
+        limit = vocab - cut
         values, ids = Blocks.of(x, limit).top(n)
         assert torch.equal(values, x[:, :limit].topk(n).values)
         assert bool((ids < limit).all())
