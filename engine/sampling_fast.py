@@ -52,11 +52,10 @@ from engine.sampling import (
 )
 from engine.sampling_candidates import Blocks
 from engine.sampling_penalties import (
-    ContextIndex,
+    ContextCounts,
     LogitEdits,
-    PenaltyScratch,
+    PenaltyRows,
     apply_sparse_penalties,
-    penalty_keys,
 )
 
 MAX_FAST_TOP_K = 1024  # larger top_k go to the reference (the candidate set stops paying)
@@ -129,12 +128,11 @@ class RowParams:
 
 class SamplerState:
     """Sampling for one generator across steps: cached ``RowParams``, each job's
-    ``ContextIndex`` (keyed by ``SampleRequest.key``) and the penalty scratch buffer."""
+    ``ContextCounts`` (keyed by ``SampleRequest.key``)."""
 
     def __init__(self) -> None:
         self._params: RowParams | None = None
-        self._contexts: dict[int, ContextIndex] = {}
-        self._scratch = PenaltyScratch()
+        self._contexts: dict[int, ContextCounts] = {}
         self.fast_calls = 0  # calls served by the candidate path (the rest: the reference)
         self.reference_calls = 0
 
@@ -195,13 +193,13 @@ class SamplerState:
         # (row, its index among the penalised rows) for rows with a context to look at
         rows = [(i, j) for j, i in enumerate(params.penalised) if requests[i].context]
         if rows:
-            windows = [self._window(requests[i]) for i, _ in rows]
-            keys, slot = penalty_keys([i for i, _ in rows], windows, vocab, raw.device)
-            values = edits.save(keys)
+            windows = [self._window(requests[i], vocab) for i, _ in rows]
+            pairs = PenaltyRows.gather([i for i, _ in rows], windows, vocab, raw.device)
+            values = edits.save(pairs.keys)
             penalties = params.penalties
             if len(rows) < len(params.penalised):
                 penalties = penalties[[j for _, j in rows]]
-            apply_sparse_penalties(edits.flat, keys, slot, penalties, self._scratch, values)
+            apply_sparse_penalties(edits.flat, pairs, penalties, values)
         touched = [
             i * vocab + t % vocab
             for i, r in enumerate(requests)
@@ -212,18 +210,18 @@ class SamplerState:
             edits.save(torch.tensor(touched, device=raw.device))
             _apply_bias_and_bans(raw, requests)
 
-    def _window(self, request: SampleRequest) -> torch.Tensor:
-        if request.key is None:  # no job to keep it for: index this context once
-            index = ContextIndex()
+    def _window(self, request: SampleRequest, vocab: int) -> ContextCounts:
+        if request.key is None:  # no job to keep it for: count this context once
+            counts = ContextCounts()
         else:
-            index = self._contexts.get(request.key)
-            if index is None:
-                index = self._contexts[request.key] = ContextIndex()
-        index.sync(request.context)
-        return index.window(request.settings.penalty_range)
+            counts = self._contexts.get(request.key)
+            if counts is None:
+                counts = self._contexts[request.key] = ContextCounts()
+        counts.sync(request.context, vocab, request.settings.penalty_range)
+        return counts
 
     def _forget_others(self, requests: Sequence[SampleRequest]) -> None:
-        """Drop the context indexes of jobs long gone (a job absent for one step keeps its)."""
+        """Drop the context counts of jobs long gone (a job absent for one step keeps its)."""
         if len(self._contexts) > 2 * len(requests) + 16:
             live = {r.key for r in requests}
             self._contexts = {k: v for k, v in self._contexts.items() if k in live}

@@ -2,11 +2,11 @@
 
 The dense form (``engine.sampling._apply_penalties``) counts every row's context into a
 [rows, V] tensor and rewrites whole rows; but a penalty only moves the logits of tokens the
-context holds. Here each job keeps its context as a token-id tensor (``ContextIndex``) that
-grows by the new tokens of each step instead of being rebuilt from the list, and one step
-touches only the (row, token) pairs of the penalised rows' windows: counted with one
-``index_add_`` into a zeroed scratch buffer (put back to zero at once), edited with the same
-float32 operations in the same order as the dense form, so the results are bit-identical.
+context holds. Here each job keeps its window's distinct token ids and their counts
+(``ContextCounts``), extended by the new tokens of each step instead of recounted, and one
+step touches only the (row, token) pairs of the penalised rows' windows: one gather, the
+same float32 operations in the same order as the dense form (so the results are
+bit-identical), one scatter.
 
 Edits go into the caller's logits in place; ``LogitEdits`` remembers the original values of
 every position it touches and puts them back (the caller's tensor is left as it came).
@@ -15,99 +15,121 @@ every position it touches and puts them back (the caller's tensor is left as it 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
-class ContextIndex:
-    """One job's context token ids as a growing tensor.
+class ContextCounts:
+    """One job's penalty window as its distinct token ids and how often each occurs, kept up
+    to date across steps: ``sync`` takes only the tokens appended since the last call
+    (usually one), adding each to its id's count (a new id extends the id array) and taking
+    the token that slides out of a ``penalty_range`` window off its count.
 
-    ``sync(context)`` takes the tokens appended since the last call (usually one). Contexts
-    change by appending and by dropping a suffix (banned-string rollback, rejected drafts)
-    between two calls; a context shorter than the index, or whose token at the index's last
-    position differs, is indexed again from scratch."""
+    Contexts change by appending and by dropping a suffix (banned-string rollback, rejected
+    drafts) between two calls; a context shorter than the one counted, or whose token at the
+    last counted position differs, is counted again from scratch (as is a changed window or
+    vocabulary). Ids outside the vocabulary count nowhere (as in the dense form)."""
 
-    __slots__ = ("_last", "ids", "length")
+    __slots__ = ("_counts", "_ids", "_last", "_length", "_slots", "_used", "_vocab", "_window")
 
     def __init__(self) -> None:
-        self.ids = torch.empty(0, dtype=torch.long)
-        self.length = 0
-        self._last: int | None = None
+        self._reset((), 0, 0)
 
-    def sync(self, context: Sequence[int]) -> None:
+    def sync(self, context: Sequence[int], vocab: int, window: int) -> None:
         n = len(context)
-        if n < self.length or (self.length and context[self.length - 1] != self._last):
-            self.length = 0
-        if n > self.ids.numel():  # room to grow: doubling, so appends stay amortised O(1)
-            grown = torch.empty(max(2 * self.ids.numel(), n, 64), dtype=torch.long)
-            grown[: self.length] = self.ids[: self.length]
-            self.ids = grown
-        if n == self.length + 1:
-            self.ids[self.length] = context[-1]
-        elif n > self.length:
-            self.ids[self.length : n] = torch.tensor(context[self.length : n], dtype=torch.long)
-        self.length = n
+        if (
+            n < self._length
+            or vocab != self._vocab
+            or window != self._window
+            or (self._length and context[self._length - 1] != self._last)
+        ):
+            self._reset(context, vocab, window)
+        for pos in range(self._length, n):
+            self._add(context[pos], 1.0)
+            if window and pos >= window:
+                self._add(context[pos - window], -1.0)  # slid out of the window
+        self._length = n
         self._last = context[-1] if n else None
+        if self._used > 64 and 2 * int(np.count_nonzero(self._counts[: self._used])) < self._used:
+            self._reset(context, vocab, window)  # mostly ids that left the window: compact
 
-    def window(self, size: int) -> torch.Tensor:
-        """The last ``size`` ids (all of them for 0), a view."""
-        start = max(0, self.length - size) if size else 0
-        return self.ids[start : self.length]
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64, counts float32) of the window; a count may be 0 (an id that left)."""
+        return self._ids[: self._used], self._counts[: self._used]
+
+    def _reset(self, context: Sequence[int], vocab: int, window: int) -> None:
+        """Count the window of ``context`` at once (vectorised)."""
+        tokens = np.asarray(context[-window:] if window else context, dtype=np.int64)
+        tokens = tokens[(tokens >= 0) & (tokens < vocab)]
+        ids, counts = np.unique(tokens, return_counts=True)
+        size = max(64, 2 * len(ids))
+        self._ids = np.zeros(size, dtype=np.int64)
+        self._counts = np.zeros(size, dtype=np.float32)
+        self._ids[: len(ids)] = ids
+        self._counts[: len(ids)] = counts
+        self._slots = dict(zip(ids.tolist(), range(len(ids)), strict=True))
+        self._used = len(ids)
+        self._length = len(context)
+        self._last = context[-1] if len(context) else None
+        self._vocab = vocab
+        self._window = window
+
+    def _add(self, token: int, delta: float) -> None:
+        if not 0 <= token < self._vocab:
+            return
+        slot = self._slots.get(token)
+        if slot is None:
+            slot = self._slots[token] = self._used
+            if slot == len(self._ids):  # doubling: appends stay amortised O(1)
+                self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+                self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+            self._ids[slot] = token
+            self._used += 1
+        self._counts[slot] += delta
 
 
-class PenaltyScratch:
-    """A zeroed flat float buffer for counting (row, token) pairs, reused across steps."""
+@dataclass(slots=True)
+class PenaltyRows:
+    """A step's penalised (row, token) pairs: flat positions ``row * vocab + token`` in the
+    logits, each one's count in its row's window and its index among the penalised rows."""
 
-    def __init__(self) -> None:
-        self.counts = torch.zeros(0)
+    keys: torch.Tensor
+    counts: torch.Tensor
+    slot: torch.Tensor
 
-    def count(self, keys: torch.Tensor, size: int) -> torch.Tensor:
-        """How often each key occurs in ``keys`` (one value per key, float32)."""
-        if self.counts.numel() < size or self.counts.device != keys.device:
-            self.counts = torch.zeros(size, device=keys.device)
-        try:
-            self.counts.index_add_(0, keys, torch.ones(keys.shape, device=keys.device))
-            return self.counts[keys]
-        finally:
-            self.counts[keys] = 0.0
-
-
-def penalty_keys(
-    rows: Sequence[int], windows: Sequence[torch.Tensor], vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions ``row * vocab + token`` of every context token of the given rows and,
-    per position, its index into ``rows``. Ids outside the vocabulary count nowhere."""
-    tokens = torch.cat(list(windows)).to(device)
-    lengths = torch.tensor([w.numel() for w in windows], device=device)
-    slot = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    row = torch.tensor(list(rows), dtype=torch.long, device=device)[slot]
-    valid = (tokens >= 0) & (tokens < vocab)
-    if not bool(valid.all()):
-        tokens, row, slot = tokens[valid], row[valid], slot[valid]
-    return row * vocab + tokens, slot
+    @classmethod
+    def gather(
+        cls, rows: Sequence[int], windows: Sequence[ContextCounts], vocab: int, device
+    ) -> PenaltyRows:
+        arrays = [w.arrays() for w in windows]
+        lengths = [len(ids) for ids, _ in arrays]
+        slot = np.repeat(np.arange(len(rows)), lengths)
+        keys = np.asarray(rows, dtype=np.int64)[slot] * vocab + np.concatenate(
+            [ids for ids, _ in arrays]
+        )
+        counts = np.concatenate([c for _, c in arrays])
+        return cls(
+            keys=torch.from_numpy(keys).to(device),
+            counts=torch.from_numpy(counts).to(device),
+            slot=torch.from_numpy(slot).to(device),
+        )
 
 
 def apply_sparse_penalties(
-    flat: torch.Tensor,
-    keys: torch.Tensor,
-    slot: torch.Tensor,
-    params: torch.Tensor,
-    scratch: PenaltyScratch,
-    values: torch.Tensor | None = None,
+    flat: torch.Tensor, pairs: PenaltyRows, params: torch.Tensor, values: torch.Tensor
 ) -> None:
-    """Penalise ``flat`` (the logits viewed flat) at ``keys``; ``params`` [rows, 3]: each
-    penalised row's (repetition, frequency, presence) as float32, ``slot`` picks its row.
-    The dense form's operations, in its order, on the touched values only (``values``: those
-    at ``keys`` when the caller has them already)."""
-    counts = scratch.count(keys, flat.numel())
-    values = flat[keys] if values is None else values
-    rep, freq, presence = params[slot].unbind(1)
+    """Penalise ``flat`` (the logits viewed flat) at ``pairs.keys``, whose current values
+    are ``values``; ``params`` [rows, 3]: each penalised row's (repetition, frequency,
+    presence) as float32. The dense form's operations, in its order, on those values only."""
+    rep, freq, presence = params[pairs.slot].unbind(1)
+    counts = pairs.counts
     # Repetition penalty (CTRL style): shrink positive logits, push negative ones further down.
-    values = torch.where(values > 0, values / rep, values * rep)
-    # every touched token is seen: the dense form's ``seen.float() * presence`` is exactly
-    # ``presence`` here
-    values = values - counts * freq - presence
-    flat[keys] = values  # a token seen twice gets the same value twice
+    edited = torch.where(values > 0, values / rep, values * rep)
+    # a seen token's ``seen.float() * presence`` in the dense form is exactly ``presence``
+    edited = edited - counts * freq - presence
+    flat[pairs.keys] = torch.where(counts > 0, edited, values)  # ids that left: unchanged
 
 
 class LogitEdits:

@@ -17,11 +17,10 @@ from engine.sampling import SampleRequest, SamplerSettings, _apply_penalties, sa
 from engine.sampling_candidates import BLOCK, Blocks
 from engine.sampling_fast import MIN_BLOCK_ROWS, SamplerState
 from engine.sampling_penalties import (
-    ContextIndex,
+    ContextCounts,
     LogitEdits,
-    PenaltyScratch,
+    PenaltyRows,
     apply_sparse_penalties,
-    penalty_keys,
 )
 
 
@@ -96,10 +95,14 @@ def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed):
     rows = [i for i, r in enumerate(requests) if r.settings.has_penalties and r.context]
     windows = []
     for i in rows:
-        index = ContextIndex()
-        index.sync(requests[i].context)
-        windows.append(index.window(requests[i].settings.penalty_range))
-    keys, slot = penalty_keys(rows, windows, vocab, logits.device)
+        counts = ContextCounts()
+        window = requests[i].settings.penalty_range
+        # counted as a job's would be: a start, then token by token
+        counts.sync(requests[i].context[:3], vocab, window)
+        for end in range(4, len(requests[i].context) + 1):
+            counts.sync(requests[i].context[:end], vocab, window)
+        windows.append(counts)
+    pairs = PenaltyRows.gather(rows, windows, vocab, logits.device)
     params = torch.tensor(
         [
             [s.repetition_penalty, s.frequency_penalty, s.presence_penalty]
@@ -108,29 +111,48 @@ def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed):
     ).reshape(-1, 3)
     edited = logits.clone()
     edits = LogitEdits(edited.view(-1))
-    edits.save(keys)
-    apply_sparse_penalties(edited.view(-1), keys, slot, params, PenaltyScratch())
+    values = edits.save(pairs.keys)
+    apply_sparse_penalties(edited.view(-1), pairs, params, values)
     assert torch.equal(edited, expected)
     edits.restore()
     assert torch.equal(edited, logits)
 
 
-def test_context_index_grows_by_appends_and_rebuilds_after_a_rollback():
-    index = ContextIndex()
-    context = [5, 6, 7]
-    index.sync(context)
-    for token in range(100):  # past the first capacity
-        context.append(token)
-        index.sync(context)
-        assert index.window(0).tolist() == context
-    assert index.window(4).tolist() == context[-4:]
+def _window_counts(context, vocab, window) -> dict[int, int]:
+    tokens = context[-window:] if window else context
+    counted = {}
+    for t in tokens:
+        if 0 <= t < vocab:
+            counted[t] = counted.get(t, 0) + 1
+    return counted
+
+
+@pytest.mark.parametrize("window", [0, 1, 7])
+def test_context_counts_follow_appends_windows_and_rollbacks(window):
+    vocab = 30
+    counts = ContextCounts()
+
+    def check():
+        ids, values = counts.arrays()
+        got = {int(i): int(c) for i, c in zip(ids, values, strict=True) if c}
+        assert got == _window_counts(context, vocab, window)
+        assert len(set(ids.tolist())) == len(ids)  # one entry per id
+
+    rng = random.Random(window)
+    context = [rng.randrange(-1, vocab + 2) for _ in range(10)]
+    counts.sync(context, vocab, window)
+    check()
+    for step in range(150):  # past the first capacity; ids outside the vocabulary too
+        context.extend(rng.randrange(-1, vocab + 2) for _ in range(1 + step % 3))
+        counts.sync(context, vocab, window)
+        check()
     del context[50:]  # a rollback, then different tokens
     context += [9, 9]
-    index.sync(context)
-    assert index.window(0).tolist() == context
+    counts.sync(context, vocab, window)
+    check()
     context[-1] = 1  # same length, different last token
-    index.sync(context)
-    assert index.window(0).tolist() == context
+    counts.sync(context, vocab, window)
+    check()
 
 
 # -- whole sampler against the reference --------------------------------------------------------
