@@ -24,7 +24,13 @@ the same draws, the same float32 operations per candidate otherwise):
   last bits, so a token differs only when a draw (or a top-p / min-p cut) lands within that
   rounding of a boundary: for one draw, a chance of about 1e-7.
 - two different logits whose probabilities round to the same float32 count as a tie in the
-  reference's top-k and as distinct here.
+  reference's top-k and as distinct here (the same holds for min-p's threshold, compared
+  with unnormalised values here).
+Greedy tokens, penalties, biases, bans, the random draws and which tokens are candidates are
+bit-identical; so is every result the reference produces for the cases below.
+
+Small all-greedy batches without penalties (fewer than ``MIN_BLOCK_ROWS`` rows) use the
+reference as it is: its one whole-row ``max`` costs less than more, smaller calls there.
 
 Everything else goes to the reference, unchanged: batches with a sampled row without a
 top_k (its mass needs the whole row), a top_k above ``MAX_FAST_TOP_K``, typical sampling,
