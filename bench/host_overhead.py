@@ -130,7 +130,7 @@ class CaseResult:
     us_per_token: float
     us_per_step_instrumented: float
     breakdown_us: dict[str, float]  # medians per part (instrumented steps)
-    sample_tensor_us: float  # the part of "sample" spent in engine.sampling.sample
+    sample_tensor_us: float  # the part of "sample" in the sampler (SamplerState.sample or sample)
     critical_us_per_step: float  # instrumented steps minus the deferred text stage (median)
     text_results_per_step: float  # results rendered one step late (median; 0 when inline)
 
