@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from deployments import routing_audit
+from deployments.chat_embeds import ChatEmbeds, check_tools_text
 from deployments.choices import ChoiceState, OutputOptions, full_body
 from deployments.preset import Preset
 from deployments.protocol import (
@@ -38,7 +39,6 @@ from deployments.protocol import (
     RequestFields,
     parse_body,
     parse_fields,
-    parse_messages,
     read_body_bytes,
     server_error,
     text_value,
@@ -47,6 +47,7 @@ from deployments.responses import ResponseFormat, sse
 from deployments.structured import ToolCalling, tools_system_message
 from engine.cache.prefix_hash import prefix_hashes, salt_root
 from engine.config import ModelConfig
+from engine.embeddings import MMEmbedding
 from engine.model.model import resolve_device, resolve_dtype
 from engine.request import GenerationRequest
 from engine.token_bytes import TokenBytes
@@ -96,18 +97,37 @@ class PromptBuilder:
         return self.check_prompt(ids, "prompt")
 
     def chat_ids(self, body: dict[str, Any], tools: ToolCalling | None = None) -> list[int]:
-        messages = parse_messages(body)
-        self.check_text_length(sum(len(m["content"] or "") for m in messages), "messages")
+        return self.chat_prompt(body.get("messages"), tools)[0]
+
+    def chat_prompt(
+        self,
+        value: Any,
+        tools: ToolCalling | None = None,
+        param: str = "messages",
+        embeds: ChatEmbeds | None = None,
+    ) -> tuple[list[int], tuple[MMEmbedding, ...]]:
+        """The ids of the conversation ``value`` (the body's ``param``) and the containers of
+        its ``input_embeds`` parts, whose placeholder ids sit where the template put them."""
+        embeds = embeds or ChatEmbeds(self.config.hidden_size, self.run_dtype)
+        messages, embeddings = embeds.messages(value, param)
+        self.check_text_length(sum(len(m["content"] or "") for m in messages), param)
         extra: dict[str, Any] = {}
+        if tools is not None and embeddings:
+            check_tools_text(tools.tools)
         if tools is not None and "tools" in (self.tokenizer.chat_template or ""):
             extra["tools"] = list(tools.tools)  # the template renders them its own way
         elif tools is not None:
             messages = [tools_system_message(tools.tools), *messages]
         try:
-            ids = self.tokenizer.encode_chat(messages, trusted=self.trust_message_tokens, **extra)
+            ids = self.tokenizer.encode_chat(
+                messages,
+                trusted=self.trust_message_tokens,
+                embeddings=embeddings or None,
+                **extra,
+            )
         except Exception as e:  # jinja errors, the template's raise_exception, forged tokens
-            raise OpenAIError(f"chat template failed: {e}", param="messages") from None
-        return self.check_prompt(ids, "messages")
+            raise OpenAIError(f"chat template failed: {e}", param=param) from None
+        return self.check_prompt(ids, param), embeddings
 
     def prompt_embeddings(self, body: dict[str, Any]) -> tuple:
         """``prompt_embeds`` (completions) as one container in the replicas' run dtype, or ()."""
@@ -163,11 +183,12 @@ class PromptBuilder:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
         one replica runs them, sharing the prompt's pages)."""
         fields = parse_fields(body, chat, self.config.vocab_size)
-        embeddings = self.prompt_embeddings(body) if not chat else ()
-        if embeddings:
+        if chat:
+            ids, embeddings = self.chat_prompt(body.get("messages"), fields.tools)
+        elif embeddings := self.prompt_embeddings(body):
             ids = self.check_prompt(list(embeddings[0].placeholder_ids), "prompt_embeds")
         else:
-            ids = self.chat_ids(body, fields.tools) if chat else self.completion_ids(body)
+            ids = self.completion_ids(body)
         max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
         root = salt_root(fields.cache_salt)
         hashes = prefix_hashes(ids, self.page_size, parent=root, embeddings=embeddings)

@@ -24,7 +24,9 @@ fields                 only the ones this server honours; an unsupported OpenAI 
 ``stop``               at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_CHARS``
 ``logit_bias``         at most ``MAX_LOGIT_BIAS`` entries, token ids in the vocabulary, [-100, 100]
 ``min_tokens``         0 .. ``MAX_TOKENS_FIELD`` (then capped by ``max_tokens``)
-``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content
+``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content;
+                       content parts: text, and ``input_embeds`` (``deployments.chat_embeds``);
+                       text containing ``<$EMB_`` (embedding aliases) is refused
 ``cache_salt``         a non-empty string of at most ``MAX_CACHE_SALT_CHARS``
 =====================  =======================================================================
 """
@@ -378,39 +380,38 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
 # -- chat messages ---------------------------------------------------------------------------
 
 
-def _message_content(content: Any, index: int) -> str | None:
-    param, what = "messages", f"messages[{index}].content"
+def _message_content(content: Any, index: int, param: str) -> str | None:
+    what = f"{param}[{index}].content"
     if content is None or isinstance(content, str):
         return None if content is None else text_value(content, param, what)
-    if isinstance(content, list):  # content parts: only text is supported
+    if isinstance(content, list):  # content parts: text (input_embeds: deployments.chat_embeds)
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(text_value(t, param, what) for t in texts)
     raise OpenAIError(f"{what} must be a string or text parts", param=param)
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
+def parse_messages(messages: Any, param: str = "messages") -> list[dict[str, Any]]:
+    """A conversation as ``{"role", "content"}`` dicts with string contents (``param``: the
+    body field it came from, named in errors)."""
     if not isinstance(messages, list) or not messages:
-        raise OpenAIError("'messages' must be a non-empty list", param="messages")
+        raise OpenAIError(f"'{param}' must be a non-empty list", param=param)
     if len(messages) > MAX_MESSAGES:
-        raise OpenAIError(f"'messages' has more than {MAX_MESSAGES} entries", param="messages")
+        raise OpenAIError(f"'{param}' has more than {MAX_MESSAGES} entries", param=param)
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError(f"messages[{i}] must be an object with a 'role'", param="messages")
+            raise OpenAIError(f"{param}[{i}] must be an object with a 'role'", param=param)
         if message["role"] not in ROLES:
             role = _short(message["role"])
-            raise OpenAIError(
-                f"messages[{i}].role {role} is not one of {sorted(ROLES)}", param="messages"
-            )
+            message_text = f"{param}[{i}].role {role} is not one of {sorted(ROLES)}"
+            raise OpenAIError(message_text, param=param)
         extra = sorted(k for k, v in message.items() if k not in MESSAGE_KEYS and v is not None)
         if extra:
-            message_text = f"messages[{i}].{extra[0]} is not supported by this server"
-            raise OpenAIError(message_text, param="messages")
-        parsed.append(
-            {"role": message["role"], "content": _message_content(message.get("content"), i)}
-        )
+            message_text = f"{param}[{i}].{extra[0]} is not supported by this server"
+            raise OpenAIError(message_text, param=param)
+        content = _message_content(message.get("content"), i, param)
+        parsed.append({"role": message["role"], "content": content})
     return parsed
 
 
