@@ -28,6 +28,8 @@ fields                 only the ones this server honours; an unsupported OpenAI 
                        content parts: text, and ``input_embeds`` (``deployments.chat_embeds``);
                        text containing ``<$EMB_`` (embedding aliases) is refused
 ``cache_salt``         a non-empty string of at most ``MAX_CACHE_SALT_CHARS``
+``cfg_scale``          [-10, 10], only with ``negative_prompt`` / ``negative_messages``, not with
+                       logprobs or constrained output (``deployments.guidance``)
 =====================  =======================================================================
 """
 
@@ -71,12 +73,13 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
         "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
-        "logprobs", "response_format",
+        "logprobs", "response_format", "cfg_scale",
     }
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+_CHAT_FIELDS |= {"negative_messages"}
 FIELDS = {
-    False: _COMMON_FIELDS | {"prompt", "prompt_embeds"},
+    False: _COMMON_FIELDS | {"prompt", "prompt_embeds", "negative_prompt"},
     True: _COMMON_FIELDS | _CHAT_FIELDS | {"parallel_tool_calls"},
 }
 # OpenAI features this server does not implement, with the values that ask for nothing.
@@ -166,7 +169,10 @@ class RequestFields:
         max_new_tokens: int,
         page_hashes: list[int],
         embeddings: tuple = (),
+        negative_prompt_ids: list[int] | None = None,
     ) -> GenerationRequest:
+        """The request a replica runs; ``negative_prompt_ids``: CFG's negative prompt (with
+        ``settings.cfg_scale``)."""
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -181,6 +187,7 @@ class RequestFields:
             constraint=self.constraint,
             logprobs=self.logprobs,
             embeddings=embeddings,
+            negative_prompt_ids=None if negative_prompt_ids is None else tuple(negative_prompt_ids),
         )
 
 
@@ -230,7 +237,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+def number_field(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
     """A float field in [low, high]; None when absent (the engine's default applies)."""
     value = body.get(name)
     if value is None:
@@ -308,13 +315,13 @@ def parse_settings(body: dict[str, Any], vocab_size: int) -> SamplerSettings:
     default (OpenAI's defaults are the same neutral ones)."""
     top_k = _int_field(body, "top_k", minimum=-1, maximum=vocab_size)
     values = {
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1e-9, 1.0),
+        "temperature": number_field(body, "temperature", 0.0, 2.0),
+        "top_p": number_field(body, "top_p", 1e-9, 1.0),
         "top_k": 0 if top_k == -1 else top_k,
-        "min_p": _number(body, "min_p", 0.0, 0.999),
-        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.01, 10.0),
+        "min_p": number_field(body, "min_p", 0.0, 0.999),
+        "presence_penalty": number_field(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": number_field(body, "frequency_penalty", -2.0, 2.0),
+        "repetition_penalty": number_field(body, "repetition_penalty", 0.01, 10.0),
         "token_bias": _logit_bias(body, vocab_size) or None,
     }
     return SamplerSettings(**{k: v for k, v in values.items() if v is not None})
@@ -334,6 +341,7 @@ def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
 def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
     """Validate the generation fields shared by both routes."""
     # (imported here: they raise OpenAIError, from this module)
+    from deployments.guidance import check_guided_fields, parse_cfg_scale
     from deployments.logprobs import parse_logprobs
     from deployments.structured import parse_response_format, parse_tools
 
@@ -341,8 +349,10 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
     n = _int_field(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
     if body.get("user") is not None:
         text_value(body["user"], "user", "'user'")
-    return RequestFields(
-        settings=parse_settings(body, vocab_size),
+    settings = parse_settings(body, vocab_size)
+    settings.cfg_scale = parse_cfg_scale(body, chat)
+    fields = RequestFields(
+        settings=settings,
         max_tokens=_max_tokens(body, chat),
         min_tokens=_int_field(body, "min_tokens", minimum=0, maximum=MAX_TOKENS_FIELD) or 0,
         seed=_int_field(body, "seed", *SEED_RANGE),
@@ -355,6 +365,8 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
         logprobs=parse_logprobs(body, chat),
         **_constraint_fields(parse_response_format(body), parse_tools(body, chat)),
     )
+    check_guided_fields(fields, chat)
+    return fields
 
 
 def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:

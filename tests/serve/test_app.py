@@ -513,3 +513,23 @@ def test_chat_input_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI
         assert served.usage.prompt_tokens == len(ids)
         texts.append(expected)
     assert texts[0] != texts[1]
+
+
+def test_cfg_scale_one_is_the_plain_request(client: openai.OpenAI) -> None:
+    """Classifier-free guidance at ``cfg_scale=1`` samples the positive prompt alone: the same
+    greedy text as the plain request, on both routes; half a pair is a 400."""
+    completion = {"model": "demo", "prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+    plain = client.completions.create(**completion, extra_body={"ignore_eos": True})
+    guidance = {"ignore_eos": True, "cfg_scale": 1.0, "negative_prompt": "The end"}
+    guided = client.completions.create(**completion, extra_body=guidance)
+    assert guided.choices[0].text == plain.choices[0].text
+    kwargs = {"model": "demo", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    plain_chat = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    negative = [{"role": "user", "content": "Say nothing."}]
+    guided_chat = client.chat.completions.create(
+        **kwargs, extra_body={"ignore_eos": True, "cfg_scale": 1.0, "negative_messages": negative}
+    )
+    assert guided_chat.choices[0].message.content == plain_chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**kwargs, extra_body={"cfg_scale": 2.0})
+    assert caught.value.body["param"] == "cfg_scale"
