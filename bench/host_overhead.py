@@ -1,9 +1,12 @@
 """Host overhead of ``DynamicGenerator.iterate()`` with a null forward.
 
 The model runner is replaced by ``NullRunner``: its ``forward_plan(plan)`` builds the step's
-rows and ragged batch on the host as the eager runner does (``plan_rows`` +
-``build_forward_batch``) and returns fixed float32 logits (one row per sampling entry, in plan
-order) without any model compute. Everything else is the real engine: scheduler, page table,
+ragged batch on the host as the eager runner does and returns fixed float32 logits (one row per
+sampling entry, in plan order) without any model compute. ``--batch-paths`` picks the builder:
+``persistent`` (``engine.persistent_batch.PersistentBatch``, the runner's default) and/or
+``reference`` (``plan_rows`` + ``build_forward_batch``, ``ENGINE_PERSISTENT_BATCH=0``); with
+both, every case runs with each and the report's ``batch_paths`` compares schedule + batch
+build per step. Everything else is the real engine: scheduler, page table,
 per-job sample requests, batched sampling (torch on the CPU here), detokenizer, stop strings
 and result dicts. What is left per step is what the host adds to every forward.
 
@@ -26,6 +29,7 @@ text and stop strings (``_render_pending``) after handing the next forward to th
 ``critical us/step`` (step minus ``text``) is what the device waits for between forwards.
 
     PYTHONPATH=. python bench/host_overhead.py [--quick] [--output bench/results/host_overhead.json]
+        [--batch-paths reference persistent]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from engine.batch import build_forward_batch
 from engine.demo import SPECIAL_TOKENS, DemoModelSpec, ensure_demo_model
 from engine.job import MODEL_EOS
 from engine.model.runner import plan_rows
+from engine.persistent_batch import PersistentBatch
 from engine.scheduler import StepPlan
 
 RESULTS = Path(__file__).parent / "results" / "host_overhead.json"
@@ -78,23 +83,30 @@ MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
 }
 PARTS = ("schedule", "batch", "sample", "receive", "text", "other")
 TEXT_STAGES = {"inline": False, "deferred": True}
+BATCH_PATHS = ("persistent", "reference")
 # (mode, batch, target us per step) from the issue "Host overhead per step"
 GOALS = (("greedy_stop", 256, 3000.0), ("penalties", 256, 5000.0), ("greedy", 1, 300.0))
 
 
 class NullRunner:
-    """A runner stand-in: host batch building, fixed logits, no model compute."""
+    """A runner stand-in: host batch building (``batch_path``), fixed logits, no model
+    compute."""
 
     decode_graph_steps = 0
 
-    def __init__(self, logits: torch.Tensor, page_size: int):
+    def __init__(self, logits: torch.Tensor, page_size: int, batch_path: str = "persistent"):
+        if batch_path not in BATCH_PATHS:
+            raise ValueError(f"batch_path must be one of {BATCH_PATHS}, got {batch_path!r}")
         self.logits = logits
         self.page_size = page_size
+        self.persistent = PersistentBatch(page_size, "cpu") if batch_path == "persistent" else None
 
     def forward_plan(self, plan: StepPlan) -> torch.Tensor:
-        rows = plan_rows(plan)
-        build_forward_batch(rows, self.page_size, "cpu")
-        return self.logits[: sum(r.logits_rows for r in rows)]
+        if self.persistent is None:
+            batch = build_forward_batch(plan_rows(plan), self.page_size, "cpu")
+        else:
+            batch = self.persistent.build(plan)
+        return self.logits[: batch.logits_indices.shape[0]]
 
 
 def fixed_logits(rows: int, vocab: int, banned: set[int], seed: int = 0) -> torch.Tensor:
@@ -110,6 +122,7 @@ class CaseResult:
     mode: str
     batch: int
     text_stage: str  # "inline" or "deferred" (see TEXT_STAGES)
+    batch_path: str  # "persistent" or "reference" (see BATCH_PATHS)
     steps: int
     tokens_per_step: float
     us_per_step: float  # median of plain (uninstrumented) steps
@@ -222,7 +235,12 @@ def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
 
 
 def make_generator(
-    model, tokenizer, batch: int, seq_len: int, defer_text: bool = False
+    model,
+    tokenizer,
+    batch: int,
+    seq_len: int,
+    defer_text: bool = False,
+    batch_path: str = "persistent",
 ) -> DynamicGenerator:
     cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
     generator = DynamicGenerator(
@@ -236,7 +254,7 @@ def make_generator(
     )
     eos = set(generator.default_stop_tokens)
     generator.runner = NullRunner(
-        fixed_logits(batch, model.config.vocab_size, eos), cache.page_size
+        fixed_logits(batch, model.config.vocab_size, eos), cache.page_size, batch_path
     )
     return generator
 
@@ -287,14 +305,21 @@ def timed_steps(generator, steps: int) -> tuple[list[float], list[float], list[d
     return plain, instrumented, parts, tokens
 
 
-def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> CaseResult:
+def run_case(
+    model, tokenizer, mode: str, batch: int, args, text_stage: str, batch_path: str
+) -> CaseResult:
     steps = max(args.min_steps, min(args.max_steps, args.step_budget // batch))
     warm = 3
     # jobs that finish prefill first decode while the others prefill
     prefill_steps = batch * args.prompt_len // MAX_CHUNK + 1
     new_tokens = warm + 2 * steps + prefill_steps + 8
     generator = make_generator(
-        model, tokenizer, batch, args.prompt_len + new_tokens, TEXT_STAGES[text_stage]
+        model,
+        tokenizer,
+        batch,
+        args.prompt_len + new_tokens,
+        TEXT_STAGES[text_stage],
+        batch_path,
     )
     enqueue_jobs(generator, mode, batch, args.prompt_len, new_tokens)
     warm_up(generator, warm)
@@ -306,6 +331,7 @@ def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> 
         mode=mode,
         batch=batch,
         text_stage=text_stage,
+        batch_path=batch_path,
         steps=steps,
         tokens_per_step=tokens / (2 * steps),
         us_per_step=us,
@@ -320,8 +346,12 @@ def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> 
 
 def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
     # the goals are for the inline stage (a CPU generator's default); deferred rows add the
-    # critical path, which is what the device would wait for
-    by_case = {(r.mode, r.batch): r for r in results if r.text_stage == "inline"}
+    # critical path, which is what the device would wait for. With both batch paths, the
+    # persistent one (the runner's default) counts.
+    by_case = {}
+    for r in sorted(results, key=lambda r: r.batch_path == "persistent"):
+        if r.text_stage == "inline":
+            by_case[(r.mode, r.batch)] = r
     out = []
     for mode, batch, target in GOALS:
         r = by_case.get((mode, batch))
@@ -330,6 +360,7 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
                 {
                     "mode": mode,
                     "batch": batch,
+                    "batch_path": r.batch_path,
                     "target_us_per_step": target,
                     "measured_us_per_step": r.us_per_step,
                     "met": r.us_per_step <= target,
@@ -338,11 +369,34 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
     return out
 
 
+def batch_path_comparison(results: list[CaseResult]) -> list[dict[str, Any]]:
+    """Schedule + batch build per step (medians of the instrumented steps) of each case run
+    with both batch paths, side by side."""
+    by_case: dict[tuple, dict[str, CaseResult]] = defaultdict(dict)
+    for r in results:
+        by_case[(r.mode, r.batch, r.text_stage)][r.batch_path] = r
+    out = []
+    for (mode, batch, stage), paths in by_case.items():
+        if set(paths) != set(BATCH_PATHS):
+            continue
+        row: dict[str, Any] = {"mode": mode, "batch": batch, "text_stage": stage}
+        for name, r in paths.items():
+            row[name] = {
+                "schedule_us": r.breakdown_us["schedule"],
+                "batch_us": r.breakdown_us["batch"],
+                "schedule_plus_batch_us": r.breakdown_us["schedule"] + r.breakdown_us["batch"],
+                "us_per_step": r.us_per_step,
+            }
+        row["batch_speedup"] = row["reference"]["batch_us"] / row["persistent"]["batch_us"]
+        out.append(row)
+    return out
+
+
 def print_row(r: CaseResult) -> None:
     b = r.breakdown_us
     parts = " ".join(f"{b[k]:9.0f}" for k in PARTS)
     print(
-        f"{r.mode:12s} {r.text_stage:8s} {r.batch:5d} {r.us_per_step:10.0f} "
+        f"{r.mode:12s} {r.text_stage:8s} {r.batch_path:10s} {r.batch:5d} {r.us_per_step:10.0f} "
         f"{r.us_per_token:8.1f} {parts} {r.sample_tensor_us:9.0f} {r.critical_us_per_step:9.0f}",
         flush=True,
     )
@@ -351,7 +405,8 @@ def print_row(r: CaseResult) -> None:
 def print_header() -> None:
     parts = " ".join(f"{k:>9s}" for k in PARTS)
     print(
-        f"{'mode':12s} {'text':8s} {'batch':>5s} {'us/step':>10s} {'us/tok':>8s} {parts} "
+        f"{'mode':12s} {'text':8s} {'batch path':10s} {'batch':>5s} {'us/step':>10s} "
+        f"{'us/tok':>8s} {parts} "
         f"{'(tensor)':>9s} {'critical':>9s}"
     )
 
@@ -378,15 +433,17 @@ def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
             "prompt_len": args.prompt_len,
             "batches": list(args.batches),
             "text_stages": list(args.text_stages),
+            "batch_paths": list(args.batch_paths),
             "modes": {
                 name: {"settings": repr(s), "stop_strings": list(stops)}
                 for name, (s, stops) in MODES.items()
             },
-            "forward": "null: plan_rows + build_forward_batch on the CPU, fixed logits",
+            "forward": "null: the batch built on the CPU (batch_paths), fixed logits",
         },
         "units": "microseconds; medians over timed decode steps",
         "results": [asdict(r) for r in results],
         "goals": goals(results),
+        "batch_paths": batch_path_comparison(results),
     }
 
 
@@ -401,6 +458,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(TEXT_STAGES),
         default=["inline"],
         help="inline: text rendered in the step that sampled it; deferred: one step later",
+    )
+    p.add_argument(
+        "--batch-paths",
+        nargs="+",
+        choices=BATCH_PATHS,
+        default=["persistent"],
+        help="persistent: PersistentBatch (the runner's default); reference: plan_rows + "
+        "build_forward_batch (ENGINE_PERSISTENT_BATCH=0)",
     )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--step-budget", type=int, default=4096, help="steps ~ budget / batch")
@@ -431,12 +496,21 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes:
         for batch in args.batches:
             for stage in args.text_stages:
-                results.append(run_case(model, tokenizer, mode, batch, args, stage))
-                print_row(results[-1])
+                for path in args.batch_paths:
+                    results.append(run_case(model, tokenizer, mode, batch, args, stage, path))
+                    print_row(results[-1])
     for g in goals(results):
         print(
             f"goal {g['mode']} batch {g['batch']}: {g['measured_us_per_step']:.0f} us/step "
             f"(target {g['target_us_per_step']:.0f}) {'met' if g['met'] else 'NOT met'}"
+        )
+    for c in batch_path_comparison(results):
+        ref, per = c["reference"], c["persistent"]
+        print(
+            f"batch paths {c['mode']} {c['text_stage']} batch {c['batch']}: schedule+batch "
+            f"{ref['schedule_plus_batch_us']:.0f} us (reference) -> "
+            f"{per['schedule_plus_batch_us']:.0f} us (persistent); batch build "
+            f"{c['batch_speedup']:.1f}x faster"
         )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report(args, results, tokenizer), indent=2) + "\n")

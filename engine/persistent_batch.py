@@ -23,6 +23,9 @@ plan order (tests/unit/test_persistent_batch.py compares them over randomized pl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -32,6 +35,20 @@ from engine.scheduler import StepPlan
 
 _INITIAL_ROWS = 8
 _INITIAL_PAGES = 8
+
+
+@dataclass(slots=True)
+class _Rows:
+    """Host values of one step's rows, collected in plan order."""
+
+    input_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first new position (cached tokens)
+    q_lens: list[int] = field(default_factory=list)  # new tokens (drafts included)
+    logits_rows: list[int] = field(default_factory=list)
+    one_logit_each: bool = True  # every row wants exactly one logits row (the common case)
+    max_pages: int = 0
+    # (first batch row, the row's new ids, its embedding containers) of rows that have some
+    embedded: list[tuple[int, list[int], Sequence]] = field(default_factory=list)
 
 
 class PersistentBatch:
@@ -61,15 +78,15 @@ class PersistentBatch:
         entries = plan.entries
         if not entries:
             raise ValueError("a forward batch needs at least one sequence")
-        num_rows = len(entries)
-        self._reserve(num_rows, max(len(e.seq.pages) for e in entries))
+        self._reserve(len(entries), 0)
         ps = self.page_size
-        input_ids: list[int] = []
-        starts: list[int] = []
-        q_lens: list[int] = []
-        logits_rows: list[int] = []
-        num_pages: list[int] = []
-        embedded: list[tuple[int, list[int], object]] = []  # (first batch row, ids, containers)
+        rows = _Rows()
+        input_ids, starts, q_lens, logits_rows = (
+            rows.input_ids,
+            rows.starts,
+            rows.q_lens,
+            rows.logits_rows,
+        )
         flat_index: list[int] = []  # block-table entries to (re)write this step
         flat_value: list[int] = []
         width = self._table.shape[1]
@@ -84,9 +101,12 @@ class PersistentBatch:
                 entry.drafts,
             )
             q = n + len(drafts)
+            used = len(pages)
+            if q < 1 or used * ps < start + q:
+                _refuse(q, start + q, used, ps)
             if seq.embeddings:
                 ids = tokens[start : start + n] + list(drafts)
-                embedded.append((len(input_ids), ids, seq.embeddings))
+                rows.embedded.append((len(input_ids), ids, seq.embeddings))
                 input_ids.extend(ids)
             elif q == 1:
                 input_ids.append(tokens[start])
@@ -95,9 +115,15 @@ class PersistentBatch:
                 input_ids.extend(drafts)
             starts.append(start)
             q_lens.append(q)
-            logits_rows.append(len(drafts) + 1 if start + n == len(tokens) else 0)
-            used = len(pages)
-            num_pages.append(used)
+            wanted = len(drafts) + 1 if start + n == len(tokens) else 0
+            logits_rows.append(wanted)
+            if wanted != 1:
+                rows.one_logit_each = False
+            if used > rows.max_pages:
+                rows.max_pages = used
+                if used > width:  # (indices already collected stay valid: rows grow too)
+                    flat_index = self._widen(used, flat_index, width)
+                    width = self._table.shape[1]
             # the block-table row: only what may have changed since this row was written
             first = min(frozen[i], used) if row_pages[i] is pages else 0
             base = i * width
@@ -109,46 +135,42 @@ class PersistentBatch:
         if flat_index:
             self._table.reshape(-1)[flat_index] = flat_value
             self.table_entries_written += len(flat_index)
-        return self._assemble(input_ids, starts, q_lens, logits_rows, num_pages, embedded, num_rows)
+        return self._assemble(rows)
 
-    def _assemble(
-        self,
-        input_ids: list[int],
-        starts_list: list[int],
-        q_list: list[int],
-        logits_list: list[int],
-        pages_list: list[int],
-        embedded: list,
-        num_rows: int,
-    ) -> ForwardBatch:
-        ps = self.page_size
-        starts = np.array(starts_list, dtype=np.int64)
-        q = np.array(q_list, dtype=np.int64)
-        seq_lens = starts + q
-        _check_pages(seq_lens, np.array(pages_list, dtype=np.int64), q, ps)
-        ends = np.cumsum(q)
-        total = int(ends[-1])
+    def _assemble(self, rows: _Rows) -> ForwardBatch:
+        """The batch's arrays from the collected rows (a few numpy ops, none per token)."""
+        ps, num_rows = self.page_size, len(rows.starts)
+        starts = np.array(rows.starts, dtype=np.int64)
+        total = len(rows.input_ids)
         if total == num_rows:  # one token per row (a decode step)
-            rows = np.arange(num_rows)
+            ends = np.arange(1, num_rows + 1, dtype=np.int64)
+            seq_lens = starts + 1
+            table_rows = ends - 1
             positions = starts
         else:
-            rows = np.repeat(np.arange(num_rows), q)
+            q = np.array(rows.q_lens, dtype=np.int64)
+            ends = np.cumsum(q)
+            seq_lens = starts + q
+            table_rows = np.repeat(np.arange(num_rows), q)
             positions = np.arange(total) + np.repeat(starts - (ends - q), q)
-        blocks = self._table[rows, positions // ps].astype(np.int64)
+        blocks = self._table[table_rows, positions // ps].astype(np.int64)
         slots = blocks * ps + positions % ps
         query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
         query_start_loc[1:] = ends
-        wanted = _logits_indices(ends, np.array(logits_list, dtype=np.int64))
-        table = self._table[:num_rows, : max(pages_list)].copy()  # not a view: kept state
-        longs = [np.array(input_ids, dtype=np.int64), positions, slots, wanted]
+        if rows.one_logit_each:
+            wanted = ends - 1
+        else:
+            wanted = _logits_indices(ends, np.array(rows.logits_rows, dtype=np.int64))
+        table = self._table[:num_rows, : rows.max_pages].copy()  # not a view: kept state
+        longs = [np.array(rows.input_ids, dtype=np.int64), positions, slots, wanted]
         ints = [query_start_loc, seq_lens.astype(np.int32), table]
         input_t, positions_t, slots_t, wanted_t, starts_t, lens_t, table_t = self._upload(
             longs, ints
         )
         embeddings = None
-        if embedded:
+        if rows.embedded:
             builder = EmbeddingTableBuilder()
-            for first, ids, containers in embedded:
+            for first, ids, containers in rows.embedded:
                 builder.add(ids, first, containers)
             embeddings = builder.build(self.device)
         return ForwardBatch(
@@ -159,7 +181,7 @@ class PersistentBatch:
             seq_lens=lens_t,
             block_tables=table_t,
             logits_indices=wanted_t,
-            q_lens=tuple(q_list),
+            q_lens=tuple(rows.q_lens),
             seq_lens_host=tuple(seq_lens.tolist()),
             page_size=ps,
             embeddings=embeddings,
@@ -168,7 +190,10 @@ class PersistentBatch:
     def _upload(self, longs: list[np.ndarray], ints: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays as tensors on the device, in order (longs then ints)."""
         if not self.pack:
-            return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in longs + ints]
+            tensors = [torch.from_numpy(a) for a in longs + ints]
+            if self.device.type == "cpu":
+                return tensors
+            return [t.to(self.device, non_blocking=True) for t in tensors]
         out = []
         for arrays in (longs, ints):
             flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
@@ -178,6 +203,13 @@ class PersistentBatch:
                 out.append(flat[offset : offset + a.size].view(a.shape))
                 offset += a.size
         return out
+
+    def _widen(self, num_pages: int, flat_index: list[int], old_width: int) -> list[int]:
+        """Grow the table to ``num_pages`` entries a row, mid-build: the flat indices collected
+        for the old width, moved to the new one."""
+        self._reserve(0, num_pages)
+        width = self._table.shape[1]
+        return [(k // old_width) * width + k % old_width for k in flat_index]
 
     def _reserve(self, num_rows: int, num_pages: int) -> None:
         """Grow the kept table (doubling) to hold ``num_rows`` rows of ``num_pages`` entries."""
@@ -195,18 +227,14 @@ class PersistentBatch:
         self._row_frozen.extend([0] * extra)
 
 
-def _check_pages(seq_lens: np.ndarray, num_pages: np.ndarray, q: np.ndarray, ps: int) -> None:
-    """The reference builder's checks: every row has new tokens and pages for its context."""
-    if q.min() < 1:
+def _refuse(q: int, length: int, num_pages: int, ps: int) -> None:
+    """The reference builder's errors: a row without new tokens, or without pages for its
+    context."""
+    if q < 1:
         raise ValueError("a sequence in a forward batch needs at least one new token")
-    short = np.flatnonzero(num_pages * ps < seq_lens)
-    if short.size:
-        i = int(short[0])
-        length = int(seq_lens[i])
-        raise ValueError(
-            f"sequence of {length} tokens needs {-(-length // ps)} pages "
-            f"of {ps}, got {int(num_pages[i])}"
-        )
+    raise ValueError(
+        f"sequence of {length} tokens needs {-(-length // ps)} pages of {ps}, got {num_pages}"
+    )
 
 
 def _logits_indices(ends: np.ndarray, logits_rows: np.ndarray) -> np.ndarray:
