@@ -103,6 +103,7 @@ class PersistentBatch:
             q = n + len(drafts)
             used = len(pages)
             if q < 1 or used * ps < start + q:
+                self._forget()  # the rows before this one are half-written
                 _refuse(q, start + q, used, ps)
             if seq.embeddings:
                 ids = tokens[start : start + n] + list(drafts)
@@ -203,6 +204,12 @@ class PersistentBatch:
                 out.append(flat[offset : offset + a.size].view(a.shape))
                 offset += a.size
         return out
+
+    def _forget(self) -> None:
+        """Drop what the kept rows hold: the next build writes every row again."""
+        self._table.fill(0)
+        n = len(self._row_pages)
+        self._row_pages, self._row_written, self._row_frozen = [None] * n, [0] * n, [0] * n
 
     def _widen(self, num_pages: int, flat_index: list[int], old_width: int) -> list[int]:
         """Grow the table to ``num_pages`` entries a row, mid-build: the flat indices collected

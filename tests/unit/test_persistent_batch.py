@@ -171,9 +171,16 @@ def test_bad_plans_raise_like_the_reference():
     builder = PersistentBatch(4, "cpu")
     with pytest.raises(ValueError, match="at least one sequence"):
         builder.build(StepPlan())
-    seq = SeqState(list(range(1, 10)), pages=[3])  # 9 tokens need 3 pages of 4
-    plan = StepPlan(entries=[StepEntry(seq, 0, 9)])
+    good = SeqState(list(range(1, 6)), pages=[5, 6])
+    builder.build(StepPlan(entries=[StepEntry(good, 0, 4)]))
+    good.tokens.append(9)
+    good.pages = [7, 8]  # (a new list: a readmission elsewhere)
+    short = SeqState(list(range(1, 10)), pages=[3])  # 9 tokens need 3 pages of 4
+    plan = StepPlan(entries=[StepEntry(good, 4, 2), StepEntry(short, 0, 9)])
     with pytest.raises(ValueError, match="needs 3 pages of 4, got 1"):
         builder.build(plan)
+    # the failed build left no half-written row behind
+    plan = StepPlan(entries=[StepEntry(good, 4, 2)])
+    assert_same_batch(builder.build(plan), build_forward_batch(plan_rows(plan), 4, "cpu"))
     with pytest.raises(ValueError, match="page_size"):
         PersistentBatch(0, "cpu")
