@@ -163,6 +163,11 @@ class DynamicGenerator:
         if not isinstance(job, DynamicJob):
             raise ValueError(f"enqueue takes a DynamicJob, got {type(job).__name__}")
         rows = [job.input_ids] + ([job.cfg_input_ids] if job.cfg_input_ids else [])
+        if len(rows) > self.max_batch_size:  # the pair is admitted together or never
+            raise ValueError(
+                f"a CFG job runs two sequences at once; this generator's max_batch_size is "
+                f"{self.max_batch_size}"
+            )
         for ids in rows:  # a CFG job: both prompts
             total = len(ids) + job.max_new_tokens
             if total > self.max_seq_len:

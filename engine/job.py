@@ -151,7 +151,7 @@ class DynamicJob:
             options.setdefault("filters", [Filter.from_spec(request.constraint)])
         eos = [MODEL_EOS] if request.stop_on_eos else []
         return cls(
-            list(request.prompt_ids),
+            request.input_ids,
             request.max_new_tokens,
             min_new_tokens=request.min_new_tokens,
             stop_conditions=[*eos, *request.stop_strings],

@@ -75,3 +75,24 @@ def test_baseline_runs_the_same_cases_with_another_engine(tmp_path: pathlib.Path
         ["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True
     ).stdout
     assert "host-overhead-baseline" not in worktrees  # removed again
+
+
+def test_both_batch_paths_build_the_same_batches_and_are_compared(tmp_path: pathlib.Path) -> None:
+    output = tmp_path / "host_overhead.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--output", str(output), "--modes", "greedy",
+         "--cache-dir", str(tmp_path / "cache"), "--batch-paths", "reference", "persistent"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    # (the run fails if the builders ever disagree on a batch)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(output.read_text())
+    assert report["workload"]["batch_paths"] == ["reference", "persistent"]
+    assert [r["batch_path"] for r in report["results"]] == ["reference+persistent"] * 2
+    rows = report["batch_paths"]
+    assert [(c["mode"], c["batch"]) for c in rows] == [("greedy", 1), ("greedy", 4)]
+    for c in rows:
+        for path in ("reference", "persistent"):
+            assert c[path]["schedule_plus_batch_build_us"] > c[path]["batch_build_us"] > 0
+    assert "batch paths greedy inline batch 4" in proc.stdout
