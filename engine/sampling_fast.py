@@ -12,6 +12,9 @@ the same random draws; the work differs:
   and the inverse-CDF draw over their ``max(top_k) + 1`` largest logits only (found through
   block maxima, no ``topk`` over the vocabulary); the softmax over the whole row is never
   computed, since truncating to those candidates and renormalising makes it cancel out.
+  Rows with a top_p but no top_k start from ``TOP_P_CANDIDATES`` candidates, widened x4
+  while their cut lies past them; their top-p needs the whole row's mass: one dense
+  ``exp`` pass over those rows only.
 - Per-row parameter tensors (temperature, top-k, top-p, min-p, penalties) are built once
   per batch composition and settings values (``RowParams``), not every step.
 
@@ -32,8 +35,9 @@ bit-identical; so is every result the reference produces for the cases below.
 Small all-greedy batches without penalties (fewer than ``MIN_BLOCK_ROWS`` rows) use the
 reference as it is: its one whole-row ``max`` costs less than more, smaller calls there.
 
-Everything else goes to the reference, unchanged: batches with a sampled row without a
-top_k (its mass needs the whole row), a top_k above ``MAX_FAST_TOP_K``, typical sampling,
+Everything else goes to the reference, unchanged: batches with a sampled row with neither
+top_k nor top_p (its whole row is the distribution), a top_k above ``MAX_FAST_TOP_K``
+(or at least the vocabulary), typical sampling,
 ``return_probs`` or ``top_k_return``, rows with NaN or with every token banned, and rows
 whose ties at the k-th candidate reach past the candidates.
 """
@@ -48,6 +52,7 @@ from operator import attrgetter
 import torch
 
 from engine.sampling import (
+    TOP_P_CANDIDATES,
     SampleOutput,
     SampleRequest,
     _add_logprobs,
@@ -88,8 +93,11 @@ class RowParams:
     all_greedy: bool
     fast: bool  # every sampled row is one the candidate path handles
     temps: torch.Tensor  # [B, 1] float32: the temperature, 1.0 for greedy rows
-    top_k: torch.Tensor  # [B, 1] long, 1 for greedy rows
+    top_k: torch.Tensor  # [B, 1] long, 1 for greedy rows and rows without a top_k
     max_top_k: int  # over the sampled rows
+    # sampled rows without a top_k (their top_p < 1): [B, 1] bool and their indices
+    unbounded: torch.Tensor
+    unbounded_rows: list[int]
     top_p: torch.Tensor | None  # [B, 1] float32; None when every row has 1.0
     min_p: torch.Tensor | None  # [B, 1] float32; None when every row has 0
     penalised: list[int]  # rows with penalties
@@ -100,7 +108,12 @@ class RowParams:
         settings = [r.settings for r in requests]
         greedy = [s.is_greedy for s in settings]
         sampled = [s for s, g in zip(settings, greedy, strict=True) if not g]
-        fast = all(2 <= s.top_k <= MAX_FAST_TOP_K and s.typical >= 1.0 for s in sampled)
+        fast = all(
+            (2 <= s.top_k <= MAX_FAST_TOP_K or (s.top_k == 0 and s.top_p < 1.0))
+            and s.typical >= 1.0
+            for s in sampled
+        )
+        unbounded = [not g and s.top_k == 0 for s, g in zip(settings, greedy, strict=True)]
         penalised = [i for i, s in enumerate(settings) if s.has_penalties]
         top_p = [s.top_p for s in settings]
         min_p = [s.min_p for s in settings]
@@ -115,10 +128,12 @@ class RowParams:
                 device=device,
             )[:, None],
             top_k=torch.tensor(
-                [1 if g else s.top_k for s, g in zip(settings, greedy, strict=True)],
+                [1 if g or not s.top_k else s.top_k for s, g in zip(settings, greedy, strict=True)],
                 device=device,
             )[:, None],
             max_top_k=max((s.top_k for s in sampled), default=1),
+            unbounded=torch.tensor(unbounded, device=device)[:, None],
+            unbounded_rows=[i for i, u in enumerate(unbounded) if u],
             top_p=torch.tensor(top_p, device=device)[:, None] if min(top_p) < 1.0 else None,
             min_p=torch.tensor(min_p, device=device)[:, None] if max(min_p) > 0 else None,
             penalised=penalised,
@@ -252,10 +267,19 @@ def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.T
         for r in requests:  # every row draws, so a job's stream ignores its settings
             r.rng.random()
         return greedy_tokens
-    values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
-    probs = _candidate_probs(values, ids, x.shape[1], params)
-    if probs is None:
-        return None
+    total = _row_mass(x, limit, row_max, params)
+    if params.unbounded_rows:
+        n = max(n, TOP_P_CANDIDATES)
+    while True:  # widened (x4) while a row's top-p cut lies past the candidates
+        n = min(n, limit)
+        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
+        found = _candidate_probs(values, ids, x.shape[1], params, total)
+        if found is None:
+            return None
+        probs, inside = found
+        if inside or n == limit:
+            break
+        n *= 4
     # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
     uniforms = torch.tensor(
         [r.rng.random() for r in requests], dtype=torch.float64, device=x.device
@@ -268,27 +292,54 @@ def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.T
     return torch.where(params.greedy, greedy_tokens, sampled)
 
 
+def _row_mass(x, limit: int, row_max: torch.Tensor, params: RowParams) -> torch.Tensor | None:
+    """[B, 1]: each row's whole mass ``sum(exp(l / T - max / T))`` below ``limit`` for the
+    rows without a top_k (their top-p needs it; 0 for the others), None when there are none.
+    One dense pass over those rows only."""
+    if not params.unbounded_rows:
+        return None
+    rows = torch.tensor(params.unbounded_rows, device=x.device)
+    temps = params.temps[rows]
+    scaled_max = row_max.reshape(-1, 1)[rows] / temps  # the candidates' first, scaled
+    mass = torch.exp(x[rows, :limit] / temps - scaled_max).sum(-1, keepdim=True)
+    total = torch.zeros(x.shape[0], 1, device=x.device)
+    return total.index_copy_(0, rows, mass)
+
+
 def _candidate_probs(
-    values: torch.Tensor, ids: torch.Tensor, vocab: int, params: RowParams
-) -> torch.Tensor | None:
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    vocab: int,
+    params: RowParams,
+    total: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool] | None:
     """The final distribution over the candidates (``values``: logits, descending), as the
-    reference's ``_final_distribution`` does over the whole row; None when a sampled row's
-    ties at its k-th value reach past the candidates."""
+    reference's ``_final_distribution`` does over the whole row, and whether every row
+    without a top_k has its top-p cut inside the candidates (else: widen them); None when a
+    row's ties at its k-th value reach past the candidates."""
     scaled = values / params.temps
     probs = torch.exp(scaled - scaled[:, :1])  # descending, as the values
-    kth = probs.gather(1, params.top_k - 1)
-    covered = (probs[:, -1:] < kth).squeeze(1) | params.greedy
+    # rows without a top_k keep everything here (a k-th value of 0), as the reference's
+    kth = torch.where(params.unbounded, 0.0, probs.gather(1, params.top_k - 1))
+    covered = (probs[:, -1:] < kth) | params.greedy[:, None] | params.unbounded
     if not bool(covered.all()):
         return None
     probs = probs * (probs >= kth)  # ties with the k-th are kept, as the reference's
+    inside = True
     if params.top_p is not None:
         disabled = params.top_p >= 1.0
-        mass = params.top_p * probs.sum(-1, keepdim=True)
+        mass = probs.sum(-1, keepdim=True)
+        if total is not None:  # rows without a top_k: the whole row's mass, not the candidates'
+            mass = torch.where(params.unbounded, total, mass)
+        mass = params.top_p * mass
         cut, last_id = _top_p_cut(probs, ids, mass, vocab)
+        if total is not None:  # the cut (and every token tied with it) among the candidates
+            last = probs[:, -1:]
+            inside = bool(((last < cut) | (last == 0) | ~params.unbounded).all())
         cut = torch.where(disabled, 0.0, cut)
         # tokens tied with the cut past the number kept: lowest ids first, as the reference
         drop = (probs == cut) & (ids > last_id)
         probs = torch.where(drop, 0.0, probs * (probs >= cut))
     if params.min_p is not None:
         probs = probs * (probs >= params.min_p * probs.max(-1, keepdim=True).values)
-    return probs / probs.sum(-1, keepdim=True)
+    return probs / probs.sum(-1, keepdim=True), inside

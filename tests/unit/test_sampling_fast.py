@@ -168,6 +168,8 @@ SETTINGS = [
     SamplerSettings.greedy(),
     SamplerSettings(top_k=1),  # greedy too
     SamplerSettings(temperature=0.0, repetition_penalty=1.5),
+    SamplerSettings(top_p=0.8),  # no top_k: candidates widened until the cut is inside
+    SamplerSettings(temperature=0.7, top_p=0.95, min_p=0.02, frequency_penalty=0.2),
 ]
 
 
@@ -232,7 +234,7 @@ def test_top_k_beyond_the_vocabulary_and_edge_rows_go_to_the_reference():
     state = SamplerState()
     logits = _logits(20, 100, 0)
     _check_same(logits, SamplerSettings(top_k=500), state=state)  # top_k > vocabulary
-    _check_same(logits, SamplerSettings(top_k=0, top_p=0.9), state=state)  # no top_k
+    _check_same(logits, SamplerSettings(top_k=0, top_p=1.0), state=state)  # no truncation
     _check_same(logits, SamplerSettings(top_k=10, typical=0.5), state=state)
     nan = logits.clone()
     nan[4, 7] = torch.nan
@@ -285,3 +287,13 @@ def test_penalty_contexts_follow_a_job_across_steps():
         if step == 6:
             del contexts[0][2:]  # a rollback
     assert state.fast_calls == 12
+
+
+@pytest.mark.parametrize("rows", [4, 20])
+def test_top_p_without_top_k_widens_the_candidates_as_needed(rows):
+    """Flat rows: the top-p cut lies past the first 64 candidates (then 256, ...)."""
+    state = SamplerState()
+    for seed in range(4):
+        logits = _logits(rows, 3000, seed) * 0.05  # nearly uniform: a wide nucleus
+        _check_same(logits, SamplerSettings(top_p=[0.3, 0.9, 0.99, 0.5][seed]), state=state)
+    assert state.fast_calls == 4 and state.reference_calls == 0
