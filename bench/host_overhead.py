@@ -94,6 +94,7 @@ TOP = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
 MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
     "greedy": (SamplerSettings.greedy(), ()),
     "topk_topp": (SamplerSettings(**TOP), ()),
+    "topp": (SamplerSettings(temperature=0.8, top_p=0.9), ()),  # no top_k: the OpenAI style
     "penalties": (SamplerSettings(**TOP, repetition_penalty=1.1, presence_penalty=0.5), ()),
     "greedy_stop": (SamplerSettings.greedy(), STOP_STRINGS),
 }
