@@ -229,7 +229,8 @@ class StepTimers:
             self._wrap(sampler, "sample", "sample_tensor")
         else:
             self._wrap(generator_module, "sample", "sample_tensor")
-        self._wrap(g, "_render_pending", "text")
+        if hasattr(g, "_render_pending"):  # a --baseline engine may predate the text stage
+            self._wrap(g, "_render_pending", "text")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -312,6 +313,8 @@ def make_generator(
     batch_paths: tuple[str, ...] = ("persistent",),
 ) -> DynamicGenerator:
     cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
+    # defer_text only when asked: a --baseline engine from before it has no such argument
+    options = {"defer_text": True} if defer_text else {}
     generator = DynamicGenerator(
         model,
         cache,
@@ -319,7 +322,7 @@ def make_generator(
         max_batch_size=batch,
         max_seq_len=seq_len,
         max_chunk_size=MAX_CHUNK,
-        defer_text=defer_text,
+        **options,
     )
     eos = set(generator.default_stop_tokens)
     generator.runner = NullRunner(
@@ -475,7 +478,7 @@ def run_baseline(args, mode: str, tree: Path) -> dict[str, Any]:
             *(["--quick"] if args.quick else []),
             *("--modes", mode, "--batches", *map(str, args.batches)),
             *("--text-stages", *args.text_stages, "--prompt-len", str(args.prompt_len)),
-            *("--batch-paths", *args.batch_paths),
+            *("--batch-paths", *(args.baseline_batch_paths or args.batch_paths)),
             *("--step-budget", str(args.step_budget), "--min-steps", str(args.min_steps)),
             *("--max-steps", str(args.max_steps), "--threads", str(args.threads)),
             *("--tokenizer-vocab", str(args.tokenizer_vocab), "--cache-dir", str(args.cache_dir)),
@@ -621,6 +624,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="also run every case with the engine at git ref REF (a temporary worktree), "
         "side by side; both go into the JSON with a per-case comparison",
+    )
+    p.add_argument(
+        "--baseline-batch-paths",
+        nargs="+",
+        choices=BATCH_PATHS,
+        default=None,
+        help="the baseline's --batch-paths (default: the same); reference for an engine from "
+        "before PersistentBatch",
     )
     p.add_argument("--output", type=Path, default=RESULTS)
     p.add_argument(
