@@ -59,6 +59,31 @@ def configure_torch_threads(option: int | None, device: torch.device) -> None:
     logger.info("torch threads capped at %d", threads)
 
 
+def build_generator(preset: Preset) -> DynamicGeneratorAsync:
+    """The preset's model, cache and async generator, as one replica runs them (torch threads
+    capped first): also what ``bench/serving_overhead.py`` measures bare, so both paths run the
+    same engine."""
+    path = preset.model.resolve_path()
+    device = resolve_device(preset.model.device)
+    configure_torch_threads(preset.serving.torch_threads, device)
+    model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
+    tokenizer = Tokenizer.from_pretrained(path)
+    engine = preset.engine
+    cache = PagedCache(
+        model, engine.max_num_tokens, engine.page_size, engine.cache_quant, engine.cache_rotate
+    )
+    return DynamicGeneratorAsync(
+        model,
+        cache,
+        tokenizer,
+        max_batch_size=engine.max_batch_size,
+        max_seq_len=preset.context_length(model.config.max_position_embeddings),
+        max_chunk_size=engine.max_chunk_size,
+        cuda_graphs=engine.cuda_graphs,
+        **(engine.speculative.generator_kwargs() if engine.speculative else {}),
+    )
+
+
 @dataclass
 class Delta:
     """Results of one job merged into one message for the ingress."""
@@ -203,25 +228,8 @@ class LLMServer:
 
     def __init__(self, preset: Preset) -> None:
         self.preset = preset
-        path = preset.model.resolve_path()
-        device = resolve_device(preset.model.device)
-        configure_torch_threads(preset.serving.torch_threads, device)
-        model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
-        tokenizer = Tokenizer.from_pretrained(path)
-        engine = preset.engine
-        cache = PagedCache(
-            model, engine.max_num_tokens, engine.page_size, engine.cache_quant, engine.cache_rotate
-        )
-        self.generator = DynamicGeneratorAsync(
-            model,
-            cache,
-            tokenizer,
-            max_batch_size=engine.max_batch_size,
-            max_seq_len=preset.context_length(model.config.max_position_embeddings),
-            max_chunk_size=engine.max_chunk_size,
-            cuda_graphs=engine.cuda_graphs,
-            **(engine.speculative.generator_kwargs() if engine.speculative else {}),
-        )
+        self.generator = build_generator(preset)
+        cache = self.generator.generator.cache
         self.generator.publish(ROUTING_VIEW, _routing_view, ROUTING_VIEW_PERIOD_S)
         self.stream_interval_s = preset.serving.stream_interval_s
         self.metrics = ServerMetrics()
@@ -229,7 +237,7 @@ class LLMServer:
         self.requests_active = 0
         logger.info(
             "LLMServer ready: %s, context %d, %d pages of %d, %s cache (%d bytes per token)",
-            path,
+            preset.model.resolve_path(),
             self.generator.generator.max_seq_len,
             cache.num_pages,
             cache.page_size,
