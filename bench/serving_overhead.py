@@ -221,14 +221,13 @@ def text_agreement(results: list[RequestResult], reference: list[RequestResult])
 # -- the bare engine ------------------------------------------------------------------------------
 
 
-async def _bare_request(generator, prompts, request: LoadRequest, start: float) -> RequestResult:
+async def _bare_request(generator, request: BareRequest, start: float) -> RequestResult:
     from engine import DynamicJob, DynamicJobAsync
 
-    result = RequestResult(request.index, request.kind, False, time.perf_counter() - start)
+    result = RequestResult(request.index, "completion", False, time.perf_counter() - start)
     sent = time.perf_counter()
     try:
-        _, generation = prompts.request(request.body, chat=False)
-        job = DynamicJobAsync(generator, job=DynamicJob.from_request(generation))
+        job = DynamicJobAsync(generator, job=DynamicJob.from_request(request.generation))
         async for item in job:
             if item.get("text"):
                 result.chunk_s.append(time.perf_counter() - sent)
@@ -243,19 +242,28 @@ async def _bare_request(generator, prompts, request: LoadRequest, start: float) 
     return result
 
 
-async def _bare_run(generator, prompts, requests: list[LoadRequest], clients: int):
+async def _bare_run(generator, requests: list[BareRequest], clients: int):
     pending = iter(requests)
     results: list[RequestResult] = []
     start = time.perf_counter()
 
     async def client() -> None:
         for request in pending:
-            results.append(await _bare_request(generator, prompts, request, start))
+            results.append(await _bare_request(generator, request, start))
 
     await asyncio.gather(*(client() for _ in range(clients)))
     seconds = time.perf_counter() - start
     await generator.close()
     return sorted(results, key=lambda r: r.index), seconds
+
+
+@dataclass(frozen=True)
+class BareRequest:
+    """A workload request as the ingress would send it to a replica (tokenized up front: the
+    bare engine is measured from token ids on, as a replica sees them)."""
+
+    index: int
+    generation: Any  # engine.request.GenerationRequest
 
 
 def run_bare(config: Path, requests: list[LoadRequest], clients: int, warm_up: LoadRequest):
@@ -266,12 +274,15 @@ def run_bare(config: Path, requests: list[LoadRequest], clients: int, warm_up: L
     preset = Preset.load(str(config))
     prompts = PromptBuilder(preset)
 
+    def bare(request: LoadRequest) -> BareRequest:
+        return BareRequest(request.index, prompts.request(request.body, chat=False)[1])
+
     async def go():
         generator = build_generator(preset)
-        first = await _bare_request(generator, prompts, warm_up, time.perf_counter())
+        first = await _bare_request(generator, bare(warm_up), time.perf_counter())
         if first.outcome != "ok":
             raise RuntimeError(f"bare warm-up failed: {first.error_detail}")
-        return await _bare_run(generator, prompts, requests, clients)
+        return await _bare_run(generator, [bare(r) for r in requests], clients)
 
     return asyncio.run(go())
 

@@ -166,6 +166,27 @@ class ChoiceStream:
         return {"index": self.index, **delta.message()}
 
 
+async def _choice_batches(jobs: list[DynamicJobAsync]) -> AsyncIterator[list[tuple[int, Any]]]:
+    """The jobs' result batches as ``(choice index, batch or error)`` lists, as they arrive. One
+    job (``n`` = 1, the common case) is read directly; several are merged through a queue fed by
+    one task per job."""
+    if len(jobs) == 1:
+        try:
+            async for batch in jobs[0].batches():
+                yield [(0, batch)]
+        except Exception as error:  # raised by the consumer, as from the merged queue
+            yield [(0, error)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.create_task(_pump(i, job, queue)) for i, job in enumerate(jobs)]
+    try:
+        while True:
+            yield await _drain(queue)
+    finally:
+        for pump in pumps:
+            pump.cancel()
+
+
 async def _pump(index: int, job: DynamicJobAsync, queue: asyncio.Queue) -> None:
     """Forward a job's result batches (or its error) to the shared queue."""
     try:
@@ -254,28 +275,29 @@ class LLMServer:
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         start = time.monotonic()
         streams = [ChoiceStream(i, start) for i in range(request.n)]
-        queue: asyncio.Queue = asyncio.Queue()
         jobs: list[DynamicJobAsync] = []
-        pumps: list[asyncio.Task] = []
         self.requests_active += 1
         try:
             for i in range(request.n):  # a choice refused at enqueue leaves none behind
                 jobs.append(
                     DynamicJobAsync(self.generator, job=DynamicJob.from_request(request, i))
                 )
-                pumps.append(asyncio.create_task(_pump(i, jobs[-1], queue)))
-            while any(not s.done for s in streams):
-                for index, batch in await _drain(queue):
-                    streams[index].add(batch)
-                now = time.monotonic()
-                for stream in streams:
-                    message = stream.take_if_due(now, self.stream_interval_s)
-                    if message is not None:
-                        self._observe(stream, message, start)
-                        yield message
+            batches = _choice_batches(jobs)
+            try:
+                async for items in batches:
+                    for index, batch in items:
+                        streams[index].add(batch)
+                    now = time.monotonic()
+                    for stream in streams:
+                        message = stream.take_if_due(now, self.stream_interval_s)
+                        if message is not None:
+                            self._observe(stream, message, start)
+                            yield message
+                    if all(s.done for s in streams):
+                        break
+            finally:
+                await batches.aclose()
         finally:
-            for pump in pumps:
-                pump.cancel()
             self.requests_active -= 1
             self.requests_served += 1
             for job in jobs:
