@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from loadgen.app_process import AppProcess
+from loadgen.app_process import AppProcess, cpu_used
 from loadgen.client import RequestResult, run_load, run_request
 from loadgen.stats import percentile, tpot
 from loadgen.workload import LoadRequest, WorkloadSpec, make_workload
@@ -148,9 +148,23 @@ class PathSummary:
     tpot_p50_s: float | None
     tpot_p90_s: float | None
     tokens_per_delivery: float | None
+    cpu_s: float | None  # CPU seconds of the engine's process(es) during the run
+    cpu_ms_per_token: float | None
 
 
-def summarize_path(results: list[RequestResult], seconds: float) -> PathSummary:
+@dataclass
+class PathRun:
+    """What one path produced: per-request results, the run's wall time and the CPU seconds
+    its processes used meanwhile, by process (bare: this process)."""
+
+    results: list[RequestResult]
+    seconds: float
+    cpu: dict[str, float]
+
+
+def summarize_path(
+    results: list[RequestResult], seconds: float, cpu: dict[str, float] | None = None
+) -> PathSummary:
     if seconds <= 0:
         raise ValueError(f"run seconds must be > 0, got {seconds}")
     ok = [r for r in results if r.outcome == "ok"]
@@ -159,6 +173,7 @@ def summarize_path(results: list[RequestResult], seconds: float) -> PathSummary:
     itls = [gap for r in ok for gap in r.itl_s]
     tpots = [t for t in map(tpot, ok) if t is not None]
     deliveries = sum(len(r.chunk_s) for r in ok)
+    cpu_s = sum(cpu.values()) if cpu else None
     return PathSummary(
         requests=len(results),
         ok=len(ok),
@@ -173,6 +188,8 @@ def summarize_path(results: list[RequestResult], seconds: float) -> PathSummary:
         tpot_p50_s=percentile(tpots, 50),
         tpot_p90_s=percentile(tpots, 90),
         tokens_per_delivery=generated / deliveries if deliveries else None,
+        cpu_s=cpu_s,
+        cpu_ms_per_token=cpu_s * 1000 / generated if cpu_s is not None and generated else None,
     )
 
 
@@ -184,6 +201,7 @@ RATIO_KEYS = (
     "itl_p90_s",
     "tpot_p50_s",
     "tpot_p90_s",
+    "cpu_ms_per_token",
 )
 
 
@@ -251,10 +269,12 @@ async def _bare_run(generator, requests: list[BareRequest], clients: int):
         for request in pending:
             results.append(await _bare_request(generator, request, start))
 
+    cpu = time.process_time()
     await asyncio.gather(*(client() for _ in range(clients)))
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     await generator.close()
-    return sorted(results, key=lambda r: r.index), seconds
+    return PathRun(sorted(results, key=lambda r: r.index), seconds, {"bare": cpu})
 
 
 @dataclass(frozen=True)
@@ -301,10 +321,14 @@ def run_served(
             first = await run_request(session, url, warm, timeout_s, time.perf_counter())
         if first.outcome != "ok":
             raise RuntimeError(f"served warm-up failed: {first.error_kind}: {first.error_detail}")
+        before = app.cpu()
         run = await run_load(url, requests, clients, float("inf"), timeout_s)
-        return run.results, run.seconds
+        return PathRun(run.results, run.seconds, cpu_used(before, app.cpu()))
 
-    with AppProcess(config, root) as url:
+    app = AppProcess(config, root)
+    with app as url:
+        waited = app.settle()
+        logger.info("served %s: the app went idle after %.1f s", root, waited)
         return asyncio.run(go(url))
 
 
@@ -342,10 +366,10 @@ def machine(note: str) -> dict[str, Any]:
 
 def build_report(
     args: argparse.Namespace,
-    runs: dict[str, tuple[list[RequestResult], float]],
+    runs: dict[str, PathRun],
     machine_info: dict[str, Any],
 ) -> dict[str, Any]:
-    summaries = {name: summarize_path(*run) for name, run in runs.items()}
+    summaries = {name: summarize_path(r.results, r.seconds, r.cpu) for name, r in runs.items()}
     report: dict[str, Any] = {
         "benchmark": "serving_overhead",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -361,6 +385,7 @@ def build_report(
         },
         "served_roots": {name: str(root) for name, root in args.served},
         "paths": {name: asdict(s) for name, s in summaries.items()},
+        "cpu_s_by_process": {name: _rounded(r.cpu) for name, r in runs.items()},
         "vs_bare": {},
     }
     bare = summaries.get("bare")
@@ -371,9 +396,13 @@ def build_report(
         report["vs_bare"][name] = {
             "ratios": r,
             "goals": goals(r),
-            "text": text_agreement(runs[name][0], runs["bare"][0]),
+            "text": text_agreement(runs[name].results, runs["bare"].results),
         }
     return report
+
+
+def _rounded(cpu: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.001}
 
 
 def _ms(value: float | None) -> str:
@@ -386,7 +415,10 @@ def _x(value: float | None) -> str:
 
 def table(report: dict[str, Any]) -> list[str]:
     """The report as printed lines (a bench's table, not logging)."""
-    head = "path          tok/s  TTFT p50   p90 ms  ITL p50   p90 ms  TPOT p50  p90 ms  tok/dlv"
+    head = (
+        "path          tok/s  TTFT p50   p90 ms  ITL p50   p90 ms  TPOT p50  p90 ms  tok/dlv"
+        "  CPU ms/tok"
+    )
     lines = [head]
     for name, s in report["paths"].items():
         per = s["tokens_per_delivery"]
@@ -394,13 +426,14 @@ def table(report: dict[str, Any]) -> list[str]:
             f"{name:10s} {s['tokens_per_s']:8.1f} {_ms(s['ttft_p50_s'])} {_ms(s['ttft_p90_s'])}"
             f"  {_ms(s['itl_p50_s'])} {_ms(s['itl_p90_s'])}  {_ms(s['tpot_p50_s'])}"
             f" {_ms(s['tpot_p90_s'])}  {'-' if per is None else f'{per:5.2f}'}"
-            + (f"   ({s['errors']} errors)" if s["errors"] else "")
+            f"  {_x(s['cpu_ms_per_token'])}" + (f"   ({s['errors']} errors)" if s["errors"] else "")
         )
     for name, vs in report["vs_bare"].items():
         r, g, t = vs["ratios"], vs["goals"], vs["text"]
         lines.append(
             f"{name} / bare: tok/s {_x(r['tokens_per_s'])}  TTFT p50 {_x(r['ttft_p50_s'])}"
             f"  ITL p50 {_x(r['itl_p50_s'])}  TPOT p50 {_x(r['tpot_p50_s'])}"
+            f"  CPU/tok {_x(r['cpu_ms_per_token'])}"
             f"  goals {g}  same text {t['same']}/{t['compared']}"
         )
     return lines
@@ -411,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(tempfile.gettempdir()) / "pagedserve"))
     requests = workload(args)
-    runs: dict[str, tuple[list[RequestResult], float]] = {}
+    runs: dict[str, PathRun] = {}
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as folder:
         config = served_preset(args.config, Path(folder))
         if not args.no_bare:

@@ -100,6 +100,24 @@ class AppProcess:
         waited = self.start_timeout_s
         raise TimeoutError(f"the app was not ready in {waited} s:\n" + self.log_tail())
 
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by the app's processes (its session), by label."""
+        assert self.process is not None
+        return session_cpu(self.process.pid)
+
+    def settle(self, busy_cpu: float = 0.3, period_s: float = 1.0, timeout_s: float = 60.0) -> float:
+        """Wait until the app's processes use less than ``busy_cpu`` cores (Serve's controller
+        stays busy for seconds after a deploy); the seconds waited (at most ``timeout_s``)."""
+        start = time.monotonic()
+        before = self.cpu()
+        while time.monotonic() - start < timeout_s:
+            time.sleep(period_s)
+            after = self.cpu()
+            if sum(cpu_used(before, after).values()) < busy_cpu * period_s:
+                break
+            before = after
+        return time.monotonic() - start
+
     def log_tail(self, chars: int = 4000) -> str:
         assert self.folder is not None
         try:
@@ -120,6 +138,54 @@ class AppProcess:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         self.process = self.folder = None
+
+
+# -- CPU time of the app's processes ---------------------------------------------------------
+
+
+def parse_stat(text: str) -> tuple[int, float]:
+    """``(session id, user + system CPU seconds)`` from one ``/proc/<pid>/stat`` line."""
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[3]), (int(fields[11]) + int(fields[12])) / ticks
+
+
+def process_label(cmdline: bytes) -> str:
+    """A short name for a process: Ray's worker title (``ray::ServeReplica:...``) or the
+    program's file name."""
+    args = [a for a in cmdline.decode(errors="replace").split("\0") if a]
+    if not args:
+        return "?"
+    if args[0].startswith("ray::"):
+        return args[0].split()[0]
+    program = Path(args[0]).name
+    if program.startswith("python") and len(args) > 1:
+        return Path(args[1]).name
+    return program
+
+
+def session_cpu(session: int) -> dict[str, float]:
+    """CPU seconds used so far by the live processes of one session, summed by label
+    (Linux /proc; processes that already exited are not counted)."""
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            sid, seconds = parse_stat((entry / "stat").read_text())
+            if sid != session:
+                continue
+            label = process_label((entry / "cmdline").read_bytes())
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+        totals[label] = totals.get(label, 0.0) + seconds
+    return totals
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per label between two ``session_cpu`` readings (labels of either)."""
+    labels = sorted(set(before) | set(after))
+    return {k: max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) for k in labels}
 
 
 # -- the child ------------------------------------------------------------------------------------
