@@ -105,7 +105,9 @@ class AppProcess:
         assert self.process is not None
         return session_cpu(self.process.pid)
 
-    def settle(self, busy_cpu: float = 0.3, period_s: float = 1.0, timeout_s: float = 60.0) -> float:
+    def settle(
+        self, busy_cpu: float = 0.3, period_s: float = 1.0, timeout_s: float = 60.0
+    ) -> float:
         """Wait until the app's processes use less than ``busy_cpu`` cores (Serve's controller
         stays busy for seconds after a deploy); the seconds waited (at most ``timeout_s``)."""
         start = time.monotonic()
