@@ -66,6 +66,17 @@ def _variant(value: str) -> tuple[str, Path]:
     return name, path
 
 
+def _override(value: str) -> tuple[str, str, Any]:
+    key, sep, raw = value.partition("=")
+    section, dot, name = key.partition(".")
+    if not sep or not dot or not section or not name:
+        raise argparse.ArgumentTypeError(f"--set takes SECTION.KEY=VALUE, got {value!r}")
+    try:
+        return section, name, yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise argparse.ArgumentTypeError(f"--set {key}: {raw!r} is not YAML ({e})") from None
+
+
 def _word_range(value: str) -> tuple[int, int]:
     low, sep, high = value.partition(":")
     try:
@@ -86,6 +97,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         metavar="NAME=ROOT",
         help="serve the app of this checkout (repeatable; default: this=<this checkout>)",
+    )
+    p.add_argument(
+        "--set",
+        type=_override,
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a preset value for every path, e.g. serving.stream_interval_s=0.2 "
+        "(VALUE is YAML; repeatable)",
     )
     p.add_argument("--no-bare", action="store_true", help="skip the bare engine run")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams")
@@ -337,12 +357,16 @@ def warm_up_request(requests: list[LoadRequest]) -> LoadRequest:
     return LoadRequest(-1, "completion", requests[0].path, body)
 
 
-def served_preset(config: str, folder: Path) -> Path:
-    """The preset with one replica (the bare run is one engine too), as a file."""
-    from deployments.preset import resolve_config_path
+def served_preset(config: str, folder: Path, overrides: list[tuple[str, str, Any]] = ()) -> Path:
+    """The preset with ``overrides`` and one replica (the bare run is one engine too), as a
+    file (validated here: a bad override fails before anything starts)."""
+    from deployments.preset import Preset, resolve_config_path
 
     raw = yaml.safe_load(resolve_config_path(config).read_text(encoding="utf-8"))
+    for section, key, value in overrides:
+        raw.setdefault(section, {})[key] = value
     raw.setdefault("serving", {})["num_replicas"] = 1
+    Preset.parse(raw, source=f"{config} with overrides")
     path = folder / "preset.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -375,6 +399,7 @@ def build_report(
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info,
         "config": args.config,
+        "overrides": {f"{section}.{key}": value for section, key, value in args.set},
         "workload": {
             "streams": args.streams,
             "requests": args.requests,
@@ -446,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = workload(args)
     runs: dict[str, PathRun] = {}
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as folder:
-        config = served_preset(args.config, Path(folder))
+        config = served_preset(args.config, Path(folder), args.set)
         if not args.no_bare:
             runs["bare"] = run_bare(config, requests, args.streams, warm_up_request(requests))
         for name, root in args.served:

@@ -85,6 +85,9 @@ def test_served_variants_and_ranges_parse() -> None:
         ["--streams", "0"],
         ["--max-tokens", "0"],
         ["--requests", "0"],
+        ["--set", "stream_interval_s=0.2"],
+        ["--set", "serving.x"],
+        ["--set", "serving.router=[unclosed"],
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,13 +186,18 @@ def test_report_and_table(tmp_path: pathlib.Path) -> None:
     assert no_bare["vs_bare"] == {}
 
 
-def test_served_preset_has_one_replica(tmp_path: pathlib.Path) -> None:
+def test_served_preset_has_one_replica_and_the_overrides(tmp_path: pathlib.Path) -> None:
     import yaml
 
-    path = so.served_preset("configs/demo.yaml", tmp_path)
+    args = so.parse_args(["--set", "serving.stream_interval_s=0.25", "--set", "engine.page_size=8"])
+    assert args.set == [("serving", "stream_interval_s", 0.25), ("engine", "page_size", 8)]
+    path = so.served_preset("configs/demo.yaml", tmp_path, args.set)
     raw = yaml.safe_load(path.read_text())
     assert raw["serving"]["num_replicas"] == 1
+    assert raw["serving"]["stream_interval_s"] == 0.25 and raw["engine"]["page_size"] == 8
     assert raw["model"]["demo"] == {"seed": 1234}
+    with pytest.raises(ValueError, match="stream_interval_s"):  # validated before any start
+        so.served_preset("configs/demo.yaml", tmp_path, [("serving", "stream_interval_s", -1)])
 
 
 # -- CPU accounting ---------------------------------------------------------------------------
