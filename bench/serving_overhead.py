@@ -4,7 +4,7 @@ The workload: ``--streams`` concurrent streams (64) of unique completion prompts
 length, greedy, ``ignore_eos`` with a fixed ``max_tokens``, so both paths generate exactly the
 same tokens. It runs
 
-- ``bare``: in this process, on ``deployments.llm_server.build_generator(preset)`` (the
+- ``bare``: in a child process, on ``deployments.llm_server.build_generator(preset)`` (the
   function every replica builds its engine with), each request turned into its job by the
   ingress's own ``PromptBuilder`` and consumed with ``DynamicJobAsync``;
 - ``served`` (one per ``--served NAME=ROOT``, default this checkout): the app of that checkout
@@ -12,11 +12,14 @@ same tokens. It runs
   Ray cluster and temp dir, on 127.0.0.1 only, read over HTTP streaming (SSE) by the same
   clients as ``bench/load.py``; stopped with SIGTERM afterwards.
 
-Both start with one short warm-up request. Per path: generated tokens/s, TTFT p50/p90,
-inter-token latency p50/p90 (gaps between content deliveries: an SSE chunk, or an engine
-result with text; coalescing shows as fewer, longer gaps), time per output token p50/p90 and
-tokens per delivery; per served run the ratios to bare and whether its greedy texts equal the
-bare engine's. JSON under ``bench/results/``.
+Each path runs in a process session of its own (the kernel's autogroup scheduler shares the
+CPU between sessions, so on a shared machine both get the same terms). Both start with one
+short warm-up request; the served app is first left to go idle. Per path: generated tokens/s,
+TTFT p50/p90, inter-token latency p50/p90 (gaps between content deliveries: an SSE chunk, or
+an engine result with text; coalescing shows as fewer, longer gaps), time per output token
+p50/p90, tokens per delivery and CPU ms per token of the path's processes; per served run the
+ratios to bare and whether its greedy texts equal the bare engine's. JSON under
+``bench/results/``.
 
     flock /work/ray.lock python bench/serving_overhead.py --config configs/demo.yaml
     flock /work/ray.lock python bench/serving_overhead.py --config configs/smollm2.yaml \\
@@ -31,6 +34,8 @@ import json
 import logging
 import os
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", type=Path, default=RESULTS)
     p.add_argument("--note", default="", help="free text kept in the JSON (e.g. the machine)")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--bare-child", type=Path, help=argparse.SUPPRESS)  # internal: see run_bare
     args = p.parse_args(argv)
     for name in ("streams", "max_tokens"):
         if getattr(args, name) < 1:
@@ -175,7 +181,7 @@ class PathSummary:
 @dataclass
 class PathRun:
     """What one path produced: per-request results, the run's wall time and the CPU seconds
-    its processes used meanwhile, by process (bare: this process)."""
+    its processes used meanwhile, by process (bare: the one process)."""
 
     results: list[RequestResult]
     seconds: float
@@ -304,6 +310,44 @@ class BareRequest:
 
     index: int
     generation: Any  # engine.request.GenerationRequest
+
+
+def bare_in_child(args: argparse.Namespace, config: Path, folder: Path) -> PathRun:
+    """The bare run in a child process of its own session, like the served app's: with the
+    kernel's autogroup scheduling a session shares the CPU as one, so both paths compete
+    with the rest of the machine on the same terms (in this process's session the bare
+    engine would share its slice with whatever else runs there)."""
+    out = folder / "bare.json"
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *("--config", str(config), "--streams", str(args.streams)),
+        *("--requests", str(args.requests), "--max-tokens", str(args.max_tokens)),
+        *("--prompt-words", "{}:{}".format(*args.prompt_words), "--seed", str(args.seed)),
+        *("--log-level", args.log_level, "--bare-child", str(out)),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        code = child.wait(args.request_timeout * 2)
+    finally:
+        if child.poll() is None:  # the parent was interrupted or the child hangs: stop it
+            child.send_signal(signal.SIGTERM)
+            child.wait(30)
+    if code != 0:
+        raise RuntimeError(f"the bare run failed (exit {code})")
+    return load_path_run(out)
+
+
+def dump_path_run(run: PathRun, path: Path) -> None:
+    body = {"results": [asdict(r) for r in run.results], "seconds": run.seconds, "cpu": run.cpu}
+    path.write_text(json.dumps(body))
+
+
+def load_path_run(path: Path) -> PathRun:
+    body = json.loads(path.read_text())
+    results = [RequestResult(**r) for r in body["results"]]
+    return PathRun(results, body["seconds"], body["cpu"])
 
 
 def run_bare(config: Path, requests: list[LoadRequest], clients: int, warm_up: LoadRequest):
@@ -469,11 +513,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(tempfile.gettempdir()) / "pagedserve"))
     requests = workload(args)
+    if args.bare_child is not None:
+        warm = warm_up_request(requests)
+        dump_path_run(run_bare(Path(args.config), requests, args.streams, warm), args.bare_child)
+        return 0
     runs: dict[str, PathRun] = {}
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as folder:
         config = served_preset(args.config, Path(folder), args.set)
         if not args.no_bare:
-            runs["bare"] = run_bare(config, requests, args.streams, warm_up_request(requests))
+            runs["bare"] = bare_in_child(args, config, Path(folder))
         for name, root in args.served:
             runs[name] = run_served(config, root, requests, args.streams, args.request_timeout)
     report = build_report(args, runs, machine(args.note))

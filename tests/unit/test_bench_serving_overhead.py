@@ -157,6 +157,13 @@ def test_text_agreement_compares_by_request() -> None:
     assert so.text_agreement(results, reference) == {"compared": 2, "same": 1}
 
 
+def test_path_run_round_trips_through_json(tmp_path: pathlib.Path) -> None:
+    run = so.PathRun([_result(0, [0.1, 0.2], 2, "hi"), _result(1, [], 0, ok=False)], 1.5, {"b": 1})
+    so.dump_path_run(run, tmp_path / "run.json")
+    back = so.load_path_run(tmp_path / "run.json")
+    assert back == run
+
+
 # -- report -----------------------------------------------------------------------------------
 
 
