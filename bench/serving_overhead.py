@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(VALUE is YAML; repeatable)",
     )
     p.add_argument("--no-bare", action="store_true", help="skip the bare engine run")
+    p.add_argument(
+        "--bare-last", action="store_true", help="run bare after the served runs (order check)"
+    )
     p.add_argument("--streams", type=int, default=64, help="concurrent streams")
     p.add_argument("--requests", type=int, help="requests in all (default: --streams)")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens of every request")
@@ -452,6 +455,7 @@ def build_report(
             "seed": args.seed,
             "greedy": True,
         },
+        "order": list(runs),
         "served_roots": {name: str(root) for name, root in args.served},
         "paths": {name: asdict(s) for name, s in summaries.items()},
         "cpu_s_by_process": {name: _rounded(r.cpu) for name, r in runs.items()},
@@ -520,10 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, PathRun] = {}
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as folder:
         config = served_preset(args.config, Path(folder), args.set)
-        if not args.no_bare:
+        if not args.no_bare and not args.bare_last:
             runs["bare"] = bare_in_child(args, config, Path(folder))
         for name, root in args.served:
             runs[name] = run_served(config, root, requests, args.streams, args.request_timeout)
+        if not args.no_bare and args.bare_last:
+            runs["bare"] = bare_in_child(args, config, Path(folder))
     report = build_report(args, runs, machine(args.note))
     for line in table(report):
         print(line)
