@@ -361,18 +361,25 @@ async def _collect(stream, choices: list[ChoiceState], fmt: ResponseFormat) -> R
 async def _events(
     stream, choices: list[ChoiceState], fmt: ResponseFormat, include_usage: bool
 ) -> AsyncIterator[str]:
+    """The SSE body: one write per replica message (all its chunks together: each write is a
+    message on to Serve's proxy), the usage chunk and ``[DONE]`` in the last one."""
     if fmt.chat:
-        for index in range(len(choices)):
-            yield sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
+        yield "".join(
+            sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
+            for index in range(len(choices))
+        )
+    tail = []
     try:
         async for index, message in _indexed(stream, fmt.request_id):
-            for chunk in choices[index].chunks(message):
-                yield sse(chunk)
+            events = "".join(sse(chunk) for chunk in choices[index].chunks(message))
+            if events:
+                yield events
         if include_usage:
-            yield sse(fmt.usage_chunk([c.final for c in choices]))
+            tail.append(sse(fmt.usage_chunk([c.final for c in choices])))
     except Exception as e:
-        yield sse(server_error(e, fmt.id).body())
-    yield sse("[DONE]")
+        tail.append(sse(server_error(e, fmt.id).body()))
+    tail.append(sse("[DONE]"))
+    yield "".join(tail)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
