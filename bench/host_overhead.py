@@ -1,11 +1,16 @@
 """Host overhead of ``DynamicGenerator.iterate()`` with a null forward.
 
 The model runner is replaced by ``NullRunner``: its ``forward_plan(plan)`` builds the step's
-rows and ragged batch on the host as the eager runner does (``plan_rows`` +
-``build_forward_batch``) and returns fixed float32 logits (one row per sampling entry, in plan
-order) without any model compute. Everything else is the real engine: scheduler, page table,
-per-job sample requests, batched sampling (torch on the CPU here), detokenizer, stop strings
-and result dicts. What is left per step is what the host adds to every forward.
+ragged batch on the host as the eager runner does and returns fixed float32 logits (one row per
+sampling entry, in plan order) without any model compute. ``--batch-paths`` picks the builder:
+``persistent`` (``engine.persistent_batch.PersistentBatch``, the runner's default) and/or
+``reference`` (``plan_rows`` + ``build_forward_batch``, ``ENGINE_PERSISTENT_BATCH=0``). With
+both, every step builds its batch with each (alternating which goes first, and checking that
+the two batches are equal), so both builders are timed on the same plans under the same load;
+the report's ``batch_paths`` compares schedule + batch build per step (such rows' ``batch``
+part and ``us/step`` include both builds). Everything else is the real engine: scheduler,
+page table, per-job sample requests, batched sampling (torch on the CPU here), detokenizer,
+stop strings and result dicts. What is left per step is what the host adds to every forward.
 
 Model and tokenizer: the demo model (``engine.demo``) with one 64-wide layer and a 32768-wide
 vocabulary (Llama-2-like width), only for its config and cache shapes; the tokenizer is a
@@ -25,20 +30,35 @@ text and stop strings (``_render_pending``) after handing the next forward to th
 ``text`` column is that stage; with a real forward it overlaps the device's work, so
 ``critical us/step`` (step minus ``text``) is what the device waits for between forwards.
 
+``--baseline REF`` runs the same cases with the engine at git ref REF too: a temporary
+``git worktree`` at REF, and this script (the same harness) in a subprocess whose PYTHONPATH
+puts that tree's ``engine`` first, mode by mode before this engine's cases, so both see the
+same load. The JSON then holds both (``results``, ``baseline``) and a per-case
+``comparison``. The harness is this script: REF's engine must have what it uses (an engine
+from before ``PersistentBatch`` runs with ``--batch-paths reference``).
+
     PYTHONPATH=. python bench/host_overhead.py [--quick] [--output bench/results/host_overhead.json]
+        [--batch-paths reference persistent]
+    PYTHONPATH=. python bench/host_overhead.py --baseline main --batches 1 64 256
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,6 +67,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+import engine
 import engine.generator as generator_module
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
 from engine.batch import build_forward_batch
@@ -73,28 +94,73 @@ TOP = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
 MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
     "greedy": (SamplerSettings.greedy(), ()),
     "topk_topp": (SamplerSettings(**TOP), ()),
+    "topp": (SamplerSettings(temperature=0.8, top_p=0.9), ()),  # no top_k: the OpenAI style
     "penalties": (SamplerSettings(**TOP, repetition_penalty=1.1, presence_penalty=0.5), ()),
     "greedy_stop": (SamplerSettings.greedy(), STOP_STRINGS),
 }
 PARTS = ("schedule", "batch", "sample", "receive", "text", "other")
 TEXT_STAGES = {"inline": False, "deferred": True}
+BATCH_PATHS = ("reference", "persistent")
 # (mode, batch, target us per step) from the issue "Host overhead per step"
 GOALS = (("greedy_stop", 256, 3000.0), ("penalties", 256, 5000.0), ("greedy", 1, 300.0))
 
 
 class NullRunner:
-    """A runner stand-in: host batch building, fixed logits, no model compute."""
+    """A runner stand-in: host batch building with each of ``batch_paths``, fixed logits, no
+    model compute. ``build_times``: seconds per builder and step."""
 
     decode_graph_steps = 0
 
-    def __init__(self, logits: torch.Tensor, page_size: int):
+    def __init__(
+        self, logits: torch.Tensor, page_size: int, batch_paths: tuple[str, ...] = ("persistent",)
+    ):
+        if not batch_paths or not set(batch_paths) <= set(BATCH_PATHS):
+            raise ValueError(f"batch_paths must be some of {BATCH_PATHS}, got {batch_paths!r}")
         self.logits = logits
         self.page_size = page_size
+        builders = {  # made only for the paths asked for
+            "reference": lambda: (
+                lambda plan: build_forward_batch(plan_rows(plan), page_size, "cpu")
+            ),
+            "persistent": lambda: _persistent_batch(page_size).build,
+        }
+        self.builders = [(name, builders[name]()) for name in dict.fromkeys(batch_paths)]
+        self.build_times: dict[str, list[float]] = {name: [] for name, _ in self.builders}
+        self._steps = 0
 
     def forward_plan(self, plan: StepPlan) -> torch.Tensor:
-        rows = plan_rows(plan)
-        build_forward_batch(rows, self.page_size, "cpu")
-        return self.logits[: sum(r.logits_rows for r in rows)]
+        self._steps += 1
+        order = self.builders if self._steps % 2 else self.builders[::-1]
+        batches = []
+        for name, build in order:
+            start = time.perf_counter()
+            batches.append(build(plan))
+            self.build_times[name].append(time.perf_counter() - start)
+        for other in batches[1:]:
+            check_same_batch(other, batches[0])
+        return self.logits[: batches[0].logits_indices.shape[0]]
+
+
+def _persistent_batch(page_size: int):
+    # imported when used: a --baseline engine from before it can run --batch-paths reference
+    from engine.persistent_batch import PersistentBatch
+
+    return PersistentBatch(page_size, "cpu")
+
+
+def check_same_batch(a, b) -> None:
+    """RuntimeError unless two forward batches hold the same tensors and host values."""
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "attention":
+            continue
+        same = (
+            x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            if isinstance(x, torch.Tensor)
+            else x == y
+        )
+        if not same:
+            raise RuntimeError(f"the batch builders disagree on {f.name}: {x} vs {y}")
 
 
 def fixed_logits(rows: int, vocab: int, banned: set[int], seed: int = 0) -> torch.Tensor:
@@ -110,15 +176,17 @@ class CaseResult:
     mode: str
     batch: int
     text_stage: str  # "inline" or "deferred" (see TEXT_STAGES)
+    batch_path: str  # the builders of each step, "+"-joined (see BATCH_PATHS)
     steps: int
     tokens_per_step: float
     us_per_step: float  # median of plain (uninstrumented) steps
     us_per_token: float
     us_per_step_instrumented: float
     breakdown_us: dict[str, float]  # medians per part (instrumented steps)
-    sample_tensor_us: float  # the part of "sample" spent in engine.sampling.sample
+    sample_tensor_us: float  # the part of "sample" in the sampler (SamplerState.sample or sample)
     critical_us_per_step: float  # instrumented steps minus the deferred text stage (median)
     text_results_per_step: float  # results rendered one step late (median; 0 when inline)
+    build_us: dict[str, float]  # per builder: batch build per step (median of timed steps)
 
 
 class StepTimers:
@@ -156,8 +224,13 @@ class StepTimers:
         self._wrap(g.runner, "forward_plan", "batch")
         self._wrap(g, "_sample", "sample_all")
         self._wrap(g, "_receive", "receive")
-        self._wrap(generator_module, "sample", "sample_tensor")
-        self._wrap(g, "_render_pending", "text")
+        sampler = getattr(g, "_sampler", None)  # engines with a SamplerState call it instead
+        if sampler is not None:
+            self._wrap(sampler, "sample", "sample_tensor")
+        else:
+            self._wrap(generator_module, "sample", "sample_tensor")
+        if hasattr(g, "_render_pending"):  # a --baseline engine may predate the text stage
+            self._wrap(g, "_render_pending", "text")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -193,7 +266,26 @@ def load(cache_dir: Path, tokenizer_vocab: int) -> tuple[Model, Tokenizer]:
 
 def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     """A byte-level BPE of ``vocab_size`` ids (the demo's special tokens first) trained on
-    seeded pseudo-words, with the demo model's tokenizer and generation configs."""
+    seeded pseudo-words, with the demo model's tokenizer and generation configs. The trained
+    tokenizer is kept beside the model (a ``--baseline`` run loads it twice)."""
+    configs = {
+        name: json.loads((folder / f"{name}.json").read_text())
+        for name in ("tokenizer_config", "config", "generation_config")
+    }
+    saved = folder / f"bench_tokenizer_{vocab_size}.json"
+    if not saved.exists():
+        tmp = saved.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(_train_tokenizer(vocab_size))
+        tmp.replace(saved)
+    return Tokenizer(
+        saved.read_text(),
+        tokenizer_config=configs["tokenizer_config"],
+        model_config=configs["config"],
+        generation_config=configs["generation_config"],
+    )
+
+
+def _train_tokenizer(vocab_size: int) -> str:
     rng = random.Random(0)
     syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"] + list("aeiou")
     words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(60000)]
@@ -209,22 +301,20 @@ def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     hf.train_from_iterator(lines, trainer=trainer)
-    configs = {
-        name: json.loads((folder / f"{name}.json").read_text())
-        for name in ("tokenizer_config", "config", "generation_config")
-    }
-    return Tokenizer(
-        hf.to_str(),
-        tokenizer_config=configs["tokenizer_config"],
-        model_config=configs["config"],
-        generation_config=configs["generation_config"],
-    )
+    return hf.to_str()
 
 
 def make_generator(
-    model, tokenizer, batch: int, seq_len: int, defer_text: bool = False
+    model,
+    tokenizer,
+    batch: int,
+    seq_len: int,
+    defer_text: bool = False,
+    batch_paths: tuple[str, ...] = ("persistent",),
 ) -> DynamicGenerator:
     cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
+    # defer_text only when asked: a --baseline engine from before it has no such argument
+    options = {"defer_text": True} if defer_text else {}
     generator = DynamicGenerator(
         model,
         cache,
@@ -232,11 +322,11 @@ def make_generator(
         max_batch_size=batch,
         max_seq_len=seq_len,
         max_chunk_size=MAX_CHUNK,
-        defer_text=defer_text,
+        **options,
     )
     eos = set(generator.default_stop_tokens)
     generator.runner = NullRunner(
-        fixed_logits(batch, model.config.vocab_size, eos), cache.page_size
+        fixed_logits(batch, model.config.vocab_size, eos), cache.page_size, batch_paths
     )
     return generator
 
@@ -294,10 +384,18 @@ def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> 
     prefill_steps = batch * args.prompt_len // MAX_CHUNK + 1
     new_tokens = warm + 2 * steps + prefill_steps + 8
     generator = make_generator(
-        model, tokenizer, batch, args.prompt_len + new_tokens, TEXT_STAGES[text_stage]
+        model,
+        tokenizer,
+        batch,
+        args.prompt_len + new_tokens,
+        TEXT_STAGES[text_stage],
+        tuple(args.batch_paths),
     )
     enqueue_jobs(generator, mode, batch, args.prompt_len, new_tokens)
     warm_up(generator, warm)
+    build_times = generator.runner.build_times
+    for times in build_times.values():
+        times.clear()
     plain, instrumented, parts, tokens = timed_steps(generator, steps)
     if len(generator._jobs) != batch:
         raise RuntimeError(f"{mode} batch {batch}: a job ended while timed")
@@ -306,6 +404,7 @@ def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> 
         mode=mode,
         batch=batch,
         text_stage=text_stage,
+        batch_path="+".join(build_times),
         steps=steps,
         tokens_per_step=tokens / (2 * steps),
         us_per_step=us,
@@ -315,13 +414,16 @@ def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> 
         sample_tensor_us=1e6 * statistics.median(p["sample_tensor"] for p in parts),
         critical_us_per_step=1e6 * statistics.median(p["critical"] for p in parts),
         text_results_per_step=statistics.median(p["text_results"] for p in parts),
+        build_us={name: 1e6 * statistics.median(t) for name, t in build_times.items()},
     )
 
 
-def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
+def goals(results: list[CaseResult] | list[dict]) -> list[dict[str, Any]]:
     # the goals are for the inline stage (a CPU generator's default); deferred rows add the
-    # critical path, which is what the device would wait for
-    by_case = {(r.mode, r.batch): r for r in results if r.text_stage == "inline"}
+    # critical path, which is what the device would wait for. (With both batch paths, a
+    # step builds its batch twice: the numbers are slightly pessimistic.)
+    rows = [r if isinstance(r, dict) else asdict(r) for r in results]
+    by_case = {(r["mode"], r["batch"]): r for r in rows if r["text_stage"] == "inline"}
     out = []
     for mode, batch, target in GOALS:
         r = by_case.get((mode, batch))
@@ -330,19 +432,113 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
                 {
                     "mode": mode,
                     "batch": batch,
+                    "batch_path": r["batch_path"],
                     "target_us_per_step": target,
-                    "measured_us_per_step": r.us_per_step,
-                    "met": r.us_per_step <= target,
+                    "measured_us_per_step": r["us_per_step"],
+                    "met": r["us_per_step"] <= target,
                 }
             )
     return out
 
 
-def print_row(r: CaseResult) -> None:
+@contextmanager
+def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
+    """A temporary git worktree of the repository at ``ref`` (and its commit), removed on
+    exit."""
+    repo = Path(__file__).resolve().parents[1]
+    found = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode:
+        raise SystemExit(f"--baseline {ref!r} is not a commit of {repo}: {found.stderr.strip()}")
+    commit = found.stdout.strip()
+    folder = Path(tempfile.mkdtemp(prefix="host-overhead-baseline-"))
+    tree = folder / "tree"
+    add = ["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet", str(tree), commit]
+    subprocess.run(add, check=True)
+    try:
+        yield tree, commit
+    finally:
+        remove = ["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)]
+        subprocess.run(remove, check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_baseline(args, mode: str, tree: Path) -> dict[str, Any]:
+    """This script's cases of one mode with the engine of ``tree``: a subprocess whose
+    PYTHONPATH puts that tree's ``engine`` package first (the harness stays this one)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "baseline.json"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *(["--quick"] if args.quick else []),
+            *("--modes", mode, "--batches", *map(str, args.batches)),
+            *("--text-stages", *args.text_stages, "--prompt-len", str(args.prompt_len)),
+            *("--batch-paths", *(args.baseline_batch_paths or args.batch_paths)),
+            *("--step-budget", str(args.step_budget), "--min-steps", str(args.min_steps)),
+            *("--max-steps", str(args.max_steps), "--threads", str(args.threads)),
+            *("--tokenizer-vocab", str(args.tokenizer_vocab), "--cache-dir", str(args.cache_dir)),
+            *("--output", str(output), "--label", f"baseline {args.baseline}"),
+        ]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
+        return json.loads(output.read_text())
+
+
+def comparison(before: list[dict], after: list[CaseResult]) -> list[dict[str, Any]]:
+    """Per case: us per step with the baseline engine and with this one."""
+    key = ("mode", "batch", "text_stage", "batch_path")
+    old = {tuple(r[k] for k in key): r for r in before}
+    out = []
+    for r in after:
+        b = old.get((r.mode, r.batch, r.text_stage, r.batch_path))
+        if b is not None:
+            out.append(
+                {
+                    "mode": r.mode,
+                    "batch": r.batch,
+                    "text_stage": r.text_stage,
+                    "batch_path": r.batch_path,
+                    "baseline_us_per_step": b["us_per_step"],
+                    "us_per_step": r.us_per_step,
+                    "baseline_sample_tensor_us": b["sample_tensor_us"],
+                    "sample_tensor_us": r.sample_tensor_us,
+                    "speedup": b["us_per_step"] / r.us_per_step,
+                }
+            )
+    return out
+
+
+def batch_path_comparison(results: list[CaseResult]) -> list[dict[str, Any]]:
+    """Schedule + batch build per step (medians of the timed steps) for cases run with both
+    batch paths: the same plans built by each builder."""
+    out = []
+    for r in results:
+        if set(r.build_us) != set(BATCH_PATHS):
+            continue
+        schedule = r.breakdown_us["schedule"]
+        row: dict[str, Any] = {"mode": r.mode, "batch": r.batch, "text_stage": r.text_stage}
+        row["schedule_us"] = schedule
+        for name, build in r.build_us.items():
+            row[name] = {"batch_build_us": build, "schedule_plus_batch_build_us": schedule + build}
+        row["batch_build_speedup"] = r.build_us["reference"] / r.build_us["persistent"]
+        out.append(row)
+    return out
+
+
+def print_row(r: CaseResult | dict, engine: str = "this") -> None:
+    r = argparse.Namespace(**(r if isinstance(r, dict) else asdict(r)))
     b = r.breakdown_us
     parts = " ".join(f"{b[k]:9.0f}" for k in PARTS)
     print(
-        f"{r.mode:12s} {r.text_stage:8s} {r.batch:5d} {r.us_per_step:10.0f} "
+        f"{engine:10s} {r.mode:12s} {r.text_stage:8s} {r.batch_path:20s} {r.batch:5d} "
+        f"{r.us_per_step:10.0f} "
         f"{r.us_per_token:8.1f} {parts} {r.sample_tensor_us:9.0f} {r.critical_us_per_step:9.0f}",
         flush=True,
     )
@@ -351,7 +547,9 @@ def print_row(r: CaseResult) -> None:
 def print_header() -> None:
     parts = " ".join(f"{k:>9s}" for k in PARTS)
     print(
-        f"{'mode':12s} {'text':8s} {'batch':>5s} {'us/step':>10s} {'us/tok':>8s} {parts} "
+        f"{'engine':10s} {'mode':12s} {'text':8s} {'batch path':20s} {'batch':>5s} "
+        f"{'us/step':>10s} "
+        f"{'us/tok':>8s} {parts} "
         f"{'(tensor)':>9s} {'critical':>9s}"
     )
 
@@ -378,15 +576,18 @@ def report(args, results: list[CaseResult], tokenizer) -> dict[str, Any]:
             "prompt_len": args.prompt_len,
             "batches": list(args.batches),
             "text_stages": list(args.text_stages),
+            "batch_paths": list(args.batch_paths),
             "modes": {
                 name: {"settings": repr(s), "stop_strings": list(stops)}
                 for name, (s, stops) in MODES.items()
             },
-            "forward": "null: plan_rows + build_forward_batch on the CPU, fixed logits",
+            "forward": "null: the batch built on the CPU (batch_paths), fixed logits",
         },
+        "engine": str(Path(engine.__file__).parent),
         "units": "microseconds; medians over timed decode steps",
         "results": [asdict(r) for r in results],
         "goals": goals(results),
+        "batch_paths": batch_path_comparison(results),
     }
 
 
@@ -402,6 +603,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["inline"],
         help="inline: text rendered in the step that sampled it; deferred: one step later",
     )
+    p.add_argument(
+        "--batch-paths",
+        nargs="+",
+        choices=BATCH_PATHS,
+        default=["persistent"],
+        help="persistent: PersistentBatch (the runner's default); reference: plan_rows + "
+        "build_forward_batch (ENGINE_PERSISTENT_BATCH=0)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--step-budget", type=int, default=4096, help="steps ~ budget / batch")
     p.add_argument("--min-steps", type=int, default=15)
@@ -409,6 +618,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-vocab", type=int, default=TOKENIZER_VOCAB)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--label", default="")
+    p.add_argument(
+        "--baseline",
+        metavar="REF",
+        default=None,
+        help="also run every case with the engine at git ref REF (a temporary worktree), "
+        "side by side; both go into the JSON with a per-case comparison",
+    )
+    p.add_argument(
+        "--baseline-batch-paths",
+        nargs="+",
+        choices=BATCH_PATHS,
+        default=None,
+        help="the baseline's --batch-paths (default: the same); reference for an engine from "
+        "before PersistentBatch",
+    )
     p.add_argument("--output", type=Path, default=RESULTS)
     p.add_argument(
         "--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "pagedserve-bench"
@@ -424,22 +648,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.baseline is None:
+        run(args, None)
+    else:
+        with baseline_tree(args.baseline) as (tree, commit):
+            run(args, (tree, commit))
+
+
+def run(args, baseline: tuple[Path, str] | None) -> None:
+    """Every case with this engine; with a baseline tree, each mode's cases with that
+    engine first (a subprocess), so the two run side by side under the same load."""
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.cache_dir, args.tokenizer_vocab)
-    print_header()
-    results = []
+    results: list[CaseResult] = []
+    before: list[dict] = []
     for mode in args.modes:
+        if baseline is not None:
+            other = run_baseline(args, mode, baseline[0])
+            before += [r | {"engine": other["engine"]} for r in other["results"]]
+        print_header()
+        for row in (r for r in before if r["mode"] == mode):
+            print_row(row, engine=args.baseline)
         for batch in args.batches:
             for stage in args.text_stages:
                 results.append(run_case(model, tokenizer, mode, batch, args, stage))
                 print_row(results[-1])
-    for g in goals(results):
+    for name, rows in (("this", results), (args.baseline, before)):
+        for g in goals(rows):
+            print(
+                f"goal {g['mode']} batch {g['batch']} [{name}]: "
+                f"{g['measured_us_per_step']:.0f} us/step (target "
+                f"{g['target_us_per_step']:.0f}) {'met' if g['met'] else 'NOT met'}"
+            )
+    for c in batch_path_comparison(results):
+        ref, per = c["reference"], c["persistent"]
         print(
-            f"goal {g['mode']} batch {g['batch']}: {g['measured_us_per_step']:.0f} us/step "
-            f"(target {g['target_us_per_step']:.0f}) {'met' if g['met'] else 'NOT met'}"
+            f"batch paths {c['mode']} {c['text_stage']} batch {c['batch']}: schedule+batch "
+            f"{ref['schedule_plus_batch_build_us']:.0f} us (reference) -> "
+            f"{per['schedule_plus_batch_build_us']:.0f} us (persistent); batch build "
+            f"{c['batch_build_speedup']:.1f}x faster"
         )
+    out = report(args, results, tokenizer)
+    if baseline is not None:
+        out["baseline"] = {
+            "ref": args.baseline,
+            "commit": baseline[1],
+            "engine": before[0]["engine"] if before else None,
+            "results": before,
+            "goals": goals(before),
+        }
+        out["comparison"] = comparison(before, results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report(args, results, tokenizer), indent=2) + "\n")
+    args.output.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.output}")
 
 

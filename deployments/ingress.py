@@ -30,7 +30,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from deployments import routing_audit
+from deployments.chat_embeds import ChatEmbeds, check_tools_text
 from deployments.choices import ChoiceState, OutputOptions, full_body
+from deployments.guidance import NEGATIVE_FIELD
 from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -38,7 +40,6 @@ from deployments.protocol import (
     RequestFields,
     parse_body,
     parse_fields,
-    parse_messages,
     read_body_bytes,
     server_error,
     text_value,
@@ -47,6 +48,7 @@ from deployments.responses import ResponseFormat, sse
 from deployments.structured import ToolCalling, tools_system_message
 from engine.cache.prefix_hash import prefix_hashes, salt_root
 from engine.config import ModelConfig
+from engine.embeddings import MMEmbedding
 from engine.model.model import resolve_device, resolve_dtype
 from engine.request import GenerationRequest
 from engine.token_bytes import TokenBytes
@@ -80,34 +82,55 @@ class PromptBuilder:
         # hash (page hashes, routing) is the one the replicas compute
         self.run_dtype = resolve_dtype(preset.model.dtype, resolve_device(preset.model.device))
 
-    def completion_ids(self, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
+    def completion_ids(self, body: dict[str, Any], param: str = "prompt") -> list[int]:
+        """The ids of the body's ``param`` (``prompt``, or CFG's ``negative_prompt``): a
+        string, or a list of token ids."""
+        prompt = body.get(param)
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
             ids = list(prompt)  # pre-tokenized prompt
             if any(not 0 <= t < self.config.vocab_size for t in ids):
-                raise OpenAIError("'prompt' has token ids outside the vocabulary", param="prompt")
+                raise OpenAIError(f"'{param}' has token ids outside the vocabulary", param=param)
         elif isinstance(prompt, str):
-            self.check_text_length(len(text_value(prompt, "prompt", "'prompt'")), "prompt")
+            self.check_text_length(len(text_value(prompt, param, f"'{param}'")), param)
             ids = self.tokenizer.encode(prompt, add_bos=self.add_bos)[0].tolist()
         else:
-            raise OpenAIError("'prompt' must be a string or a list of token ids", param="prompt")
-        return self.check_prompt(ids, "prompt")
+            raise OpenAIError(f"'{param}' must be a string or a list of token ids", param=param)
+        return self.check_prompt(ids, param)
 
     def chat_ids(self, body: dict[str, Any], tools: ToolCalling | None = None) -> list[int]:
-        messages = parse_messages(body)
-        self.check_text_length(sum(len(m["content"] or "") for m in messages), "messages")
+        return self.chat_prompt(body.get("messages"), tools)[0]
+
+    def chat_prompt(
+        self,
+        value: Any,
+        tools: ToolCalling | None = None,
+        param: str = "messages",
+        embeds: ChatEmbeds | None = None,
+    ) -> tuple[list[int], tuple[MMEmbedding, ...]]:
+        """The ids of the conversation ``value`` (the body's ``param``) and the containers of
+        its ``input_embeds`` parts, whose placeholder ids sit where the template put them."""
+        embeds = embeds or ChatEmbeds(self.config.hidden_size, self.run_dtype)
+        messages, embeddings = embeds.messages(value, param)
+        self.check_text_length(sum(len(m["content"] or "") for m in messages), param)
         extra: dict[str, Any] = {}
+        if tools is not None and embeddings:
+            check_tools_text(tools.tools)
         if tools is not None and "tools" in (self.tokenizer.chat_template or ""):
             extra["tools"] = list(tools.tools)  # the template renders them its own way
         elif tools is not None:
             messages = [tools_system_message(tools.tools), *messages]
         try:
-            ids = self.tokenizer.encode_chat(messages, trusted=self.trust_message_tokens, **extra)
+            ids = self.tokenizer.encode_chat(
+                messages,
+                trusted=self.trust_message_tokens,
+                embeddings=embeddings or None,
+                **extra,
+            )
         except Exception as e:  # jinja errors, the template's raise_exception, forged tokens
-            raise OpenAIError(f"chat template failed: {e}", param="messages") from None
-        return self.check_prompt(ids, "messages")
+            raise OpenAIError(f"chat template failed: {e}", param=param) from None
+        return self.check_prompt(ids, param), embeddings
 
     def prompt_embeddings(self, body: dict[str, Any]) -> tuple:
         """``prompt_embeds`` (completions) as one container in the replicas' run dtype, or ()."""
@@ -119,6 +142,16 @@ class PromptBuilder:
         from deployments.prompt_embeds import embedding_from_body
 
         return (embedding_from_body(value, self.config.hidden_size, self.run_dtype),)
+
+    def negative_prompt(
+        self, body: dict[str, Any], chat: bool, embeds: ChatEmbeds
+    ) -> tuple[list[int], tuple[MMEmbedding, ...]]:
+        """CFG's negative prompt (``negative_messages`` or ``negative_prompt``), encoded as
+        the positive one is, and the containers of its ``input_embeds`` parts."""
+        param = NEGATIVE_FIELD[chat]
+        if chat:
+            return self.chat_prompt(body.get(param), None, param, embeds)
+        return self.completion_ids(body, param), ()
 
     def check_text_length(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -163,16 +196,25 @@ class PromptBuilder:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
         one replica runs them, sharing the prompt's pages)."""
         fields = parse_fields(body, chat, self.config.vocab_size)
-        embeddings = self.prompt_embeddings(body) if not chat else ()
-        if embeddings:
+        embeds = ChatEmbeds(self.config.hidden_size, self.run_dtype)
+        if chat:
+            ids, embeddings = self.chat_prompt(body.get("messages"), fields.tools, embeds=embeds)
+        elif embeddings := self.prompt_embeddings(body):
             ids = self.check_prompt(list(embeddings[0].placeholder_ids), "prompt_embeds")
         else:
-            ids = self.chat_ids(body, fields.tools) if chat else self.completion_ids(body)
-        max_new = self.max_new_tokens(fields.max_tokens, len(ids), chat)
+            ids = self.completion_ids(body)
+        negative: list[int] | None = None
+        if fields.settings.cfg_scale is not None:  # classifier-free guidance (guidance.py)
+            negative, more = self.negative_prompt(body, chat, embeds)
+            embeddings += more
+        # a CFG job's two rows both grow by max_tokens: the longer prompt sets the room
+        longest = max(len(ids), len(negative or ()))
+        max_new = self.max_new_tokens(fields.max_tokens, longest, chat)
         root = salt_root(fields.cache_salt)
+        # the router's page hashes: the positive prompt's, over its rows' content
         hashes = prefix_hashes(ids, self.page_size, parent=root, embeddings=embeddings)
         try:
-            return fields, fields.generation(ids, max_new, hashes, embeddings)
+            return fields, fields.generation(ids, max_new, hashes, embeddings, negative)
         except ValueError as e:  # a limit the field checks above did not foresee
             raise OpenAIError(f"invalid request: {e}") from None
 
@@ -319,18 +361,25 @@ async def _collect(stream, choices: list[ChoiceState], fmt: ResponseFormat) -> R
 async def _events(
     stream, choices: list[ChoiceState], fmt: ResponseFormat, include_usage: bool
 ) -> AsyncIterator[str]:
+    """The SSE body: one write per replica message (all its chunks together: each write is a
+    message on to Serve's proxy), the usage chunk and ``[DONE]`` in the last one."""
     if fmt.chat:
-        for index in range(len(choices)):
-            yield sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
+        yield "".join(
+            sse(fmt.chunk({"role": "assistant", "content": ""}, index=index))
+            for index in range(len(choices))
+        )
+    tail = []
     try:
         async for index, message in _indexed(stream, fmt.request_id):
-            for chunk in choices[index].chunks(message):
-                yield sse(chunk)
+            events = "".join(sse(chunk) for chunk in choices[index].chunks(message))
+            if events:
+                yield events
         if include_usage:
-            yield sse(fmt.usage_chunk([c.final for c in choices]))
+            tail.append(sse(fmt.usage_chunk([c.final for c in choices])))
     except Exception as e:
-        yield sse(server_error(e, fmt.id).body())
-    yield sse("[DONE]")
+        tail.append(sse(server_error(e, fmt.id).body()))
+    tail.append(sse("[DONE]"))
+    yield "".join(tail)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -84,6 +84,29 @@ def _build_cache(model: Model, preset: Preset) -> PagedCache:
     return cache
 
 
+def build_generator(preset: Preset) -> DynamicGeneratorAsync:
+    """The preset's model, cache and async generator, as one replica runs them (torch threads
+    capped first): also what ``bench/serving_overhead.py`` measures bare, so both paths run the
+    same engine."""
+    path = preset.model.resolve_path()
+    device = resolve_device(preset.model.device)
+    configure_torch_threads(preset.serving.torch_threads, device)
+    model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
+    tokenizer = Tokenizer.from_pretrained(path)
+    engine = preset.engine
+    cache = _build_cache(model, preset)
+    return DynamicGeneratorAsync(
+        model,
+        cache,
+        tokenizer,
+        max_batch_size=engine.max_batch_size,
+        max_seq_len=preset.context_length(model.config.max_position_embeddings),
+        max_chunk_size=engine.max_chunk_size,
+        cuda_graphs=engine.cuda_graphs,
+        **(engine.speculative.generator_kwargs() if engine.speculative else {}),
+    )
+
+
 @dataclass
 class Delta:
     """Results of one job merged into one message for the ingress."""
@@ -166,6 +189,27 @@ class ChoiceStream:
         return {"index": self.index, **delta.message()}
 
 
+async def _choice_batches(jobs: list[DynamicJobAsync]) -> AsyncIterator[list[tuple[int, Any]]]:
+    """The jobs' result batches as ``(choice index, batch or error)`` lists, as they arrive. One
+    job (``n`` = 1, the common case) is read directly; several are merged through a queue fed by
+    one task per job."""
+    if len(jobs) == 1:
+        try:
+            async for batch in jobs[0].batches():
+                yield [(0, batch)]
+        except Exception as error:  # raised by the consumer, as from the merged queue
+            yield [(0, error)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.create_task(_pump(i, job, queue)) for i, job in enumerate(jobs)]
+    try:
+        while True:
+            yield await _drain(queue)
+    finally:
+        for pump in pumps:
+            pump.cancel()
+
+
 async def _pump(index: int, job: DynamicJobAsync, queue: asyncio.Queue) -> None:
     """Forward a job's result batches (or its error) to the shared queue."""
     try:
@@ -228,23 +272,8 @@ class LLMServer:
 
     def __init__(self, preset: Preset) -> None:
         self.preset = preset
-        path = preset.model.resolve_path()
-        device = resolve_device(preset.model.device)
-        configure_torch_threads(preset.serving.torch_threads, device)
-        model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
-        tokenizer = Tokenizer.from_pretrained(path)
-        engine = preset.engine
-        cache = _build_cache(model, preset)
-        self.generator = DynamicGeneratorAsync(
-            model,
-            cache,
-            tokenizer,
-            max_batch_size=engine.max_batch_size,
-            max_seq_len=preset.context_length(model.config.max_position_embeddings),
-            max_chunk_size=engine.max_chunk_size,
-            cuda_graphs=engine.cuda_graphs,
-            **(engine.speculative.generator_kwargs() if engine.speculative else {}),
-        )
+        self.generator = build_generator(preset)
+        cache = self.generator.generator.cache
         self.generator.publish(ROUTING_VIEW, _routing_view, ROUTING_VIEW_PERIOD_S)
         self.stream_interval_s = preset.serving.stream_interval_s
         self.metrics = ServerMetrics()
@@ -253,7 +282,7 @@ class LLMServer:
         logger.info(
             "LLMServer ready: %s, context %d, %s cache of %d tokens (%d pages of %d): "
             "%d bytes per token, %d bytes",
-            path,
+            preset.model.resolve_path(),
             self.generator.generator.max_seq_len,
             cache.quant + ("+rotate" if cache.rotate else ""),
             cache.max_num_tokens,
@@ -272,28 +301,29 @@ class LLMServer:
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         start = time.monotonic()
         streams = [ChoiceStream(i, start) for i in range(request.n)]
-        queue: asyncio.Queue = asyncio.Queue()
         jobs: list[DynamicJobAsync] = []
-        pumps: list[asyncio.Task] = []
         self.requests_active += 1
         try:
             for i in range(request.n):  # a choice refused at enqueue leaves none behind
                 jobs.append(
                     DynamicJobAsync(self.generator, job=DynamicJob.from_request(request, i))
                 )
-                pumps.append(asyncio.create_task(_pump(i, jobs[-1], queue)))
-            while any(not s.done for s in streams):
-                for index, batch in await _drain(queue):
-                    streams[index].add(batch)
-                now = time.monotonic()
-                for stream in streams:
-                    message = stream.take_if_due(now, self.stream_interval_s)
-                    if message is not None:
-                        self._observe(stream, message, start)
-                        yield message
+            batches = _choice_batches(jobs)
+            try:
+                async for items in batches:
+                    for index, batch in items:
+                        streams[index].add(batch)
+                    now = time.monotonic()
+                    for stream in streams:
+                        message = stream.take_if_due(now, self.stream_interval_s)
+                        if message is not None:
+                            self._observe(stream, message, start)
+                            yield message
+                    if all(s.done for s in streams):
+                        break
+            finally:
+                await batches.aclose()
         finally:
-            for pump in pumps:
-                pump.cancel()
             self.requests_active -= 1
             self.requests_served += 1
             for job in jobs:

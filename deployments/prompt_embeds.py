@@ -25,40 +25,43 @@ PARAM = "prompt_embeds"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def embedding_from_body(value: Any, hidden_size: int, dtype: torch.dtype) -> MMEmbedding:
-    """The request's rows as a container in ``dtype``; a 400 naming ``prompt_embeds`` for
-    anything else (not base64, not safetensors, not exactly one tensor, wrong shape or dtype,
-    non-finite values)."""
+def embedding_from_body(
+    value: Any, hidden_size: int, dtype: torch.dtype, param: str = PARAM, what: str | None = None
+) -> MMEmbedding:
+    """The request's rows as a container in ``dtype``; a 400 for anything else (not base64,
+    not safetensors, not exactly one tensor, wrong shape or dtype, non-finite values) naming
+    ``param`` (the body field) and ``what`` (where in it; the field itself by default)."""
+    where = f"'{what or param}'"
+
+    def error(problem: str) -> OpenAIError:
+        return OpenAIError(f"{where} {problem}", param=param)
+
     if not isinstance(value, str) or not value:
-        raise _error("must be a base64 string of a safetensors file")
+        raise error("must be a base64 string of a safetensors file")
     try:
         raw = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise _error("is not valid base64") from None
+        raise error("is not valid base64") from None
     try:
         tensors = load_safetensors(raw)
     except (SafetensorError, ValueError, RuntimeError):
-        raise _error("is not a safetensors file") from None
+        raise error("is not a safetensors file") from None
     if len(tensors) != 1:
-        raise _error(f"must hold exactly one tensor, got {len(tensors)}")
+        raise error(f"must hold exactly one tensor, got {len(tensors)}")
     (rows,) = tensors.values()
     if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] != hidden_size:
-        raise _error(
+        raise error(
             f"must be [num_tokens, {hidden_size}] (the model's hidden size), got {list(rows.shape)}"
         )
     if rows.dtype not in FLOAT_DTYPES:
-        raise _error(f"must be float16, bfloat16 or float32, got {rows.dtype}")
+        raise error(f"must be float16, bfloat16 or float32, got {rows.dtype}")
     if not bool(torch.isfinite(rows).all()):
-        raise _error("holds non-finite values")
+        raise error("holds non-finite values")
     return MMEmbedding(rows.to(dtype).contiguous())
 
 
 def encode_rows(rows: torch.Tensor) -> str:
-    """The ``prompt_embeds`` value for ``rows`` (for clients and tests)."""
+    """The ``prompt_embeds`` value (or a chat ``input_embeds`` part's) for ``rows``."""
     from safetensors.torch import save
 
     return base64.b64encode(save({"prompt_embeds": rows.contiguous()})).decode("ascii")
-
-
-def _error(problem: str) -> OpenAIError:
-    return OpenAIError(f"'prompt_embeds' {problem}", param=PARAM)

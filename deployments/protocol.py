@@ -24,8 +24,12 @@ fields                 only the ones this server honours; an unsupported OpenAI 
 ``stop``               at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_CHARS``
 ``logit_bias``         at most ``MAX_LOGIT_BIAS`` entries, token ids in the vocabulary, [-100, 100]
 ``min_tokens``         0 .. ``MAX_TOKENS_FIELD`` (then capped by ``max_tokens``)
-``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content
+``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content;
+                       content parts: text, and ``input_embeds`` (``deployments.chat_embeds``);
+                       text containing ``<$EMB_`` (embedding aliases) is refused
 ``cache_salt``         a non-empty string of at most ``MAX_CACHE_SALT_CHARS``
+``cfg_scale``          [-10, 10], only with ``negative_prompt`` / ``negative_messages``, not with
+                       logprobs or constrained output (``deployments.guidance``)
 =====================  =======================================================================
 """
 
@@ -69,12 +73,13 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
         "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
-        "logprobs", "response_format",
+        "logprobs", "response_format", "cfg_scale",
     }
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+_CHAT_FIELDS |= {"negative_messages"}
 FIELDS = {
-    False: _COMMON_FIELDS | {"prompt", "prompt_embeds"},
+    False: _COMMON_FIELDS | {"prompt", "prompt_embeds", "negative_prompt"},
     True: _COMMON_FIELDS | _CHAT_FIELDS | {"parallel_tool_calls"},
 }
 # OpenAI features this server does not implement, with the values that ask for nothing.
@@ -164,7 +169,10 @@ class RequestFields:
         max_new_tokens: int,
         page_hashes: list[int],
         embeddings: tuple = (),
+        negative_prompt_ids: list[int] | None = None,
     ) -> GenerationRequest:
+        """The request a replica runs; ``negative_prompt_ids``: CFG's negative prompt (with
+        ``settings.cfg_scale``)."""
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -179,6 +187,7 @@ class RequestFields:
             constraint=self.constraint,
             logprobs=self.logprobs,
             embeddings=embeddings,
+            negative_prompt_ids=None if negative_prompt_ids is None else tuple(negative_prompt_ids),
         )
 
 
@@ -228,7 +237,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+def number_field(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
     """A float field in [low, high]; None when absent (the engine's default applies)."""
     value = body.get(name)
     if value is None:
@@ -306,13 +315,13 @@ def parse_settings(body: dict[str, Any], vocab_size: int) -> SamplerSettings:
     default (OpenAI's defaults are the same neutral ones)."""
     top_k = _int_field(body, "top_k", minimum=-1, maximum=vocab_size)
     values = {
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1e-9, 1.0),
+        "temperature": number_field(body, "temperature", 0.0, 2.0),
+        "top_p": number_field(body, "top_p", 1e-9, 1.0),
         "top_k": 0 if top_k == -1 else top_k,
-        "min_p": _number(body, "min_p", 0.0, 0.999),
-        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.01, 10.0),
+        "min_p": number_field(body, "min_p", 0.0, 0.999),
+        "presence_penalty": number_field(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": number_field(body, "frequency_penalty", -2.0, 2.0),
+        "repetition_penalty": number_field(body, "repetition_penalty", 0.01, 10.0),
         "token_bias": _logit_bias(body, vocab_size) or None,
     }
     return SamplerSettings(**{k: v for k, v in values.items() if v is not None})
@@ -332,6 +341,7 @@ def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
 def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
     """Validate the generation fields shared by both routes."""
     # (imported here: they raise OpenAIError, from this module)
+    from deployments.guidance import check_guided_fields, parse_cfg_scale
     from deployments.logprobs import parse_logprobs
     from deployments.structured import parse_response_format, parse_tools
 
@@ -339,8 +349,10 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
     n = _int_field(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
     if body.get("user") is not None:
         text_value(body["user"], "user", "'user'")
-    return RequestFields(
-        settings=parse_settings(body, vocab_size),
+    settings = parse_settings(body, vocab_size)
+    settings.cfg_scale = parse_cfg_scale(body, chat)
+    fields = RequestFields(
+        settings=settings,
         max_tokens=_max_tokens(body, chat),
         min_tokens=_int_field(body, "min_tokens", minimum=0, maximum=MAX_TOKENS_FIELD) or 0,
         seed=_int_field(body, "seed", *SEED_RANGE),
@@ -353,6 +365,8 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
         logprobs=parse_logprobs(body, chat),
         **_constraint_fields(parse_response_format(body), parse_tools(body, chat)),
     )
+    check_guided_fields(fields, chat)
+    return fields
 
 
 def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:
@@ -378,39 +392,38 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
 # -- chat messages ---------------------------------------------------------------------------
 
 
-def _message_content(content: Any, index: int) -> str | None:
-    param, what = "messages", f"messages[{index}].content"
+def _message_content(content: Any, index: int, param: str) -> str | None:
+    what = f"{param}[{index}].content"
     if content is None or isinstance(content, str):
         return None if content is None else text_value(content, param, what)
-    if isinstance(content, list):  # content parts: only text is supported
+    if isinstance(content, list):  # content parts: text (input_embeds: deployments.chat_embeds)
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(text_value(t, param, what) for t in texts)
     raise OpenAIError(f"{what} must be a string or text parts", param=param)
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
+def parse_messages(messages: Any, param: str = "messages") -> list[dict[str, Any]]:
+    """A conversation as ``{"role", "content"}`` dicts with string contents (``param``: the
+    body field it came from, named in errors)."""
     if not isinstance(messages, list) or not messages:
-        raise OpenAIError("'messages' must be a non-empty list", param="messages")
+        raise OpenAIError(f"'{param}' must be a non-empty list", param=param)
     if len(messages) > MAX_MESSAGES:
-        raise OpenAIError(f"'messages' has more than {MAX_MESSAGES} entries", param="messages")
+        raise OpenAIError(f"'{param}' has more than {MAX_MESSAGES} entries", param=param)
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError(f"messages[{i}] must be an object with a 'role'", param="messages")
+            raise OpenAIError(f"{param}[{i}] must be an object with a 'role'", param=param)
         if message["role"] not in ROLES:
             role = _short(message["role"])
-            raise OpenAIError(
-                f"messages[{i}].role {role} is not one of {sorted(ROLES)}", param="messages"
-            )
+            message_text = f"{param}[{i}].role {role} is not one of {sorted(ROLES)}"
+            raise OpenAIError(message_text, param=param)
         extra = sorted(k for k, v in message.items() if k not in MESSAGE_KEYS and v is not None)
         if extra:
-            message_text = f"messages[{i}].{extra[0]} is not supported by this server"
-            raise OpenAIError(message_text, param="messages")
-        parsed.append(
-            {"role": message["role"], "content": _message_content(message.get("content"), i)}
-        )
+            message_text = f"{param}[{i}].{extra[0]} is not supported by this server"
+            raise OpenAIError(message_text, param=param)
+        content = _message_content(message.get("content"), i, param)
+        parsed.append({"role": message["role"], "content": content})
     return parsed
 
 

@@ -107,8 +107,10 @@ class MMEmbedding:
         )
 
 
-def split_on_aliases(text: str, embeddings: Sequence[MMEmbedding]) -> list[str | MMEmbedding]:
-    """``text`` as text pieces and the containers whose aliases stand between them.
+def find_aliases(
+    text: str, embeddings: Sequence[MMEmbedding]
+) -> list[tuple[int, int, MMEmbedding]]:
+    """(start, end, container) of each alias in ``text``, in order.
 
     ValueError for an alias without its container, a container whose alias is absent, or the
     same container given twice."""
@@ -119,20 +121,28 @@ def split_on_aliases(text: str, embeddings: Sequence[MMEmbedding]) -> list[str |
         if e.text_alias in by_alias:
             raise ValueError(f"embedding {e.text_alias} is given twice")
         by_alias[e.text_alias] = e
-    parts: list[str | MMEmbedding] = []
-    used: set[str] = set()
-    cursor = 0
+    found: list[tuple[int, int, MMEmbedding]] = []
     for match in ALIAS_PATTERN.finditer(text):
         container = by_alias.get(match.group())
         if container is None:
             raise ValueError(f"{match.group()} is in the text but its embedding is not given")
-        parts += [text[cursor : match.start()], container]
-        used.add(match.group())
-        cursor = match.end()
-    parts.append(text[cursor:])
+        found.append((match.start(), match.end(), container))
+    used = {e.text_alias for _, _, e in found}
     missing = [alias for alias in by_alias if alias not in used]
     if missing:
         raise ValueError(f"embeddings {missing} are given but their aliases are not in the text")
+    return found
+
+
+def split_on_aliases(text: str, embeddings: Sequence[MMEmbedding]) -> list[str | MMEmbedding]:
+    """``text`` as text pieces and the containers whose aliases stand between them
+    (ValueError as ``find_aliases``)."""
+    parts: list[str | MMEmbedding] = []
+    cursor = 0
+    for start, end, container in find_aliases(text, embeddings):
+        parts += [text[cursor:start], container]
+        cursor = end
+    parts.append(text[cursor:])
     return [p for p in parts if not isinstance(p, str) or p]
 
 

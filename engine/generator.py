@@ -26,6 +26,7 @@ from engine.embeddings import check_prompt
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
 from engine.sampling import BANNED_ROW, SampleOutput, SamplerSettings, sample
+from engine.sampling_fast import SamplerState
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.speculative import setup as spec_setup
 from engine.speculative.speculator import Speculator, split_logits
@@ -115,6 +116,7 @@ class DynamicGenerator:
         self._tokens_done: set[int] = set()  # serials of deferred jobs already out of the batch
         self._masks = None  # engine.constraints.masks.MaskEngine, built for the first filter
         self._masks_lock = threading.Lock()
+        self._sampler = SamplerState()  # per-row parameters and per-job contexts across steps
         self.runner = ModelRunner(
             model,
             cache.kv,
@@ -161,6 +163,11 @@ class DynamicGenerator:
         if not isinstance(job, DynamicJob):
             raise ValueError(f"enqueue takes a DynamicJob, got {type(job).__name__}")
         rows = [job.input_ids] + ([job.cfg_input_ids] if job.cfg_input_ids else [])
+        if len(rows) > self.max_batch_size:  # the pair is admitted together or never
+            raise ValueError(
+                f"a CFG job runs two sequences at once; this generator's max_batch_size is "
+                f"{self.max_batch_size}"
+            )
         for ids in rows:  # a CFG job: both prompts
             total = len(ids) + job.max_new_tokens
             if total > self.max_seq_len:
@@ -302,7 +309,7 @@ class DynamicGenerator:
     def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:
         try:
             requests = [job.sample_request() for job in jobs]
-            out = sample(logits, requests, self.tokenizer.vocab_size, token_mask=token_mask)
+            out = self._sampler.sample(logits, requests, self.tokenizer.vocab_size, token_mask)
         except Exception:  # one row's data or settings: find it, sample the others alone
             logger.warning("batched sampling failed; sampling row by row", exc_info=True)
             return self._sample_row_by_row(jobs, logits, token_mask)

@@ -145,16 +145,21 @@ class DynamicGeneratorAsync:
         return [seq.owner for seq in self.generator.scheduler.running]
 
     def _deliver(self, results: list[dict[str, Any]]) -> None:
+        """Hand a step's results to their jobs: one wake-up per event loop per step (not one per
+        result: with 64 streams that is 64 self-pipe writes a step, all holding the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DynamicJobAsync, Any]]] = {}
         for result in results:
             async_job = self._jobs.get(result["serial"])
             if async_job is None:
                 continue
+            item: Any = result
             if result["eos"]:
                 del self._jobs[result["serial"]]
                 if result["eos_reason"] == "error":  # the job failed alone: its consumer raises
-                    async_job.deliver(result["error"])
-                    continue
-            async_job.deliver(result)
+                    item = result["error"]
+            by_loop.setdefault(async_job.loop, []).append((async_job, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail(self, jobs: list[DynamicJob], error: Exception) -> None:
         for job in {id(j): j for j in jobs}.values():
@@ -212,6 +217,12 @@ class _View:
     period_s: float
     value: Any = None
     updated: float = -math.inf
+
+
+def _put_all(items: list[tuple[DynamicJobAsync, Any]]) -> None:
+    """On a job's loop: queue each job's result (or error), in step order."""
+    for job, item in items:
+        job.queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -151,7 +151,7 @@ class DynamicJob:
             options.setdefault("filters", [Filter.from_spec(request.constraint)])
         eos = [MODEL_EOS] if request.stop_on_eos else []
         return cls(
-            list(request.prompt_ids),
+            request.input_ids,
             request.max_new_tokens,
             min_new_tokens=request.min_new_tokens,
             stop_conditions=[*eos, *request.stop_strings],
@@ -228,6 +228,7 @@ class DynamicJob:
             top_k_return=self.return_top_tokens,
             return_probs=self.return_probs,
             logprobs=self.return_logprobs,
+            key=None if ahead else self.serial,  # drafts ahead: a context of this call only
         )
 
     # -- results -------------------------------------------------------------------------------

@@ -111,6 +111,9 @@ class GenerationRequest:
     log-probability and the k most likely alternatives. ``embeddings``: the per-job embedding
     containers (``engine.embeddings.MMEmbedding``) whose placeholder ids ``prompt_ids`` holds;
     ``page_hashes`` must be computed with them (``prefix_hashes(..., embeddings=...)``).
+    ``negative_prompt_ids``: classifier-free guidance's negative prompt, given exactly when
+    ``settings.cfg_scale`` is (each choice is a ``[positive, negative]`` job, ``engine.cfg``);
+    ``embeddings`` covers its placeholders too, ``page_hashes`` only the positive prompt's.
     """
 
     prompt_ids: tuple[int, ...]
@@ -127,6 +130,7 @@ class GenerationRequest:
     constraint: ConstraintSpec | None = None
     logprobs: int | None = None
     embeddings: tuple[EmbeddingSpan, ...] = ()
+    negative_prompt_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
@@ -134,6 +138,7 @@ class GenerationRequest:
         object.__setattr__(self, "stop_strings", _stop_strings(self.stop_strings))
         object.__setattr__(self, "page_hashes", tuple(self.page_hashes))
         object.__setattr__(self, "embeddings", _embeddings(self.embeddings))
+        object.__setattr__(self, "negative_prompt_ids", self._negative_prompt())
         _require_int(self.max_new_tokens, "max_new_tokens", 1)
         _require_int(self.min_new_tokens, "min_new_tokens", 0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -147,8 +152,6 @@ class GenerationRequest:
             _require_int(self.seed, "seed", None)
         if not isinstance(self.settings, SamplerSettings):
             raise ValueError(f"settings must be a SamplerSettings, got {self.settings!r}")
-        if self.settings.cfg_scale is not None:  # one prompt here; CFG takes two (engine.cfg)
-            raise ValueError("cfg_scale needs a [positive, negative] DynamicJob, not a request")
         if not isinstance(self.stop_on_eos, bool):
             raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -161,6 +164,24 @@ class GenerationRequest:
             _require_int(self.logprobs, "logprobs", 0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+
+    def _negative_prompt(self) -> tuple[int, ...] | None:
+        """The negative prompt as a tuple, checked to come with ``cfg_scale`` (engine.cfg)."""
+        negative = self.negative_prompt_ids
+        scale = getattr(self.settings, "cfg_scale", None)  # settings are checked below
+        if (scale is None) != (negative is None):
+            raise ValueError(
+                "settings.cfg_scale and negative_prompt_ids go together, got "
+                f"cfg_scale={scale!r} and {'no' if negative is None else 'a'} negative prompt"
+            )
+        return None if negative is None else _token_ids(negative, "negative_prompt_ids")
+
+    @property
+    def input_ids(self) -> list[int] | list[list[int]]:
+        """A job's ``input_ids``: the prompt, or ``[positive, negative]`` under CFG."""
+        if self.negative_prompt_ids is None:
+            return list(self.prompt_ids)
+        return [list(self.prompt_ids), list(self.negative_prompt_ids)]
 
     def choice_seed(self, choice: int) -> int | None:
         return None if self.seed is None else self.seed + choice
@@ -176,14 +197,14 @@ def _require_int(value: object, name: str, minimum: int | None) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _token_ids(ids: Sequence[int]) -> tuple[int, ...]:
+def _token_ids(ids: Sequence[int], name: str = "prompt_ids") -> tuple[int, ...]:
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
-        raise ValueError(f"prompt_ids must be a sequence of token ids, got {type(ids).__name__}")
+        raise ValueError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
     if not ids:
-        raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        raise ValueError(f"{name} is empty: a request needs at least one prompt token")
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"prompt_ids holds {token!r}, not a token id")
+            raise ValueError(f"{name} holds {token!r}, not a token id")
     return tuple(ids)
 
 

@@ -55,6 +55,9 @@ class SampleRequest:
     top_k_return: int = 0  # how many top tokens (and probs) to return
     return_probs: bool = False  # return the chosen token's probability
     logprobs: int | None = None  # k: model logprob of the chosen token and the top k
+    # identifies the job across steps (its context only grows or loses a suffix between
+    # two of its requests with a key): lets a SamplerState keep per-job state; None: none
+    key: int | None = None
 
 
 @dataclass(slots=True)

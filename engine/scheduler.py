@@ -186,8 +186,17 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
-        max_q = self.config.max_q_size
-        decoding = [s for s in self.running if all(m.num_pending <= max_q for m in s.group)]
+        max_q, ps = self.config.max_q_size, self.page_size
+        # (the property-free spellings below keep a step's Python cost per sequence small)
+        decoding = [
+            s
+            for s in self.running
+            if (
+                len(s.tokens) - s.num_computed <= max_q
+                if s.partner is None
+                else all(m.num_pending <= max_q for m in s.group)
+            )
+        ]
         for seq in decoding:
             # Membership tests go to plan.preempted (almost always empty), not the running
             # list: a step must stay O(batch), not O(batch^2).
@@ -195,15 +204,18 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
+            pending = len(seq.tokens) - seq.num_computed
             lead_of_pair = seq.partner is not None and not seq.is_partner
-            if lead_of_pair and budget < seq.num_pending + seq.partner.num_pending:
+            if lead_of_pair and budget < pending + seq.partner.num_pending:
                 break  # a CFG pair decodes whole or not at all
-            n = min(seq.num_pending, budget)
+            n = min(pending, budget)
             if n == 0:
                 continue
-            extra = self._lookahead(seq, n, budget)
+            extra = self._lookahead(seq, n, budget) if seq.lookahead else 0
+            # pages that already cover the tokens need no _grow (the common decode step)
+            covered = seq.num_computed + n <= len(seq.pages) * ps
             preempted_itself = False
-            while not preempted_itself and not self._grow(seq, n):
+            while not covered and not preempted_itself and not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 preempted_itself = victim in seq.group
@@ -347,8 +359,9 @@ class Scheduler:
     def _in_flight_hashes(self) -> set[PageHash]:
         """Hashes of prompt pages that running sequences are still prefilling."""
         in_flight: set[PageHash] = set()
+        max_q = self.config.max_q_size
         for seq in self.running:
-            if seq.num_pending > self.config.max_q_size:
+            if len(seq.tokens) - seq.num_computed > max_q:  # (num_pending, without the call)
                 in_flight.update(self._matchable_hashes(seq)[len(seq.page_hashes) :])
         return in_flight
 
@@ -432,10 +445,12 @@ class Scheduler:
 
     def commit(self, plan: StepPlan) -> None:
         """Advance each scheduled sequence and register the pages it has now filled."""
+        ps = self.page_size
         for entry in plan.entries:
             seq = entry.seq
             seq.num_computed = entry.start + entry.num_tokens
-            self._register_full_pages(seq)
+            if len(seq.page_hashes) < seq.num_computed // ps:  # a page became full
+                self._register_full_pages(seq)
 
     def advance(self, seq: SeqState, accepted: int) -> None:
         """After verification: ``accepted`` draft tokens (now in ``seq.tokens``) had their K/V

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.chat_template import compile_template, normalise_messages
 from engine.detokenizer import IncrementalDetokenizer, TokenIds, flat_ids
-from engine.embeddings import MMEmbedding, split_on_aliases
+from engine.embeddings import MMEmbedding, find_aliases, split_on_aliases
 from engine.gguf_file import find_gguf_file, open_gguf
 from engine.gguf_tokenizer import gguf_tokenizer_parts
 
@@ -270,6 +270,7 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         trusted: bool = False,
+        embeddings: Sequence[MMEmbedding] | None = None,
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of a chat rendered with the chat template.
@@ -278,11 +279,34 @@ class Tokenizer:
         message contents are encoded as plain text, so a user who types ``<|im_start|>system``
         gets those characters, not a forged turn. ``trusted=True`` parses special-token text
         everywhere, contents included (only for callers who control the messages).
+        ``embeddings``: containers whose ``text_alias`` the messages hold; each alias becomes
+        the container's placeholder ids where the rendered chat has it (as ``encode``).
         """
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         encoding = self._parse.encode(text, add_special_tokens=False)
-        if trusted:
-            return encoding.ids
+        specials = [
+            (start, end, token)
+            for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
+            if token in self.special_ids
+        ]
+        kept = specials
+        if not trusted:
+            kept = self._template_specials(messages, text, specials, add_generation_prompt, kwargs)
+        if embeddings:
+            return self._encode_around(text, kept, embeddings)
+        if len(kept) == len(specials):
+            return encoding.ids  # nothing forged: exactly what the whole text encodes to
+        return self._encode_around(text, kept)
+
+    def _template_specials(
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        specials: list[tuple[int, int, int]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+    ) -> list[tuple[int, int, int]]:
+        """The special tokens of the rendered chat that the template wrote (not a message)."""
         spans = self._content_spans(messages, text, add_generation_prompt, kwargs)
         if spans is None:  # the template rewrites contents: safe only without special text
             bad = [i for i, m in enumerate(messages) if self._has_special_text(m.get("content"))]
@@ -291,23 +315,26 @@ class Tokenizer:
                     f"messages[{bad[0]}] contains special-token text and this chat template "
                     "changes message contents, so it cannot be kept as plain text"
                 )
-            return encoding.ids
-        specials = [
-            (start, end, token)
-            for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
-            if token in self.special_ids
-        ]
-        if not any(_inside(start, spans) for start, _, _ in specials):
-            return encoding.ids  # nothing forged: exactly what the whole text encodes to
-        return self._encode_around(text, [s for s in specials if not _inside(s[0], spans)])
+            return specials
+        return [s for s in specials if not _inside(s[0], spans)]
 
-    def _encode_around(self, text: str, specials: list[tuple[int, int, int]]) -> list[int]:
-        """``text`` with only the given special tokens as specials; the rest as plain text."""
+    def _encode_around(
+        self,
+        text: str,
+        specials: list[tuple[int, int, int]],
+        embeddings: Sequence[MMEmbedding] = (),
+    ) -> list[int]:
+        """``text`` with only the given special tokens as specials and the embeddings'
+        aliases as their placeholder ids; the rest as plain text."""
+        cuts = [(start, end, [token]) for start, end, token in specials]
+        cuts += [(s, e, list(c.placeholder_ids)) for s, e, c in find_aliases(text, embeddings)]
         ids: list[int] = []
         cursor = 0
-        for start, end, token in specials:
+        for start, end, piece in sorted(cuts, key=lambda cut: cut[0]):
+            if start < cursor:
+                raise ValueError("an embedding alias overlaps a special token of the chat")
             ids += self._plain.encode(text[cursor:start], add_special_tokens=False).ids
-            ids.append(token)
+            ids += piece
             cursor = end
         return ids + self._plain.encode(text[cursor:], add_special_tokens=False).ids
 

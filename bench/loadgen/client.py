@@ -70,6 +70,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    text: str = ""  # the content of choice 0 (to compare two servers' outputs)
 
     @property
     def ttft_s(self) -> float | None:
@@ -103,6 +104,13 @@ def _has_content(event: dict[str, Any]) -> bool:
         if choice.get("text") or (choice.get("delta") or {}).get("content"):
             return True
     return False
+
+
+def _content(event: dict[str, Any]) -> str:
+    for choice in event.get("choices") or ():
+        if choice.get("index", 0) == 0:
+            return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return ""
 
 
 def _event(line: bytes) -> dict[str, Any] | str | None:
@@ -139,6 +147,7 @@ async def _read_stream(
             stream.usage = event["usage"]
         if _has_content(event):
             result.chunk_s.append(time.perf_counter() - sent)
+            result.text += _content(event)
             if request.disconnect_after is not None and (
                 len(result.chunk_s) >= request.disconnect_after
             ):

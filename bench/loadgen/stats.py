@@ -54,7 +54,8 @@ class Summary:
         return asdict(self)
 
 
-def _tpot(result: RequestResult) -> float | None:
+def tpot(result: RequestResult) -> float | None:
+    """Time per output token after the first (an ``ok`` request with >= 2 tokens)."""
     tokens = result.completion_tokens or 0
     if result.outcome != "ok" or tokens < 2 or len(result.chunk_s) < 2:
         return None
@@ -72,7 +73,7 @@ def summarize(results: Sequence[RequestResult], seconds: float) -> Summary:
     cached = sum(r.cached_tokens or 0 for r in ok)
     ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
     itls = [gap for r in seen for gap in r.itl_s]
-    tpots = [t for t in map(_tpot, ok) if t is not None]
+    tpots = [t for t in map(tpot, ok) if t is not None]
     return Summary(
         requests=len(results),
         ok=len(ok),

@@ -4,6 +4,7 @@ The generator hands it the scheduler's plan and gets logits back; everything bet
 
     StepPlan entries -> SequenceInput rows -> decode step through the CUDA graphs (DecodeGraphs)
                                            -> or a ForwardBatch and an eager forward
+    StepPlan entries -> PersistentBatch (block tables kept across steps) -> an eager forward
 
 plus the op set the forward runs with and the kernels' warm-up. Nothing here knows which op
 set it runs: it asks the set's capabilities (``compiles``, ``supports_graphs``).
@@ -26,11 +27,13 @@ from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.kv_cache import KVPages, kv_format
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.ops import OpSet
+from engine.persistent_batch import PersistentBatch
 from engine.scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
 
 GRAPHS_ENV = "ENGINE_CUDA_GRAPHS"
+PERSISTENT_BATCH_ENV = "ENGINE_PERSISTENT_BATCH"
 
 
 class ModelRunner:
@@ -46,7 +49,11 @@ class ModelRunner:
         max_seq_len: int,
         ops: OpSet | None = None,
         cuda_graphs: bool | None = None,
+        persistent_batch: bool | None = None,
     ):
+        """``persistent_batch``: eager forwards of scheduler plans get their batch from a
+        ``PersistentBatch`` (None: unless ``ENGINE_PERSISTENT_BATCH=0``); False rebuilds it
+        from ``SequenceInput`` rows each step (the reference path)."""
         self.model = model
         self.kv_pages = kv_pages
         self.page_size = page_size
@@ -55,6 +62,11 @@ class ModelRunner:
         if self.ops.compiles and self.device.type == "cuda":
             self.warm_up()
         self.decode_graphs = self._make_decode_graphs(cuda_graphs, max_batch_size, max_seq_len)
+        if persistent_batch is None:
+            persistent_batch = os.environ.get(PERSISTENT_BATCH_ENV, "1").strip() != "0"
+        self.persistent_batch = (
+            PersistentBatch(page_size, self.device) if persistent_batch else None
+        )
 
     def _make_decode_graphs(
         self, wanted: bool | None, max_batch_size: int, max_seq_len: int
@@ -87,7 +99,13 @@ class ModelRunner:
 
     def forward_plan(self, plan: StepPlan) -> torch.Tensor:
         """The forward of one scheduler step: logits of the entries that want them, in order."""
-        return self.forward(plan_rows(plan))
+        if self.persistent_batch is None:
+            return self.forward(plan_rows(plan))
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.try_run(plan_rows(plan))
+            if logits is not None:
+                return logits
+        return self.forward_batch(self.persistent_batch.build(plan))
 
     def forward(self, rows: Sequence[SequenceInput]) -> torch.Tensor:
         """Float32 logits [sum of logits_rows, vocab]: each row's trailing ``logits_rows``

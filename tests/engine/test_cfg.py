@@ -148,8 +148,14 @@ def test_validation(tiny):
         _job([pos, neg, pos], _settings(1.5))
     with pytest.raises(ValueError, match="cfg_scale"):
         SamplerSettings(cfg_scale=math.nan)
-    with pytest.raises(ValueError, match="cfg_scale needs a"):
+    with pytest.raises(ValueError, match="go together"):
         GenerationRequest(tuple(pos), 4, settings=_settings(1.5))
+    with pytest.raises(ValueError, match="go together"):
+        GenerationRequest(tuple(pos), 4, settings=_settings(), negative_prompt_ids=tuple(neg))
+    with pytest.raises(ValueError, match="negative_prompt_ids is empty"):
+        GenerationRequest(tuple(pos), 4, settings=_settings(1.5), negative_prompt_ids=())
+    with pytest.raises(ValueError, match="max_batch_size is 1"):
+        tiny.generator(page_size=PAGE, max_batch_size=1).enqueue(_job([pos, neg], _settings(1)))
     generator = tiny.generator(page_size=PAGE, max_seq_len=len(pos) + 4)
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         generator.enqueue(_job([neg, pos], _settings(1.5), n=6))  # the negative is too long
@@ -159,3 +165,24 @@ def test_validation(tiny):
         small = tiny.generator(max_num_tokens=12 * PAGE, page_size=PAGE)
         small.enqueue(_job([pos, neg], _settings(1.5), n=12))  # each row fits, both do not
     assert_no_pages_in_use(generator)
+
+
+def test_a_request_with_a_negative_prompt_is_a_cfg_job_per_choice(tiny):
+    """``GenerationRequest.negative_prompt_ids`` (the HTTP ``negative_prompt``): each choice is
+    a [positive, negative] job, token for token the library's own pair."""
+    pos, neg = _pair(tiny)
+    request = GenerationRequest(
+        tuple(pos),
+        6,
+        settings=_settings(2.0),
+        n=2,
+        seed=1,
+        stop_on_eos=False,
+        negative_prompt_ids=tuple(neg),
+    )
+    jobs = [DynamicJob.from_request(request, i) for i in range(2)]
+    assert all(j.input_ids == pos and j.cfg_input_ids == neg for j in jobs)
+    generator = tiny.generator(page_size=PAGE)
+    library = _job([pos, neg], _settings(2.0), n=6, seed=1)
+    _run(generator, [*jobs, library])
+    assert jobs[0].new_token_ids == jobs[1].new_token_ids == library.new_token_ids

@@ -424,39 +424,52 @@ def test_health_answers_while_big_prompts_are_refused(base_url: str) -> None:
     assert answered >= 1
 
 
-def test_prompt_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI) -> None:
-    """The same rows through HTTP (``prompt_embeds``) and through the library's job API give the
-    same greedy completion; the second request reuses the first one's pages (content hashes)."""
-    import torch
-
+@pytest.fixture(scope="module")
+def library(base_url: str):
+    """The replicas' demo model in this process, to compare served output with the library's
+    (``base_url`` first: it sets the cache folder the demo model is built in)."""
     from deployments.preset import Preset
-    from deployments.prompt_embeds import encode_rows
-    from engine import (
-        DynamicGenerator,
-        DynamicJob,
-        MMEmbedding,
-        Model,
-        PagedCache,
-        SamplerSettings,
-        Tokenizer,
-    )
+    from engine import DynamicGenerator, Model, PagedCache, Tokenizer
 
-    path = Preset.load("configs/demo.yaml").model.resolve_path()  # the replicas' demo model
+    path = Preset.load("configs/demo.yaml").model.resolve_path()
     model = Model.from_pretrained(path, device="cpu", dtype="float32")
     tokenizer = Tokenizer.from_pretrained(path)
-    rows = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    embedding = MMEmbedding(rows.to(model.dtype), model=model)
-    generator = DynamicGenerator(model, PagedCache(model, 1024), tokenizer)
+    return model, tokenizer, DynamicGenerator(model, PagedCache(model, 1024), tokenizer)
+
+
+def _library_greedy(library, input_ids: list[int], max_new_tokens: int, embeddings=()) -> str:
+    from engine import DynamicJob, SamplerSettings
+
+    generator = library[2]
     job = DynamicJob(
-        list(embedding.placeholder_ids),
-        8,
+        input_ids,
+        max_new_tokens,
         stop_conditions=[],
         gen_settings=SamplerSettings.greedy(),
-        embeddings=[embedding],
+        embeddings=list(embeddings),
     )
     generator.enqueue(job)
     while generator.num_remaining_jobs():
         generator.iterate()
+    return job.full_completion
+
+
+def _random_rows(hidden_size: int, n: int, seed: int):
+    import torch
+
+    return torch.randn(n, hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def test_prompt_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI, library) -> None:
+    """The same rows through HTTP (``prompt_embeds``) and through the library's job API give the
+    same greedy completion; the second request reuses the first one's pages (content hashes)."""
+    from deployments.prompt_embeds import encode_rows
+    from engine import MMEmbedding
+
+    model = library[0]
+    rows = _random_rows(model.config.hidden_size, 40, seed=3)
+    embedding = MMEmbedding(rows.to(model.dtype), model=model)
+    expected = _library_greedy(library, list(embedding.placeholder_ids), 8, [embedding])
     body = {"prompt_embeds": encode_rows(rows), "ignore_eos": True}
     served = [
         client.completions.create(
@@ -464,7 +477,59 @@ def test_prompt_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI) ->
         )
         for _ in range(2)
     ]
-    assert served[0].choices[0].text == job.full_completion
-    assert served[1].choices[0].text == job.full_completion
+    assert served[0].choices[0].text == expected
+    assert served[1].choices[0].text == expected
     assert served[1].usage.prompt_tokens == 40
     assert served[1].usage.prompt_tokens_details.cached_tokens == 32  # two full pages of 16
+
+
+def test_chat_input_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI, library) -> None:
+    """An ``input_embeds`` content part gives the library's greedy text for the same rows at
+    the same place of the same rendered chat; other rows under the same text give other text."""
+    from deployments.prompt_embeds import encode_rows
+    from engine import MMEmbedding
+
+    model, tokenizer, _ = library
+    texts = []
+    for seed in (5, 6):
+        rows = _random_rows(model.config.hidden_size, 24, seed)
+        embedding = MMEmbedding(rows.to(model.dtype), model=model)
+        chat = [{"role": "user", "content": f"Describe {embedding.text_alias} in a word."}]
+        ids = tokenizer.encode_chat(chat, embeddings=[embedding])
+        expected = _library_greedy(library, ids, 8, [embedding])
+        content = [
+            {"type": "text", "text": "Describe "},
+            {"type": "input_embeds", "input_embeds": encode_rows(rows)},
+            {"type": "text", "text": " in a word."},
+        ]
+        served = client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert served.choices[0].message.content == expected
+        assert served.usage.prompt_tokens == len(ids)
+        texts.append(expected)
+    assert texts[0] != texts[1]
+
+
+def test_cfg_scale_one_is_the_plain_request(client: openai.OpenAI) -> None:
+    """Classifier-free guidance at ``cfg_scale=1`` samples the positive prompt alone: the same
+    greedy text as the plain request, on both routes; half a pair is a 400."""
+    completion = {"model": "demo", "prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+    plain = client.completions.create(**completion, extra_body={"ignore_eos": True})
+    guidance = {"ignore_eos": True, "cfg_scale": 1.0, "negative_prompt": "The end"}
+    guided = client.completions.create(**completion, extra_body=guidance)
+    assert guided.choices[0].text == plain.choices[0].text
+    kwargs = {"model": "demo", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    plain_chat = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    negative = [{"role": "user", "content": "Say nothing."}]
+    guided_chat = client.chat.completions.create(
+        **kwargs, extra_body={"ignore_eos": True, "cfg_scale": 1.0, "negative_messages": negative}
+    )
+    assert guided_chat.choices[0].message.content == plain_chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**kwargs, extra_body={"cfg_scale": 2.0})
+    assert caught.value.body["param"] == "cfg_scale"

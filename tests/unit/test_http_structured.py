@@ -293,16 +293,6 @@ def test_several_tools_stream_the_call_whole_and_a_cut_call_is_text() -> None:
 # -- the prompt builder and the batch job ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory):
-    from deployments.ingress import PromptBuilder
-    from deployments.preset import Preset
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("pagedserve-cache")))
-        yield PromptBuilder(Preset.load("configs/demo.yaml"))
-
-
 TOOL_TEMPLATE = (
     "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"

@@ -16,16 +16,6 @@ from deployments.protocol import OpenAIError
 from engine.cache.prefix_hash import prefix_hashes
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory):
-    from deployments.ingress import PromptBuilder
-    from deployments.preset import Preset
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("pagedserve-cache")))
-        yield PromptBuilder(Preset.load("configs/demo.yaml"))
-
-
 def _rows(builder, n: int = 20, seed: int = 0, dtype=torch.float16) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(n, builder.config.hidden_size, generator=generator).to(dtype)

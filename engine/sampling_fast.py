@@ -1,0 +1,345 @@
+"""The generator's sampler: ``engine.sampling.sample`` without a pass over the vocabulary
+beyond one read of the logits, with per-row parameters kept across steps.
+
+``SamplerState.sample`` returns what ``engine.sampling.sample`` (the reference) returns, with
+the same random draws; the work differs:
+
+- Penalties, biases and bans are written into the logits in place at the positions they
+  change (``engine.sampling_penalties``) and put back afterwards: no [B, V] copy.
+- Greedy tokens come from block maxima (``engine.sampling_candidates``): no ``max`` with
+  indices over the vocabulary, no probabilities.
+- Sampled rows with a top_k (2 .. ``MAX_FAST_TOP_K``) run temperature, top-k, top-p, min-p
+  and the inverse-CDF draw over their ``max(top_k) + 1`` largest logits only (found through
+  block maxima, no ``topk`` over the vocabulary); the softmax over the whole row is never
+  computed, since truncating to those candidates and renormalising makes it cancel out.
+  Rows with a top_p but no top_k start from ``TOP_P_CANDIDATES`` candidates, widened x4
+  while their cut lies past them; their top-p needs the whole row's mass: one dense
+  ``exp`` pass over those rows only.
+- Per-row parameter tensors (temperature, top-k, top-p, min-p, penalties) are built once
+  per batch composition and settings values (``RowParams``), not every step.
+
+Where the results can differ from the reference (the same candidates in the same order,
+the same draws, the same float32 operations per candidate otherwise):
+
+- the reference's probabilities are ``softmax`` over the whole row, scaled by ``1 / sum``
+  of every ``exp``; here they are ``exp(l / T - max)`` over the candidates, normalised by
+  their own sum. Mathematically the same distribution; in float32 a value may differ in the
+  last bits, so a token differs only when a draw (or a top-p / min-p cut) lands within that
+  rounding of a boundary: for one draw, a chance of about 1e-7.
+- two different logits whose probabilities round to the same float32 count as a tie in the
+  reference's top-k and as distinct here (the same holds for min-p's threshold, compared
+  with unnormalised values here).
+Greedy tokens, penalties, biases, bans, the random draws and which tokens are candidates are
+bit-identical; so is every result the reference produces for the cases below.
+
+Small all-greedy batches without penalties (fewer than ``MIN_BLOCK_ROWS`` rows) use the
+reference as it is: its one whole-row ``max`` costs less than more, smaller calls there.
+
+Everything else goes to the reference, unchanged: batches with a sampled row with neither
+top_k nor top_p (its whole row is the distribution), a top_k above ``MAX_FAST_TOP_K``
+(or at least the vocabulary), typical sampling,
+``return_probs`` or ``top_k_return``, rows with NaN or with every token banned, and rows
+whose ties at the k-th candidate reach past the candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+import torch
+
+from engine.sampling import (
+    TOP_P_CANDIDATES,
+    SampleOutput,
+    SampleRequest,
+    _add_logprobs,
+    _apply_bias_and_bans,
+    _inverse_cdf,
+    _top_p_cut,
+    sample,
+)
+from engine.sampling_candidates import Blocks
+from engine.sampling_penalties import (
+    ContextCounts,
+    LogitEdits,
+    PenaltyRows,
+    apply_sparse_penalties,
+)
+
+MAX_FAST_TOP_K = 1024  # larger top_k go to the reference (the candidate set stops paying)
+MIN_BLOCK_ROWS = 16  # block maxima for batches of at least this many rows
+_SETTINGS_KEY = attrgetter(
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_range",
+)
+
+
+@dataclass(slots=True)
+class RowParams:
+    """Per-row sampling parameters of one batch, as tensors on the logits' device."""
+
+    key: tuple  # (device, every row's settings values): a change rebuilds
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    fast: bool  # every sampled row is one the candidate path handles
+    temps: torch.Tensor  # [B, 1] float32: the temperature, 1.0 for greedy rows
+    top_k: torch.Tensor  # [B, 1] long, 1 for greedy rows and rows without a top_k
+    max_top_k: int  # over the sampled rows
+    # sampled rows without a top_k (their top_p < 1): [B, 1] bool and their indices
+    unbounded: torch.Tensor
+    unbounded_rows: list[int]
+    top_p: torch.Tensor | None  # [B, 1] float32; None when every row has 1.0
+    min_p: torch.Tensor | None  # [B, 1] float32; None when every row has 0
+    penalised: list[int]  # rows with penalties
+    penalties: torch.Tensor  # [rows with penalties, 3]: repetition, frequency, presence
+
+    @classmethod
+    def build(cls, key: tuple, requests: Sequence[SampleRequest], device) -> RowParams:
+        settings = [r.settings for r in requests]
+        greedy = [s.is_greedy for s in settings]
+        sampled = [s for s, g in zip(settings, greedy, strict=True) if not g]
+        fast = all(
+            (2 <= s.top_k <= MAX_FAST_TOP_K or (s.top_k == 0 and s.top_p < 1.0))
+            and s.typical >= 1.0
+            for s in sampled
+        )
+        unbounded = [not g and s.top_k == 0 for s, g in zip(settings, greedy, strict=True)]
+        penalised = [i for i, s in enumerate(settings) if s.has_penalties]
+        top_p = [s.top_p for s in settings]
+        min_p = [s.min_p for s in settings]
+        return cls(
+            key=key,
+            greedy=torch.tensor(greedy, device=device),
+            all_greedy=all(greedy),
+            fast=fast,
+            # as the reference: float32 tensors from the Python floats
+            temps=torch.tensor(
+                [1.0 if g else s.temperature for s, g in zip(settings, greedy, strict=True)],
+                device=device,
+            )[:, None],
+            top_k=torch.tensor(
+                [1 if g or not s.top_k else s.top_k for s, g in zip(settings, greedy, strict=True)],
+                device=device,
+            )[:, None],
+            max_top_k=max((s.top_k for s in sampled), default=1),
+            unbounded=torch.tensor(unbounded, device=device)[:, None],
+            unbounded_rows=[i for i, u in enumerate(unbounded) if u],
+            top_p=torch.tensor(top_p, device=device)[:, None] if min(top_p) < 1.0 else None,
+            min_p=torch.tensor(min_p, device=device)[:, None] if max(min_p) > 0 else None,
+            penalised=penalised,
+            penalties=torch.tensor(
+                [
+                    [s.repetition_penalty, s.frequency_penalty, s.presence_penalty]
+                    for s in (settings[i] for i in penalised)
+                ],
+                device=device,
+            ).reshape(-1, 3),
+        )
+
+
+class SamplerState:
+    """Sampling for one generator across steps: cached ``RowParams``, each job's
+    ``ContextCounts`` (keyed by ``SampleRequest.key``)."""
+
+    def __init__(self) -> None:
+        self._params: RowParams | None = None
+        self._contexts: dict[int, ContextCounts] = {}
+        self.fast_calls = 0  # calls served by the candidate path (the rest: the reference)
+        self.reference_calls = 0
+
+    def params(self, requests: Sequence[SampleRequest], device) -> RowParams:
+        # keyed by value: settings objects are mutable, their identity proves nothing
+        key = (str(device), tuple(_SETTINGS_KEY(r.settings) for r in requests))
+        if self._params is None or self._params.key != key:
+            self._params = RowParams.build(key, requests, device)
+        return self._params
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SampleRequest],
+        vocab_limit: int | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> SampleOutput:
+        """``engine.sampling.sample`` (same arguments, same output), faster (see above)."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        params = self.params(requests, logits.device)
+        extras = any(r.return_probs or r.top_k_return for r in requests)
+        # a few greedy rows without penalties: the reference is already one whole-row op
+        small_greedy = params.all_greedy and not params.penalised and len(requests) < MIN_BLOCK_ROWS
+        out = None
+        if params.fast and not extras and not small_greedy:
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                out = self._sample_fast(logits, requests, vocab_limit, token_mask, params)
+        if out is None:  # a case for the reference (nothing was drawn yet)
+            self.reference_calls += 1
+            return sample(logits, requests, vocab_limit, token_mask)
+        self.fast_calls += 1
+        self._forget_others(requests)
+        return out
+
+    def _sample_fast(self, logits, requests, vocab_limit, token_mask, params: RowParams):
+        raw = logits.float()
+        if not raw.is_contiguous():
+            raw = raw.contiguous()
+        limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
+        edits = LogitEdits(raw.view(-1))
+        try:
+            self._edit(raw, edits, requests, params)
+            x = raw if token_mask is None else raw + token_mask[:, : raw.shape[1]]
+            tokens = _choose(x, limit, params, requests)
+        finally:
+            edits.restore()
+        if tokens is None:
+            return None
+        out = SampleOutput(tokens=tokens.tolist())
+        if any(r.logprobs is not None for r in requests):
+            _add_logprobs(out, raw, tokens, requests, limit)
+        return out
+
+    def _edit(self, raw, edits: LogitEdits, requests, params: RowParams) -> None:
+        """Penalties, then biases and bans (the reference's order), in place."""
+        vocab = raw.shape[1]
+        # (row, its index among the penalised rows) for rows with a context to look at
+        rows = [(i, j) for j, i in enumerate(params.penalised) if requests[i].context]
+        if rows:
+            windows = [self._window(requests[i], vocab) for i, _ in rows]
+            pairs = PenaltyRows.gather([i for i, _ in rows], windows, vocab, raw.device)
+            values = edits.save(pairs.keys)
+            penalties = params.penalties
+            if len(rows) < len(params.penalised):
+                penalties = penalties[[j for _, j in rows]]
+            apply_sparse_penalties(edits.flat, pairs, penalties, values)
+        touched = [
+            i * vocab + t % vocab
+            for i, r in enumerate(requests)
+            for t in (*r.settings.token_bias, *r.banned_tokens)
+            if -vocab <= t < vocab
+        ]
+        if touched:
+            edits.save(torch.tensor(touched, device=raw.device))
+            _apply_bias_and_bans(raw, requests)
+
+    def _window(self, request: SampleRequest, vocab: int) -> ContextCounts:
+        if request.key is None:  # no job to keep it for: count this context once
+            counts = ContextCounts()
+        else:
+            counts = self._contexts.get(request.key)
+            if counts is None:
+                counts = self._contexts[request.key] = ContextCounts()
+        counts.sync(request.context, vocab, request.settings.penalty_range)
+        return counts
+
+    def _forget_others(self, requests: Sequence[SampleRequest]) -> None:
+        """Drop the context counts of jobs long gone (a job absent for one step keeps its)."""
+        if len(self._contexts) > 2 * len(requests) + 16:
+            live = {r.key for r in requests}
+            self._contexts = {k: v for k, v in self._contexts.items() if k in live}
+
+
+def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.Tensor | None:
+    """Each row's token, or None when a row needs the reference (then nothing is drawn)."""
+    n = params.max_top_k + 1
+    if n > limit and not params.all_greedy:
+        return None
+    if x.shape[0] < MIN_BLOCK_ROWS:  # a few rows: whole-row ops cost less than more calls
+        best = x[:, :limit].max(-1)  # the reference's greedy op
+        greedy_tokens, row_max, blocks = best.indices, best.values, None
+    else:
+        blocks = Blocks.of(x, limit)
+        greedy_tokens, row_max = None, blocks.row_max
+    if bool((torch.isnan(row_max) | (row_max == -math.inf)).any()):
+        return None  # NaN rows and rows with every token banned: the reference's handling
+    if greedy_tokens is None:
+        greedy_tokens = blocks.greedy()
+    if params.all_greedy:
+        for r in requests:  # every row draws, so a job's stream ignores its settings
+            r.rng.random()
+        return greedy_tokens
+    total = _row_mass(x, limit, row_max, params)
+    if params.unbounded_rows:
+        n = max(n, TOP_P_CANDIDATES)
+    while True:  # widened (x4) while a row's top-p cut lies past the candidates
+        n = min(n, limit)
+        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
+        found = _candidate_probs(values, ids, x.shape[1], params, total)
+        if found is None:
+            return None
+        probs, inside = found
+        if inside or n == limit:
+            break
+        n *= 4
+    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
+    uniforms = torch.tensor(
+        [r.rng.random() for r in requests], dtype=torch.float64, device=x.device
+    )
+    # the CDF in id order, as the reference's over the whole row (zeros add no step)
+    order = ids.argsort(-1)
+    sorted_ids = ids.gather(1, order)
+    picked = _inverse_cdf(probs.gather(1, order), uniforms)
+    sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
+    return torch.where(params.greedy, greedy_tokens, sampled)
+
+
+def _row_mass(x, limit: int, row_max: torch.Tensor, params: RowParams) -> torch.Tensor | None:
+    """[B, 1]: each row's whole mass ``sum(exp(l / T - max / T))`` below ``limit`` for the
+    rows without a top_k (their top-p needs it; 0 for the others), None when there are none.
+    One dense pass over those rows only."""
+    if not params.unbounded_rows:
+        return None
+    rows = torch.tensor(params.unbounded_rows, device=x.device)
+    temps = params.temps[rows]
+    scaled_max = row_max.reshape(-1, 1)[rows] / temps  # the candidates' first, scaled
+    mass = torch.exp(x[rows, :limit] / temps - scaled_max).sum(-1, keepdim=True)
+    total = torch.zeros(x.shape[0], 1, device=x.device)
+    return total.index_copy_(0, rows, mass)
+
+
+def _candidate_probs(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    vocab: int,
+    params: RowParams,
+    total: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool] | None:
+    """The final distribution over the candidates (``values``: logits, descending), as the
+    reference's ``_final_distribution`` does over the whole row, and whether every row
+    without a top_k has its top-p cut inside the candidates (else: widen them); None when a
+    row's ties at its k-th value reach past the candidates."""
+    scaled = values / params.temps
+    probs = torch.exp(scaled - scaled[:, :1])  # descending, as the values
+    # rows without a top_k keep everything here (a k-th value of 0), as the reference's
+    kth = torch.where(params.unbounded, 0.0, probs.gather(1, params.top_k - 1))
+    covered = (probs[:, -1:] < kth) | params.greedy[:, None] | params.unbounded
+    if not bool(covered.all()):
+        return None
+    probs = probs * (probs >= kth)  # ties with the k-th are kept, as the reference's
+    inside = True
+    if params.top_p is not None:
+        disabled = params.top_p >= 1.0
+        mass = probs.sum(-1, keepdim=True)
+        if total is not None:  # rows without a top_k: the whole row's mass, not the candidates'
+            mass = torch.where(params.unbounded, total, mass)
+        mass = params.top_p * mass
+        cut, last_id = _top_p_cut(probs, ids, mass, vocab)
+        if total is not None:  # the cut (and every token tied with it) among the candidates
+            last = probs[:, -1:]
+            inside = bool(((last < cut) | (last == 0) | ~params.unbounded).all())
+        cut = torch.where(disabled, 0.0, cut)
+        # tokens tied with the cut past the number kept: lowest ids first, as the reference
+        drop = (probs == cut) & (ids > last_id)
+        probs = torch.where(drop, 0.0, probs * (probs >= cut))
+    if params.min_p is not None:
+        probs = probs * (probs >= params.min_p * probs.max(-1, keepdim=True).values)
+    return probs / probs.sum(-1, keepdim=True), inside

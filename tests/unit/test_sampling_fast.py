@@ -1,0 +1,299 @@
+"""The generator's sampler (engine.sampling_fast) against the reference engine.sampling.sample.
+
+Greedy tokens, top-k candidates and sparse penalties must be bit-identical to the reference's
+dense forms; sampled tokens must be the reference's for the same seeds (they may differ only
+when a draw lands within float32 rounding of a CDF step, which these fixed seeds never do),
+and every job's random stream must advance exactly as with the reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.sampling import SampleRequest, SamplerSettings, _apply_penalties, sample
+from engine.sampling_candidates import BLOCK, Blocks
+from engine.sampling_fast import MIN_BLOCK_ROWS, SamplerState
+from engine.sampling_penalties import (
+    ContextCounts,
+    LogitEdits,
+    PenaltyRows,
+    apply_sparse_penalties,
+)
+
+
+def _logits(rows: int, vocab: int, seed: int, ties: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * 3.0
+    return x.round() if ties else x  # rounded: many exactly equal values
+
+
+# -- greedy and candidates --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [BLOCK - 5, BLOCK, 3 * BLOCK + 7, 1000, 4099])
+@pytest.mark.parametrize("ties", [False, True])
+def test_block_greedy_is_the_first_maximum(vocab, ties):
+    for seed in range(5):
+        x = _logits(40, vocab, seed, ties)
+        x[0] = 1.0  # every id tied: the first
+        x[1, -1] = 100.0  # the maximum in the tail (or last block)
+        x[2, [3, min(BLOCK + 1, vocab - 2), vocab - 1]] = 100.0  # tied maxima, several blocks
+        x[3] = -torch.inf
+        x[3, vocab // 2] = 0.0
+        for limit in (vocab, vocab - 1, max(1, vocab - BLOCK - 3)):
+            expected = x[:, :limit].max(-1).indices
+            assert torch.equal(Blocks.of(x, limit).greedy(), expected), (vocab, limit, seed)
+
+
+@pytest.mark.parametrize("vocab", [3 * BLOCK + 7, 1000, 4099, 4096])
+@pytest.mark.parametrize("n", [2, 6, 51])
+@pytest.mark.parametrize("cut", [0, 3])
+def test_block_top_values_are_topk_values(vocab, n, cut):
+    for seed, ties in ((0, False), (1, True), (2, True)):
+        x = _logits(24, vocab, seed, ties)
+        if seed == 2:
+            x = _logits(30, vocab, seed, ties)[3:27]  # rows of a larger tensor (an offset)
+        limit = vocab - cut
+        values, ids = Blocks.of(x, limit).top(n)
+        assert torch.equal(values, x[:, :limit].topk(n).values)
+        assert bool((ids < limit).all())
+        assert torch.equal(x.gather(1, ids), values)  # each id holds its value
+        assert all(len(set(row)) == n for row in ids.tolist())  # distinct ids
+
+
+# -- penalties ---------------------------------------------------------------------------------
+
+
+def _penalty_requests(rows: int, vocab: int, rng: random.Random) -> list[SampleRequest]:
+    requests = []
+    for _ in range(rows):
+        settings = SamplerSettings(
+            repetition_penalty=rng.choice([1.0, 0.7, 1.3]),
+            frequency_penalty=rng.choice([0.0, 0.25, -0.5]),
+            presence_penalty=rng.choice([0.0, 0.75]),
+            penalty_range=rng.choice([0, 3, 20]),
+        )
+        # repeated tokens, ids outside the vocabulary, empty contexts
+        context = [rng.randrange(-2, vocab + 3) for _ in range(rng.randrange(0, 60))]
+        context += context[: rng.randrange(0, 10)]
+        requests.append(SampleRequest(settings, random.Random(0), context=context))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([10, 100, 777])
+    requests = _penalty_requests(12, vocab, rng)
+    logits = _logits(12, vocab, seed, ties=seed % 2 == 1)
+    logits[0, :3] = 0.0  # zero logits: neither shrunk nor pushed
+    expected = logits.clone()
+    _apply_penalties(expected, requests)
+    rows = [i for i, r in enumerate(requests) if r.settings.has_penalties and r.context]
+    windows = []
+    for i in rows:
+        counts = ContextCounts()
+        window = requests[i].settings.penalty_range
+        # counted as a job's would be: a start, then token by token
+        counts.sync(requests[i].context[:3], vocab, window)
+        for end in range(4, len(requests[i].context) + 1):
+            counts.sync(requests[i].context[:end], vocab, window)
+        windows.append(counts)
+    pairs = PenaltyRows.gather(rows, windows, vocab, logits.device)
+    params = torch.tensor(
+        [
+            [s.repetition_penalty, s.frequency_penalty, s.presence_penalty]
+            for s in (requests[i].settings for i in rows)
+        ]
+    ).reshape(-1, 3)
+    edited = logits.clone()
+    edits = LogitEdits(edited.view(-1))
+    values = edits.save(pairs.keys)
+    apply_sparse_penalties(edited.view(-1), pairs, params, values)
+    assert torch.equal(edited, expected)
+    edits.restore()
+    assert torch.equal(edited, logits)
+
+
+def _window_counts(context, vocab, window) -> dict[int, int]:
+    tokens = context[-window:] if window else context
+    counted = {}
+    for t in tokens:
+        if 0 <= t < vocab:
+            counted[t] = counted.get(t, 0) + 1
+    return counted
+
+
+@pytest.mark.parametrize("window", [0, 1, 7])
+def test_context_counts_follow_appends_windows_and_rollbacks(window):
+    vocab = 30
+    counts = ContextCounts()
+
+    def check():
+        ids, values = counts.arrays()
+        got = {int(i): int(c) for i, c in zip(ids, values, strict=True) if c}
+        assert got == _window_counts(context, vocab, window)
+        assert len(set(ids.tolist())) == len(ids)  # one entry per id
+
+    rng = random.Random(window)
+    context = [rng.randrange(-1, vocab + 2) for _ in range(10)]
+    counts.sync(context, vocab, window)
+    check()
+    for step in range(150):  # past the first capacity; ids outside the vocabulary too
+        context.extend(rng.randrange(-1, vocab + 2) for _ in range(1 + step % 3))
+        counts.sync(context, vocab, window)
+        check()
+    del context[50:]  # a rollback, then different tokens
+    context += [9, 9]
+    counts.sync(context, vocab, window)
+    check()
+    context[-1] = 1  # same length, different last token
+    counts.sync(context, vocab, window)
+    check()
+
+
+# -- whole sampler against the reference --------------------------------------------------------
+
+SETTINGS = [
+    SamplerSettings(temperature=0.8, top_k=50, top_p=0.9),
+    SamplerSettings(temperature=1.3, top_k=5),
+    SamplerSettings(top_k=2, min_p=0.2),
+    SamplerSettings(temperature=0.6, top_k=40, top_p=0.5, min_p=0.05),
+    SamplerSettings(top_k=20, top_p=1.0),  # top_p disabled
+    SamplerSettings(top_k=30, repetition_penalty=1.2, frequency_penalty=0.3, penalty_range=16),
+    SamplerSettings(top_k=8, top_p=0.8, presence_penalty=0.7),
+    SamplerSettings.greedy(),
+    SamplerSettings(top_k=1),  # greedy too
+    SamplerSettings(temperature=0.0, repetition_penalty=1.5),
+    SamplerSettings(top_p=0.8),  # no top_k: candidates widened until the cut is inside
+    SamplerSettings(temperature=0.7, top_p=0.95, min_p=0.02, frequency_penalty=0.2),
+]
+
+
+def _requests(settings, rows, vocab, seed, **extra) -> tuple[list, list]:
+    """Two identical request lists (independent generators with the same seeds)."""
+    rng = random.Random(seed)
+    pairs = ([], [])
+    for i in range(rows):
+        s = settings[i % len(settings)] if isinstance(settings, list) else settings
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        banned = tuple(rng.sample(range(vocab), 2)) if i % 7 == 3 else ()
+        for requests in pairs:
+            requests.append(
+                SampleRequest(
+                    s,
+                    random.Random(seed * 1000 + i),
+                    context=context if s.has_penalties else (),
+                    banned_tokens=banned,
+                    key=i,
+                    **extra,
+                )
+            )
+    return pairs
+
+
+def _check_same(logits, settings, vocab_limit=None, seed=0, state=None, **extra) -> SamplerState:
+    state = state or SamplerState()
+    reference, fast = _requests(settings, logits.shape[0], logits.shape[1], seed, **extra)
+    before = logits.clone()
+    expected = sample(logits, reference, vocab_limit)
+    got = state.sample(logits, fast, vocab_limit)
+    # the caller's logits are left as they came, bit for bit (NaN included)
+    assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
+    assert got.tokens == expected.tokens
+    assert got.logprobs == expected.logprobs
+    # each job's random stream advanced exactly as with the reference
+    assert [r.rng.random() for r in fast] == [r.rng.random() for r in reference]
+    return state
+
+
+@pytest.mark.parametrize("rows", [3, MIN_BLOCK_ROWS, 48])
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: repr(s)[15:60])
+def test_same_tokens_as_the_reference_for_every_seed(rows, settings):
+    state = SamplerState()
+    for seed in range(8):
+        vocab = [300, 2048, 5000][seed % 3]
+        logits = _logits(rows, vocab, seed, ties=seed % 4 == 3)
+        _check_same(logits, settings, vocab - 7 * (seed % 2), seed, state)
+    assert state.fast_calls > 0 or (rows < MIN_BLOCK_ROWS and settings.is_greedy)
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_mixed_batches_and_logprobs_match_the_reference(rows):
+    state = SamplerState()
+    for seed in range(10):
+        logits = _logits(rows, 3000, seed, ties=seed % 3 == 0)
+        _check_same(logits, SETTINGS, 2990, seed, state, logprobs=2)
+    assert state.fast_calls > 0
+
+
+def test_top_k_beyond_the_vocabulary_and_edge_rows_go_to_the_reference():
+    state = SamplerState()
+    logits = _logits(20, 100, 0)
+    _check_same(logits, SamplerSettings(top_k=500), state=state)  # top_k > vocabulary
+    _check_same(logits, SamplerSettings(top_k=0, top_p=1.0), state=state)  # no truncation
+    _check_same(logits, SamplerSettings(top_k=10, typical=0.5), state=state)
+    nan = logits.clone()
+    nan[4, 7] = torch.nan
+    _check_same(nan, SamplerSettings(top_k=10), state=state)
+    _check_same(nan, SamplerSettings.greedy(), state=state)
+    assert state.fast_calls == 0 and state.reference_calls == 5
+
+
+def test_row_with_every_token_banned_comes_back_as_the_reference_marks_it():
+    logits = _logits(20, 50, 1)
+    reference, fast = _requests(SamplerSettings(top_k=5), 20, 50, 0)
+    for requests in (reference, fast):
+        requests[2].banned_tokens = tuple(range(50))
+    assert SamplerState().sample(logits, fast).tokens == sample(logits, reference).tokens
+
+
+def test_inference_tensors_are_edited_and_restored():
+    with torch.inference_mode():
+        logits = _logits(MIN_BLOCK_ROWS, 500, 3)
+    _check_same(logits, SETTINGS[5])  # penalties edit the logits in place, then restore
+
+
+def test_row_parameters_are_cached_by_value():
+    state = SamplerState()
+    settings = SamplerSettings(top_k=5, top_p=0.9)
+    requests = [SampleRequest(settings, random.Random(i)) for i in range(4)]
+    first = state.params(requests, torch.device("cpu"))
+    assert state.params(requests, torch.device("cpu")) is first  # same batch: kept
+    settings.top_p = 0.5  # the same (mutable) object, changed
+    changed = state.params(requests, torch.device("cpu"))
+    assert changed is not first and changed.top_p.flatten().tolist() == [0.5] * 4
+    assert state.params(requests[:3], torch.device("cpu")) is not changed  # another batch
+
+
+def test_penalty_contexts_follow_a_job_across_steps():
+    """One job per row sampled step after step, its context growing (and once rolled back):
+    every step is the reference's."""
+    state = SamplerState()
+    rows, vocab = MIN_BLOCK_ROWS, 400
+    settings = SamplerSettings(top_k=12, repetition_penalty=1.4, frequency_penalty=0.4)
+    contexts = [[random.Random(i).randrange(vocab) for _ in range(5)] for i in range(rows)]
+    reference = [SampleRequest(settings, random.Random(i), contexts[i], key=i) for i in range(rows)]
+    fast = [SampleRequest(settings, random.Random(i), contexts[i], key=i) for i in range(rows)]
+    for step in range(12):
+        logits = _logits(rows, vocab, step)
+        expected = sample(logits, reference, vocab)
+        assert state.sample(logits, fast, vocab).tokens == expected.tokens
+        for context, token in zip(contexts, expected.tokens, strict=True):
+            context.append(token)
+        if step == 6:
+            del contexts[0][2:]  # a rollback
+    assert state.fast_calls == 12
+
+
+@pytest.mark.parametrize("rows", [4, 20])
+def test_top_p_without_top_k_widens_the_candidates_as_needed(rows):
+    """Flat rows: the top-p cut lies past the first 64 candidates (then 256, ...)."""
+    state = SamplerState()
+    for seed in range(4):
+        logits = _logits(rows, 3000, seed) * 0.05  # nearly uniform: a wide nucleus
+        _check_same(logits, SamplerSettings(top_p=[0.3, 0.9, 0.99, 0.5][seed]), state=state)
+    assert state.fast_calls == 4 and state.reference_calls == 0
