@@ -295,8 +295,8 @@ class DynamicGenerator:
         except Exception as error:  # the grammar engine failed: its rows' jobs end
             logger.exception("filter masks failed; ending the constrained jobs of this step")
             failed = [self._fail(j, error) for j in jobs if j.mask_source() is not None]
-            keep = [i for i, j in enumerate(jobs) if j.mask_source() is None]
-            jobs, logits, token_mask = [jobs[i] for i in keep], logits[keep], None
+            # the others sample unmasked (_fail finished the constrained ones; jobs a late stop
+            # string ended drop out too)
             jobs, logits, _ = _without_finished(jobs, logits, None)
             if not jobs:
                 return failed

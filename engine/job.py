@@ -251,24 +251,10 @@ class DynamicJob:
         result["max_progress"] = self.prompt_tokens
         return result
 
-    def receive_token(
-        self,
-        token: int,
-        prob: float | None = None,
-        top_tokens: list[int] | None = None,
-        top_probs: list[float] | None = None,
-        logits: torch.Tensor | None = None,
-        token_tensor: torch.Tensor | None = None,
-        logprobs: tuple[float, list[int], list[float]] | None = None,
-    ) -> dict[str, Any]:
-        """Take one sampled token; return its streaming result (final when ``eos``).
-
-        ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
-        generator makes a whole step's in one call: a tensor per token costs ~10 us).
-        ``logprobs``: (the token's model logprob, top ids, their logprobs), with
-        ``return_logprobs``. The same as ``take_token`` then ``render_token``."""
-        data = self.take_token(token, prob, top_tokens, top_probs, logits, token_tensor, logprobs)
-        return self.render_token(token, data)
+    def receive_token(self, token: int) -> dict[str, Any]:
+        """Take one sampled token; return its streaming result (final when ``eos``): the same
+        as ``take_token`` then ``render_token``, for callers with no per-token data."""
+        return self.render_token(token, self.take_token(token))
 
     def take_token(
         self,
@@ -282,7 +268,12 @@ class DynamicJob:
     ) -> dict[str, Any]:
         """The token-level half of ``receive_token``: the sequence (and grammar) take the
         token, so the next step can be scheduled; returns the token's result data for
-        ``render_token``, which makes the text (the generator may defer it a step)."""
+        ``render_token``, which makes the text (the generator may defer it a step).
+
+        ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
+        generator makes a whole step's in one call: a tensor per token costs ~10 us).
+        ``logprobs``: (the token's model logprob, top ids, their logprobs), with
+        ``return_logprobs``."""
         now = time.perf_counter()
         self._times.setdefault("first_token", now)
         self._times["last_token"] = now

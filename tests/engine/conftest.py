@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 from dataclasses import dataclass
 
@@ -105,3 +106,40 @@ def tiny32(tiny, tmp_path_factory) -> QuantTiny:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny.folder / name, folder / name)
     return QuantTiny(Model.from_pretrained(folder), tiny.tokenizer, folder)
+
+
+# plain words that the tiny tokenizers encode in a few tokens each, for random prompts
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "mat",
+    "tree",
+    "red",
+    "blue",
+    "quick",
+    "slow",
+    "river",
+    "stone",
+    "light",
+    "over",
+    "when",
+    "then",
+    "because",
+    "seven",
+    "twelve",
+    "apple",
+    "window",
+    "story",
+    "night",
+    "morning",
+]
+
+
+def random_text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))

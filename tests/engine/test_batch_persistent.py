@@ -10,37 +10,16 @@ import pytest
 
 from engine import DynamicJob, SamplerSettings
 from engine.model.runner import PERSISTENT_BATCH_ENV
-from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.conftest import assert_no_pages_in_use, random_text
 
 GREEDY = SamplerSettings.greedy()
 SAMPLED = SamplerSettings(temperature=0.9, top_p=0.9)
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "sat",
-    "on",
-    "under",
-    "mat",
-    "tree",
-    "red",
-    "blue",
-    "quick",
-    "slow",
-    "river",
-    "stone",
-    "light",
-]
 
 
 def _prompts(tiny, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    shared = " ".join(rng.choice(WORDS) for _ in range(12))  # prefix hits across jobs
-    texts = [
-        (shared + " " if i % 2 else "") + " ".join(rng.choice(WORDS) for _ in range(2 + i % 9))
-        for i in range(count)
-    ]
+    shared = random_text(rng, 12)  # prefix hits across jobs
+    texts = [(shared + " " if i % 2 else "") + random_text(rng, 2 + i % 9) for i in range(count)]
     return [tiny.tokenizer.encode(t)[0].tolist() for t in texts]
 
 

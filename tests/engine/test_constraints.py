@@ -146,6 +146,26 @@ def test_unconstrained_rows_are_unaffected(tiny):
     assert mixed[7]["job"].new_token_ids == alone[7]["job"].new_token_ids
 
 
+class _FailingMasks:
+    def result(self):
+        raise RuntimeError("grammar engine down")
+
+
+def test_failed_masks_end_only_the_constrained_jobs(tiny):
+    """When a step's masks fail, its constrained jobs end with an error and the others sample
+    the tokens they would have sampled anyway; every page goes back."""
+    alone = _run(tiny.generator(), [_job(tiny, None, 7, max_new_tokens=12)])
+    generator = tiny.generator()
+    jobs = [_job(tiny, None, 7, max_new_tokens=12), _job(tiny, [RegexFilter("[a-z ]+")], 1)]
+    for job in jobs:
+        generator.enqueue(job)
+    generator._masks.launch = lambda sources: _FailingMasks()
+    finals = _run(generator, [])
+    assert finals[1]["eos_reason"] == "error" and "grammar engine down" in str(finals[1]["error"])
+    assert finals[7]["job"].new_token_ids == alone[7]["job"].new_token_ids
+    assert_no_pages_in_use(generator)
+
+
 def test_several_filters_must_all_match(tiny):
     filters = [RegexFilter("[a-z]{1,8}"), RegexFilter("(ab|cd|e)+")]
     finals = _run(tiny.generator(), [_job(tiny, filters, i) for i in range(4)])

@@ -8,52 +8,18 @@ import pytest
 import torch
 
 from engine import DynamicJob, SamplerSettings
-from tests.engine.conftest import assert_no_pages_in_use
+from tests.engine.conftest import assert_no_pages_in_use, random_text
 
 GREEDY = SamplerSettings.greedy()
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "sat",
-    "ran",
-    "on",
-    "under",
-    "mat",
-    "tree",
-    "red",
-    "blue",
-    "quick",
-    "slow",
-    "river",
-    "stone",
-    "light",
-    "over",
-    "when",
-    "then",
-    "because",
-    "seven",
-    "twelve",
-    "apple",
-    "window",
-    "story",
-    "night",
-    "morning",
-]
-
-
-def _text(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
 def _prompts(tokenizer, count: int = 32, seed: int = 0) -> list[list[int]]:
     """Groups sharing long prefixes (several pages) plus unique suffixes of mixed length."""
     rng = random.Random(seed)
-    prefixes = [_text(rng, n) for n in (30, 18, 9, 0)]
+    prefixes = [random_text(rng, n) for n in (30, 18, 9, 0)]
     prompts = []
     for i in range(count):
-        text = prefixes[i % len(prefixes)] + " " + _text(rng, rng.randint(1, 12))
+        text = prefixes[i % len(prefixes)] + " " + random_text(rng, rng.randint(1, 12))
         prompts.append(tokenizer.encode(text.strip())[0].tolist())
     return prompts
 
