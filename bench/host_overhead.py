@@ -29,6 +29,11 @@ timers). Medians are reported.
 text and stop strings (``_render_pending``) after handing the next forward to the device. The
 ``text`` column is that stage; with a real forward it overlaps the device's work, so
 ``critical us/step`` (step minus ``text``) is what the device waits for between forwards.
+``async`` is ``async_scheduling=True`` (its default on a GPU, engine/inflight.py): the step's
+tokens stay on the device and the host reads them, with their text, in the next step after
+launching its forward (``_read_in_flight``, the ``text`` column then). On this CPU nothing
+overlaps, so the async stage only shows what the path costs the host; on a GPU everything in
+a step but the sampling launch overlaps the forward.
 
 ``--baseline REF`` runs the same cases with the engine at git ref REF too: a temporary
 ``git worktree`` at REF, and this script (the same harness) in a subprocess whose PYTHONPATH
@@ -99,7 +104,8 @@ MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
     "greedy_stop": (SamplerSettings.greedy(), STOP_STRINGS),
 }
 PARTS = ("schedule", "batch", "sample", "receive", "text", "other")
-TEXT_STAGES = {"inline": False, "deferred": True}
+# the generator options of each text stage ("async": tokens read one step later, with text)
+TEXT_STAGES = {"inline": {}, "deferred": {"defer_text": True}, "async": {"async_scheduling": True}}
 BATCH_PATHS = ("reference", "persistent")
 # (mode, batch, target us per step) from the issue "Host overhead per step"
 GOALS = (("greedy_stop", 256, 3000.0), ("penalties", 256, 5000.0), ("greedy", 1, 300.0))
@@ -128,13 +134,16 @@ class NullRunner:
         self.build_times: dict[str, list[float]] = {name: [] for name, _ in self.builders}
         self._steps = 0
 
-    def forward_plan(self, plan: StepPlan) -> torch.Tensor:
+    def forward_plan(self, plan: StepPlan, token_patch=None) -> torch.Tensor:
         self._steps += 1
         order = self.builders if self._steps % 2 else self.builders[::-1]
         batches = []
         for name, build in order:
             start = time.perf_counter()
-            batches.append(build(plan))
+            batch = build(plan)
+            if token_patch is not None:  # async scheduling: input ids from the device
+                token_patch.apply(batch.input_ids)
+            batches.append(batch)
             self.build_times[name].append(time.perf_counter() - start)
         for other in batches[1:]:
             check_same_batch(other, batches[0])
@@ -175,7 +184,7 @@ def fixed_logits(rows: int, vocab: int, banned: set[int], seed: int = 0) -> torc
 class CaseResult:
     mode: str
     batch: int
-    text_stage: str  # "inline" or "deferred" (see TEXT_STAGES)
+    text_stage: str  # "inline", "deferred" or "async" (see TEXT_STAGES)
     batch_path: str  # the builders of each step, "+"-joined (see BATCH_PATHS)
     steps: int
     tokens_per_step: float
@@ -197,17 +206,24 @@ class StepTimers:
         self.totals: dict[str, float] = defaultdict(float)
         self.text_results = 0  # results the deferred text stage returned (0 when inline)
         self._originals: list[tuple[Any, str, Any]] = []
+        self._active: set[str] = set()  # keys being timed now
 
     def _wrap(self, owner: Any, name: str, key: str) -> None:
         original = getattr(owner, name)
         totals = self.totals
 
+        active = self._active
+
         def timed(*args, **kwargs):
+            if key in active:  # nested (sample_on_device calls sample): counted once
+                return original(*args, **kwargs)
+            active.add(key)
             start = time.perf_counter()
             try:
                 result = original(*args, **kwargs)
             finally:
                 totals[key] += time.perf_counter() - start
+                active.discard(key)
             if key == "text":
                 self.text_results += len(result)
             return result
@@ -227,10 +243,14 @@ class StepTimers:
         sampler = getattr(g, "_sampler", None)  # engines with a SamplerState call it instead
         if sampler is not None:
             self._wrap(sampler, "sample", "sample_tensor")
+            if hasattr(sampler, "sample_on_device"):
+                self._wrap(sampler, "sample_on_device", "sample_tensor")
         else:
             self._wrap(generator_module, "sample", "sample_tensor")
         if hasattr(g, "_render_pending"):  # a --baseline engine may predate the text stage
             self._wrap(g, "_render_pending", "text")
+        if hasattr(g, "_read_in_flight"):  # async scheduling: tokens and text a step later
+            self._wrap(g, "_read_in_flight", "text")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -309,12 +329,13 @@ def make_generator(
     tokenizer,
     batch: int,
     seq_len: int,
-    defer_text: bool = False,
+    options: dict[str, bool] | None = None,
     batch_paths: tuple[str, ...] = ("persistent",),
 ) -> DynamicGenerator:
+    """``options``: the text stage's generator options (only when asked: a --baseline engine
+    from before them has no such arguments)."""
     cache = PagedCache(model, max_num_tokens=batch * (seq_len + 16) + 64)
-    # defer_text only when asked: a --baseline engine from before it has no such argument
-    options = {"defer_text": True} if defer_text else {}
+    options = options or {}
     generator = DynamicGenerator(
         model,
         cache,
@@ -601,7 +622,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=list(TEXT_STAGES),
         default=["inline"],
-        help="inline: text rendered in the step that sampled it; deferred: one step later",
+        help="inline: text rendered in the step that sampled it; deferred: one step later; "
+        "async: async_scheduling (tokens read, and their text made, one step later)",
     )
     p.add_argument(
         "--batch-paths",

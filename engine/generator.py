@@ -13,6 +13,7 @@ of its tokens on the device, and turns the tokens into per-job results (see DESI
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ import torch
 from engine.cache.kv_cache import PagedCache
 from engine.cfg import merge_cfg_rows
 from engine.embeddings import check_prompt
+from engine.inflight import PENDING_TOKEN, InFlightTokens
 from engine.job import DynamicJob
 from engine.model.runner import ModelRunner
 from engine.sampling import BANNED_ROW, SampleOutput, SamplerSettings, sample
@@ -58,6 +60,7 @@ class DynamicGenerator:
         paged: bool = True,
         filter_background_eval: bool = True,
         defer_text: bool | None = None,
+        async_scheduling: bool | None = None,
     ):
         """``max_skips``: the default for jobs that set none (``DynamicJob.max_skips``).
         ``cuda_graphs``: decode steps through CUDA graphs (see ``ModelRunner``); None: on a GPU
@@ -80,7 +83,15 @@ class DynamicGenerator:
         token's result then comes one ``iterate()`` later (see ``_render_pending``). None: on
         when the model runs on a GPU (where the forward is asynchronous) and there is no
         speculation; jobs with banned strings, filters or token healing always make their
-        text at once."""
+        text at once.
+
+        ``async_scheduling``: a step's sampled tokens stay on the device and become the next
+        step's input ids there; the host reads them after launching that next forward, so its
+        work for both steps overlaps the device's (engine/inflight.py). Steps whose jobs need
+        their token on the host before the next forward (filters, token healing, banned
+        strings, returned probabilities, logits or logprobs) sample the usual way. Results
+        then come one ``iterate()`` after their token was sampled. None: on when the model
+        runs on a GPU and there is no speculation."""
         if cache.model is not model:
             raise ValueError("the cache was built for a different model")
         _check_seed_options(max_sampling_threads, min_sampling_threads, paged)
@@ -111,6 +122,9 @@ class DynamicGenerator:
             )
         self.filter_background_eval = filter_background_eval
         self.defer_text = _resolve_defer_text(defer_text, model, speculating)
+        self.async_scheduling = _resolve_async_scheduling(async_scheduling, model, speculating)
+        self._in_flight: InFlightTokens | None = None  # the last step's tokens, still unread
+        self.async_steps = 0  # steps whose tokens were read one step later (stats, tests)
         # (job, token, result data) taken in the last step, their text not made yet
         self._text_pending: list[tuple[DynamicJob, int, dict[str, Any]]] = []
         self._tokens_done: set[int] = set()  # serials of deferred jobs already out of the batch
@@ -222,6 +236,10 @@ class DynamicGenerator:
         from the next ``iterate()``. False if the job was not active."""
         if self._jobs.get(job.serial) is not job:
             return False
+        if emit_result and self._in_flight is not None and self._in_flight.holds(job):
+            self._undelivered += self._read_in_flight()  # its last token first, as below
+            if job.finished:
+                return True
         if emit_result:  # its last token's text first; that may end the job (a stop string)
             self._undelivered += self._render_pending(only=job)
             if job.finished:
@@ -250,16 +268,20 @@ class DynamicGenerator:
         plan = self.scheduler.schedule()
         results = [self._start(seq.owner) for seq in plan.admitted]
         if not plan.entries:
-            return results + self._render_pending()
+            return results + self._read_in_flight() + self._render_pending()
         qs = self.speculator.fill(plan) if self.speculator is not None else {}
         masks = self._launch_masks(plan)  # on a host thread while the forward runs
+        patch = self._in_flight.input_patch(plan.entries) if self._in_flight else None
         try:
-            logits = self.runner.forward_plan(plan)
+            logits = self.runner.forward_plan(plan, patch)
         except Exception as error:  # the forward failed: its jobs end, the generator goes on
             logger.exception("forward failed; ending the %d jobs of this step", len(plan.entries))
-            results += self._render_pending()
+            results += self._read_in_flight() + self._render_pending()
             owners = dict.fromkeys(e.seq.owner for e in plan.entries)
             return results + [self._fail(job, error) for job in owners if not job.finished]
+        # the previous step's tokens, read while the device runs this step's forward (before
+        # the commit: pages it fills are hashed over their values)
+        results += self._read_in_flight()
         prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
         prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
@@ -304,7 +326,75 @@ class DynamicGenerator:
         jobs, logits, token_mask = _without_finished(jobs, logits, token_mask)
         if not jobs:
             return []
+        if self.async_scheduling and token_mask is None and all(j.reads_late for j in jobs):
+            return self._sample_in_flight(jobs, logits)
         return self._sample_rows(jobs, logits, token_mask)
+
+    def _sample_in_flight(self, jobs: list[DynamicJob], logits: torch.Tensor) -> list[dict]:
+        """Sample without waiting for the tokens: they go to the host while the next step is
+        planned and launched (``_read_in_flight``). Each job's sequences hold PENDING_TOKEN
+        meanwhile; a job whose tokens are complete by count leaves the batch now."""
+        try:
+            requests = [job.sample_request() for job in jobs]
+            sampled = self._sampler.sample_on_device(logits, requests, self.tokenizer.vocab_size)
+        except Exception:  # one row's data or settings: the usual path finds it
+            logger.warning("device sampling failed; sampling on the host", exc_info=True)
+            return self._sample_rows(jobs, logits, None)
+        pending = []
+        for job in jobs:
+            if len(job.new_token_ids) + 1 >= job.max_new_tokens:  # its last token
+                self.scheduler.remove(job.seq)
+                self._tokens_done.add(job.serial)
+                pending.append(False)
+                continue
+            for seq in job.seq.group:
+                seq.tokens.append(PENDING_TOKEN)
+            pending.append(True)
+        self._in_flight = InFlightTokens.launch(
+            jobs, requests, sampled.tokens, sampled.flags, logits, pending
+        )
+        self.async_steps += 1
+        return []
+
+    def _read_in_flight(self) -> list[dict[str, Any]]:
+        """The results of the last step's in-flight tokens (waits for their copy only)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        tokens, flags = flight.read()
+        token_tensors = torch.tensor(tokens, dtype=torch.long).view(-1, 1, 1).unbind(0)
+        results = []
+        for i, job in enumerate(flight.jobs):
+            if self._jobs.get(job.serial) is not job:  # failed or cancelled meanwhile
+                continue
+            token = tokens[i]
+            try:
+                if flags[i]:  # the device could not pick it: the reference's answer
+                    token, token_tensors_i = self._resample(flight, i), None
+                else:
+                    token_tensors_i = token_tensors[i]
+                if token == BANNED_ROW:
+                    message = f"every token is banned for job {job.identifier!r} at this step"
+                    raise ValueError(message)
+                data = job.take_token(
+                    token, token_tensor=token_tensors_i, replaces_pending=flight.pending[i]
+                )
+                result = job.render_token(token, data)
+            except Exception as error:
+                results.append(self._fail(job, error))
+                continue
+            if result["eos"]:
+                self._retire(job)
+            results.append(result)
+        return results
+
+    def _resample(self, flight: InFlightTokens, row: int) -> int:
+        """A flagged row's token from the reference sampler, with the context it had."""
+        request = flight.requests[row]
+        if flight.pending[row] and request.context:  # drop the PENDING_TOKEN it holds now
+            request = dataclasses.replace(request, context=request.context[:-1])
+        logits = flight.logits[row : row + 1]
+        return sample(logits, [request], self.tokenizer.vocab_size).tokens[0]
 
     def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:
         try:
@@ -522,7 +612,19 @@ class DynamicGenerator:
             "cached_tokens_total": self._cached_tokens_total,
             "prompt_tokens_total": self._prompt_tokens_total,
             "decode_graph_steps": self.runner.decode_graph_steps,
+            "async_steps": self.async_steps,
         }
+
+
+def _resolve_async_scheduling(value: bool | None, model, speculating: bool) -> bool:
+    if value is None:
+        return model.device.type == "cuda" and not speculating
+    if not isinstance(value, bool):
+        raise ValueError(f"async_scheduling must be a bool or None, got {value!r}")
+    if value and speculating:
+        # verification needs the accepted tokens on the host before the next drafts
+        raise ValueError("async_scheduling=True cannot be combined with speculative decoding")
+    return value
 
 
 def _resolve_defer_text(defer_text: bool | None, model, speculating: bool) -> bool:

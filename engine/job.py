@@ -21,6 +21,7 @@ from engine.cfg import attach_negative, split_prompt_rows
 from engine.constraints.banned import BannedStrings
 from engine.constraints.errors import FilterError
 from engine.embeddings import MMEmbedding
+from engine.inflight import PENDING_TOKEN
 from engine.request import GenerationRequest
 from engine.sampling import SampleRequest, SamplerSettings
 from engine.scheduler import SeqState
@@ -265,10 +266,14 @@ class DynamicJob:
         logits: torch.Tensor | None = None,
         token_tensor: torch.Tensor | None = None,
         logprobs: tuple[float, list[int], list[float]] | None = None,
+        replaces_pending: bool = False,
     ) -> dict[str, Any]:
         """The token-level half of ``receive_token``: the sequence (and grammar) take the
         token, so the next step can be scheduled; returns the token's result data for
         ``render_token``, which makes the text (the generator may defer it a step).
+
+        ``replaces_pending``: the sequences already hold the token as their last one, as
+        ``PENDING_TOKEN`` (async scheduling, engine/inflight.py): its value replaces it.
 
         ``token_tensor``: the token as a (1, 1) long tensor if the caller has one (the
         generator makes a whole step's in one call: a tensor per token costs ~10 us).
@@ -280,9 +285,13 @@ class DynamicJob:
         if self.constraint is not None:
             self.constraint.consume(token)  # FilterError: the generator ends this job alone
         self.new_token_ids.append(token)
-        self.seq.tokens.append(token)
-        if self.seq.partner is not None:  # a CFG job's negative row continues the same way
-            self.seq.partner.tokens.append(token)
+        for seq in self.seq.group:  # a CFG job's negative row continues the same way
+            if not replaces_pending:
+                seq.tokens.append(token)
+            elif seq.tokens[-1] == PENDING_TOKEN:
+                seq.tokens[-1] = token
+            else:
+                raise RuntimeError(f"job {self.identifier!r} holds no pending token to replace")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
         data: dict[str, Any] = {}
@@ -309,6 +318,19 @@ class DynamicJob:
         strings (a rollback takes the token back before the next one is sampled) or filters
         (their masks follow the tokens step by step)."""
         return self._banned is None and not self.needs_masks
+
+    @property
+    def reads_late(self) -> bool:
+        """Whether the host may learn this job's token a step after it was sampled (async
+        scheduling): its text may wait (``defers_text``) and nothing else of the step is
+        returned with it (probabilities, logits, logprobs come from the sampling step)."""
+        return (
+            self.defers_text
+            and not self.return_probs
+            and not self.return_top_tokens
+            and not self.return_logits
+            and self.return_logprobs is None
+        )
 
     def render_token(self, token: int, data: dict[str, Any]) -> dict[str, Any]:
         """The text-level half of ``receive_token`` for the job's latest taken token: its

@@ -147,6 +147,14 @@ class RowParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """``SamplerState.sample_on_device``'s tokens, still on the device."""
+
+    tokens: torch.Tensor  # [B] long; BANNED_ROW where the host sampler found no token
+    flags: torch.Tensor | None = None  # [B] bool: rows to sample again with the reference
+
+
 class SamplerState:
     """Sampling for one generator across steps: cached ``RowParams``, each job's
     ``ContextCounts`` (keyed by ``SampleRequest.key``)."""
@@ -188,6 +196,52 @@ class SamplerState:
         self.fast_calls += 1
         self._forget_others(requests)
         return out
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SampleRequest],
+        vocab_limit: int | None = None,
+    ) -> DeviceSample:
+        """The tokens of ``sample`` (no mask, no extras) as a tensor on the logits' device.
+
+        Greedy batches (penalties, biases and bans included) never wait for the device here:
+        rows the device path cannot pick (a NaN, every token banned) are flagged for the
+        reference, which the caller runs when it reads the tokens. Other batches sample as
+        ``sample`` does (on the host's time) and hand back its tokens."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        params = self.params(requests, logits.device)
+        extras = any(r.return_probs or r.top_k_return or r.logprobs is not None for r in requests)
+        if params.all_greedy and not extras:
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                tokens, flags = self._greedy_on_device(logits, requests, vocab_limit, params)
+            self.fast_calls += 1
+            self._forget_others(requests)
+            return DeviceSample(tokens, flags)
+        out = self.sample(logits, requests, vocab_limit)
+        return DeviceSample(torch.tensor(out.tokens, dtype=torch.long, device=logits.device))
+
+    def _greedy_on_device(self, logits, requests, vocab_limit, params: RowParams):
+        raw = logits.float()
+        if not raw.is_contiguous():
+            raw = raw.contiguous()
+        limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
+        edits = LogitEdits(raw.view(-1))
+        try:
+            self._edit(raw, edits, requests, params)
+            if raw.shape[0] < MIN_BLOCK_ROWS:  # a few rows: one whole-row op costs less
+                best = raw[:, :limit].max(-1)
+                tokens, row_max = best.indices, best.values
+            else:
+                blocks = Blocks.of(raw, limit)
+                tokens, row_max = blocks.greedy(), blocks.row_max.squeeze(1)
+            flags = torch.isnan(row_max) | (row_max == -math.inf)
+        finally:
+            edits.restore()
+        for r in requests:  # every row draws, as in ``sample``
+            r.rng.random()
+        return tokens, flags
 
     def _sample_fast(self, logits, requests, vocab_limit, token_mask, params: RowParams):
         raw = logits.float()

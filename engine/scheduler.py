@@ -448,6 +448,8 @@ class Scheduler:
         ps = self.page_size
         for entry in plan.entries:
             seq = entry.seq
+            if not seq.pages:  # removed while its step ran (async scheduling: a late stop)
+                continue
             seq.num_computed = entry.start + entry.num_tokens
             if len(seq.page_hashes) < seq.num_computed // ps:  # a page became full
                 self._register_full_pages(seq)

@@ -37,6 +37,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.embeddings import EMBEDDING_ID_BASE
+from engine.inflight import TokenPatch
 from engine.ops import OpSet
 
 logger = logging.getLogger(__name__)
@@ -204,13 +205,18 @@ class DecodeGraphs:
         return logits
 
     @torch.inference_mode()
-    def try_run(self, seqs: Sequence[SequenceInput]) -> torch.Tensor | None:
-        """``run`` when ``seqs`` is a supported decode step, else None (nothing done)."""
+    def try_run(
+        self, seqs: Sequence[SequenceInput], token_patch: TokenPatch | None = None
+    ) -> torch.Tensor | None:
+        """``run`` when ``seqs`` is a supported decode step, else None (nothing done).
+        ``token_patch``: input ids taken from the device (row i's token is input id i)."""
         if not self.supports(seqs):
             return None
         bucket = self._buckets[self.bucket_for(len(seqs))]
         self._stage(seqs, bucket.size)
         self._upload(bucket.size)
+        if token_patch is not None:
+            token_patch.apply(self._longs[0])
         self.steps += 1
         if bucket.graph is not None:
             bucket.graph.replay()

@@ -25,6 +25,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.kv_cache import KVPages, kv_format
+from engine.inflight import TokenPatch
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.ops import OpSet
 from engine.persistent_batch import PersistentBatch
@@ -97,15 +98,22 @@ class ModelRunner:
 
     # -- forwards --------------------------------------------------------------------------
 
-    def forward_plan(self, plan: StepPlan) -> torch.Tensor:
-        """The forward of one scheduler step: logits of the entries that want them, in order."""
-        if self.persistent_batch is None:
-            return self.forward(plan_rows(plan))
+    def forward_plan(self, plan: StepPlan, token_patch: TokenPatch | None = None) -> torch.Tensor:
+        """The forward of one scheduler step: logits of the entries that want them, in order.
+        ``token_patch``: input ids that come from the device (async scheduling: the tokens the
+        step before sampled, see engine/inflight.py), written over the batch's before the
+        forward."""
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.try_run(plan_rows(plan))
+            logits = self.decode_graphs.try_run(plan_rows(plan), token_patch)
             if logits is not None:
                 return logits
-        return self.forward_batch(self.persistent_batch.build(plan))
+        if self.persistent_batch is None:
+            batch = build_forward_batch(plan_rows(plan), self.page_size, self.device)
+        else:
+            batch = self.persistent_batch.build(plan)
+        if token_patch is not None:
+            token_patch.apply(batch.input_ids)
+        return self.forward_batch(batch)
 
     def forward(self, rows: Sequence[SequenceInput]) -> torch.Tensor:
         """Float32 logits [sum of logits_rows, vocab]: each row's trailing ``logits_rows``

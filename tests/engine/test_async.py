@@ -128,11 +128,11 @@ def test_engine_error_fails_running_jobs_and_keeps_serving(tiny):
         original = runner.forward_plan
         calls = {"n": 0}
 
-        def flaky(plan):
+        def flaky(plan, token_patch=None):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("boom")
-            return original(plan)
+            return original(plan, token_patch)
 
         runner.forward_plan = flaky  # the step thread waits: no job yet
         try:
@@ -201,10 +201,10 @@ def test_published_views_are_read_without_waiting_for_a_step(tiny):
         real = gen.generator.runner.forward_plan
         in_step, release = threading.Event(), threading.Event()
 
-        def slow_forward(plan):
+        def slow_forward(plan, token_patch=None):
             in_step.set()
             release.wait(DEADLINE_S)
-            return real(plan)
+            return real(plan, token_patch)
 
         gen.publish("pages", lambda g: g.stats()["pages_in_use"], period_s=0.01)
         await _until(lambda: _ready(gen.published("pages") == 0), "the first view")

@@ -105,11 +105,11 @@ def test_a_failing_forward_ends_its_step_and_the_generator_goes_on(tiny, expecte
     real = generator.runner.forward_plan
     calls = {"n": 0}
 
-    def flaky(plan):
+    def flaky(plan, token_patch=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real(plan)
+        return real(plan, token_patch)
 
     generator.runner.forward_plan = flaky
     finals = _drive(generator, jobs)
