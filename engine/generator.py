@@ -282,7 +282,11 @@ class DynamicGenerator:
         # the previous step's tokens, read while the device runs this step's forward (before
         # the commit: pages it fills are hashed over their values)
         results += self._read_in_flight()
-        prefilling = [e.seq.owner for e in plan.entries if not e.seq.owner.new_token_ids]
+        prefilling = [
+            e.seq.owner
+            for e in plan.entries
+            if not e.seq.owner.new_token_ids and not e.seq.owner.finished
+        ]
         prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
         results += [job.prefill_result() for job in prefilling]
