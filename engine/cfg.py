@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.device_copy import upload
 from engine.request import SamplerSettings
 from engine.scheduler import SeqState, StepEntry
 
@@ -76,12 +77,12 @@ def merge_cfg_rows(
     if len(guided) != len(negative) or any(id(jobs[j]) not in negative for j in guided):
         raise RuntimeError("a CFG row was sampled without its partner (scheduler invariant)")
     device = logits.device
-    pos = torch.tensor([rows[j] for j in guided], device=device)
-    neg = torch.tensor([negative[id(jobs[j])] for j in guided], device=device)
-    scale = torch.tensor([jobs[j].gen_settings.cfg_scale for j in guided], device=device)
+    pos = upload([rows[j] for j in guided], device)
+    neg = upload([negative[id(jobs[j])] for j in guided], device)
+    scale = upload([jobs[j].gen_settings.cfg_scale for j in guided], device)
     scale = scale[:, None].to(logits.dtype)
     mixed = scale * torch.log_softmax(logits[pos], -1)
     mixed += (1 - scale) * torch.log_softmax(logits[neg], -1)
-    out = logits[torch.tensor(rows, device=device)]
-    out[torch.tensor(guided, device=device)] = mixed
+    out = logits[upload(rows, device)]
+    out[upload(guided, device)] = mixed
     return jobs, out

@@ -23,6 +23,7 @@ import torch
 
 from engine.cache.kv_cache import PagedCache
 from engine.cfg import merge_cfg_rows
+from engine.device_copy import upload
 from engine.embeddings import check_prompt
 from engine.inflight import PENDING_TOKEN, InFlightTokens
 from engine.job import DynamicJob
@@ -648,7 +649,7 @@ def _without_finished(jobs: list[DynamicJob], logits: torch.Tensor, token_mask):
     keep = [i for i, job in enumerate(jobs) if not job.finished]
     if len(keep) == len(jobs):
         return jobs, logits, token_mask
-    index = torch.tensor(keep, dtype=torch.long, device=logits.device)
+    index = upload(keep, logits.device, torch.long)
     mask = None if token_mask is None else token_mask[index.to(token_mask.device)]
     return [jobs[i] for i in keep], logits[index], mask
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from engine.device_copy import upload
+
 PENDING_TOKEN = -2  # a sequence's last token while its value is still on the device
 
 
@@ -109,11 +111,11 @@ class InFlightTokens:
         if not positions:
             return None
         device = self.tokens.device
-        index = _long_tensor(sources, device)
+        index = upload(sources, device, torch.long)
         # clamp: a row the device could not sample holds a negative code; its job ends when
         # read, but its input id this step must still be a valid embedding row
         values = self.tokens.index_select(0, index).clamp_(min=0)
-        return TokenPatch(_long_tensor(positions, device), values)
+        return TokenPatch(upload(positions, device, torch.long), values)
 
     def read(self) -> tuple[list[int], list[bool]]:
         """(token per row, flag per row): waits for the copies (not for later device work)."""
@@ -125,10 +127,3 @@ class InFlightTokens:
 
     def holds(self, job: Any) -> bool:
         return any(j is job for j in self.jobs)
-
-
-def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":  # pinned + non_blocking: no wait for the queued device work
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

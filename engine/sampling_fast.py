@@ -51,6 +51,7 @@ from operator import attrgetter
 
 import torch
 
+from engine.device_copy import upload
 from engine.sampling import (
     TOP_P_CANDIDATES,
     SampleOutput,
@@ -119,30 +120,30 @@ class RowParams:
         min_p = [s.min_p for s in settings]
         return cls(
             key=key,
-            greedy=torch.tensor(greedy, device=device),
+            greedy=upload(greedy, device),
             all_greedy=all(greedy),
             fast=fast,
             # as the reference: float32 tensors from the Python floats
-            temps=torch.tensor(
+            temps=upload(
                 [1.0 if g else s.temperature for s, g in zip(settings, greedy, strict=True)],
-                device=device,
+                device,
             )[:, None],
-            top_k=torch.tensor(
+            top_k=upload(
                 [1 if g or not s.top_k else s.top_k for s, g in zip(settings, greedy, strict=True)],
-                device=device,
+                device,
             )[:, None],
             max_top_k=max((s.top_k for s in sampled), default=1),
-            unbounded=torch.tensor(unbounded, device=device)[:, None],
+            unbounded=upload(unbounded, device)[:, None],
             unbounded_rows=[i for i, u in enumerate(unbounded) if u],
-            top_p=torch.tensor(top_p, device=device)[:, None] if min(top_p) < 1.0 else None,
-            min_p=torch.tensor(min_p, device=device)[:, None] if max(min_p) > 0 else None,
+            top_p=upload(top_p, device)[:, None] if min(top_p) < 1.0 else None,
+            min_p=upload(min_p, device)[:, None] if max(min_p) > 0 else None,
             penalised=penalised,
-            penalties=torch.tensor(
+            penalties=upload(
                 [
                     [s.repetition_penalty, s.frequency_penalty, s.presence_penalty]
                     for s in (settings[i] for i in penalised)
                 ],
-                device=device,
+                device,
             ).reshape(-1, 3),
         )
 
@@ -220,7 +221,7 @@ class SamplerState:
             self._forget_others(requests)
             return DeviceSample(tokens, flags)
         out = self.sample(logits, requests, vocab_limit)
-        return DeviceSample(torch.tensor(out.tokens, dtype=torch.long, device=logits.device))
+        return DeviceSample(upload(out.tokens, logits.device, torch.long))
 
     def _greedy_on_device(self, logits, requests, vocab_limit, params: RowParams):
         raw = logits.float()
@@ -282,7 +283,7 @@ class SamplerState:
             if -vocab <= t < vocab
         ]
         if touched:
-            edits.save(torch.tensor(touched, device=raw.device))
+            edits.save(upload(touched, raw.device))
             _apply_bias_and_bans(raw, requests)
 
     def _window(self, request: SampleRequest, vocab: int) -> ContextCounts:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device_copy import upload
+
 
 class ContextCounts:
     """One job's penalty window as its distinct token ids and how often each occurs, kept up
@@ -111,9 +113,9 @@ class PenaltyRows:
         )
         counts = np.concatenate([c for _, c in arrays])
         return cls(
-            keys=torch.from_numpy(keys).to(device),
-            counts=torch.from_numpy(counts).to(device),
-            slot=torch.from_numpy(slot).to(device),
+            keys=upload(keys, device),
+            counts=upload(counts, device),
+            slot=upload(slot, device),
         )
 
 
