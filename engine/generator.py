@@ -374,13 +374,10 @@ class DynamicGenerator:
                 continue
             token = tokens[i]
             try:
-                if flags[i]:  # the device could not pick it: the reference's answer
-                    token, token_tensors_i = self._resample(flight, i), None
-                else:
-                    token_tensors_i = token_tensors[i]
-                if token == BANNED_ROW:
-                    message = f"every token is banned for job {job.identifier!r} at this step"
-                    raise ValueError(message)
+                token_tensors_i = token_tensors[i]
+                if flags[i]:  # no finite maximum: the reference's answer
+                    token = self._resample(flight, i, token)
+                    token_tensors_i = None
                 data = job.take_token(
                     token, token_tensor=token_tensors_i, replaces_pending=flight.pending[i]
                 )
@@ -393,13 +390,21 @@ class DynamicGenerator:
             results.append(result)
         return results
 
-    def _resample(self, flight: InFlightTokens, row: int) -> int:
-        """A flagged row's token from the reference sampler, with the context it had."""
+    def _resample(self, flight: InFlightTokens, row: int, fed: int) -> int:
+        """A flagged row's token from the reference sampler, with the context it had. The
+        device's pick ``fed`` is already the running step's input: a job whose reference
+        token differs (none found: every token banned) ends here."""
         request = flight.requests[row]
         if flight.pending[row] and request.context:  # drop the PENDING_TOKEN it holds now
             request = dataclasses.replace(request, context=request.context[:-1])
         logits = flight.logits[row : row + 1]
-        return sample(logits, [request], self.tokenizer.vocab_size).tokens[0]
+        token = sample(logits, [request], self.tokenizer.vocab_size).tokens[0]
+        job = flight.jobs[row]
+        if token == BANNED_ROW:
+            raise ValueError(f"every token is banned for job {job.identifier!r} at this step")
+        if token != fed:
+            raise ValueError(f"job {job.identifier!r}: no finite logit to pick a token from")
+        return token
 
     def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:
         try:

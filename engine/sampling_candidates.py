@@ -16,7 +16,8 @@ maximum is taken with one vectorised ``amax`` pass. Then:
   the ties) are those a ``topk`` over the whole row returns; which of several ids tied on
   the n-th value comes out may differ, and the sampler never depends on that.
 
-Rows holding NaN are not handled here (``amax`` propagates it): callers check ``row_max``.
+A row holding a NaN gets its first NaN as the greedy token (as ``max`` gives it) and a NaN
+``row_max``; ``top`` does not handle such rows: callers check ``row_max``.
 """
 
 from __future__ import annotations
@@ -58,21 +59,19 @@ class Blocks:
         return self.x[:, : self.full * BLOCK].unflatten(1, (self.full, BLOCK))
 
     def greedy(self) -> torch.Tensor:
-        """[B] long: the first id of each row's maximum. Exactly
-        ``x[:, :limit].max(-1).indices`` for rows without NaN."""
+        """[B] long: the first id of each row's maximum, or of its first NaN: exactly
+        ``x[:, :limit].max(-1).indices`` (a NaN is the maximum there)."""
         width = self.full * BLOCK
         if not self.full:
-            return (self.tail == self.row_max).to(torch.uint8).argmax(-1)
-        # argmax returns the first maximum: on bools, the first True
-        hit = (self.maxima == self.row_max).to(torch.uint8)
+            return _first_hit(self.tail, self.row_max)
+        # a block holding a NaN has a NaN maximum (amax propagates it), equal to nothing
+        hit = ((self.maxima == self.row_max) | self.maxima.isnan()).to(torch.uint8)
         in_blocks = hit.amax(-1).bool()
         first = hit.argmax(-1, keepdim=True)
         block = self.block_view().gather(1, first[..., None].expand(-1, -1, BLOCK)).squeeze(1)
-        inside = (block == self.row_max).to(torch.uint8).argmax(-1)
-        ids = first.squeeze(1) * BLOCK + inside
+        ids = first.squeeze(1) * BLOCK + _first_hit(block, self.row_max)
         if width < self.limit:  # rows whose maximum is only in the tail
-            in_tail = width + (self.tail == self.row_max).to(torch.uint8).argmax(-1)
-            ids = torch.where(in_blocks, ids, in_tail)
+            ids = torch.where(in_blocks, ids, width + _first_hit(self.tail, self.row_max))
         return ids
 
     def top(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +102,12 @@ class Blocks:
             in_tail = where >= n * SUB
             ids = torch.where(in_tail, where - n * SUB + self.full * BLOCK, ids)
         return top, ids
+
+
+def _first_hit(values: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """[B]: each row's first position holding ``row_max`` or a NaN (argmax returns the
+    first maximum: on bools, the first True)."""
+    return ((values == row_max) | values.isnan()).to(torch.uint8).argmax(-1)
 
 
 def _take(x: torch.Tensor, width: int, chosen: torch.Tensor) -> torch.Tensor:

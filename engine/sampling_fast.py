@@ -153,7 +153,11 @@ class DeviceSample:
     """``SamplerState.sample_on_device``'s tokens, still on the device."""
 
     tokens: torch.Tensor  # [B] long; BANNED_ROW where the host sampler found no token
-    flags: torch.Tensor | None = None  # [B] bool: rows to sample again with the reference
+    # [B] bool: rows without a finite maximum (a NaN, every token banned): the caller asks the
+    # reference again for them; their token here is the one the reference's greedy op picks
+    # (the first NaN, or id 0), so the next step's input is right whenever the reference
+    # then finds a token at all
+    flags: torch.Tensor | None = None
 
 
 class SamplerState:
@@ -207,8 +211,8 @@ class SamplerState:
         """The tokens of ``sample`` (no mask, no extras) as a tensor on the logits' device.
 
         Greedy batches (penalties, biases and bans included) never wait for the device here:
-        rows the device path cannot pick (a NaN, every token banned) are flagged for the
-        reference, which the caller runs when it reads the tokens. Other batches sample as
+        rows without a finite maximum (a NaN, every token banned) are flagged, and the caller
+        runs the reference for them when it reads the tokens. Other batches sample as
         ``sample`` does (on the host's time) and hand back its tokens."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
@@ -237,7 +241,7 @@ class SamplerState:
             else:
                 blocks = Blocks.of(raw, limit)
                 tokens, row_max = blocks.greedy(), blocks.row_max.squeeze(1)
-            flags = torch.isnan(row_max) | (row_max == -math.inf)
+            flags = ~(row_max > -math.inf)  # (a NaN maximum is not > -inf either)
         finally:
             edits.restore()
         for r in requests:  # every row draws, as in ``sample``

@@ -216,9 +216,10 @@ def _poisoned(generator, step: int, value: float):
     generator.runner.forward_plan = forward
 
 
-def test_rows_the_device_cannot_pick_get_the_reference_token(tiny):
+@pytest.mark.parametrize("count", [2, 18])  # one whole-row max; block maxima
+def test_rows_the_device_cannot_pick_get_the_reference_token(tiny, count):
     """A NaN logit: the reference's pick (the NaN's id), the same as tokens read at once."""
-    prompts = _prompts(tiny.tokenizer, count=2, seed=26)
+    prompts = _prompts(tiny.tokenizer, count=count, seed=26)
     tokens = {}
     for late in (False, True):
         generator = tiny.generator(async_scheduling=late)

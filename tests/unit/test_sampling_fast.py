@@ -43,6 +43,11 @@ def test_block_greedy_is_the_first_maximum(vocab, ties):
         x[2, [3, min(BLOCK + 1, vocab - 2), vocab - 1]] = 100.0  # tied maxima, several blocks
         x[3] = -torch.inf
         x[3, vocab // 2] = 0.0
+        x[4] = -torch.inf  # no finite value: id 0
+        x[5, [vocab // 3, vocab // 2]] = torch.nan  # NaNs: the first, as max gives it
+        x[6, -1] = torch.nan  # a NaN in the tail (or last block) only
+        x[7, 1] = 1000.0  # a maximum before a NaN: the NaN still wins
+        x[7, vocab - 2] = torch.nan
         for limit in (vocab, vocab - 1, max(1, vocab - BLOCK - 3)):
             expected = x[:, :limit].max(-1).indices
             assert torch.equal(Blocks.of(x, limit).greedy(), expected), (vocab, limit, seed)
