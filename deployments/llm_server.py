@@ -103,6 +103,7 @@ def build_generator(preset: Preset) -> DynamicGeneratorAsync:
         max_seq_len=preset.context_length(model.config.max_position_embeddings),
         max_chunk_size=engine.max_chunk_size,
         cuda_graphs=engine.cuda_graphs,
+        async_scheduling=engine.async_scheduling,
         **(engine.speculative.generator_kwargs() if engine.speculative else {}),
     )
 

@@ -232,6 +232,9 @@ class EnginePreset:
     cache_quant: str = "fp16"  # fp16 | q8 | q6 | q4 (engine/cache/quant.py)
     cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
+    # tokens read one step late, the next forward fed on the device; None: on a GPU unless
+    # speculating (engine/inflight.py)
+    async_scheduling: bool | None = None
     speculative: NgramSpeculation | None = None  # {ngram: {max_ngram, num_draft_tokens}}
 
     @classmethod
@@ -245,6 +248,13 @@ class EnginePreset:
         cache_rotate = _bool(raw, "cache_rotate", "engine")
         if cache_rotate and cache_quant == "fp16":
             raise ValueError("engine.cache_rotate: true needs a quantized engine.cache_quant")
+        speculative = NgramSpeculation.parse(raw.get("speculative"))
+        async_scheduling = _bool(raw, "async_scheduling", "engine")
+        if async_scheduling and speculative is not None:
+            raise ValueError(
+                "engine.async_scheduling: true cannot be combined with engine.speculative "
+                "(verification needs each step's tokens on the host before the next drafts)"
+            )
         return cls(
             max_num_tokens=max_num_tokens,
             cache_bytes=cache_bytes,
@@ -254,7 +264,8 @@ class EnginePreset:
             cache_quant=cache_quant,
             cache_rotate=cache_rotate,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
-            speculative=NgramSpeculation.parse(raw.get("speculative")),
+            async_scheduling=async_scheduling,
+            speculative=speculative,
         )
 
     def num_pages(self, kv_bytes_per_token: int | None = None) -> int:

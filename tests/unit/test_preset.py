@@ -71,6 +71,12 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "cache_rotate", True, "engine.cache_rotate: true needs a quantized"),
         ("engine", "cache_rotate", "on", "engine.cache_rotate must be true or false, got 'on'"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
+        (
+            "engine",
+            "async_scheduling",
+            1,
+            "engine.async_scheduling must be true or false, got 1",
+        ),
         ("engine", "speculate", 4, r"unknown key\(s\) \['speculate'\] in 'engine'"),
         ("serving", "num_replicas", 0, "serving.num_replicas must be >= 1, got 0"),
         ("serving", "num_replicas", "2", "serving.num_replicas must be an integer, got '2'"),
@@ -354,3 +360,20 @@ def test_serve_configs_validate_and_name_a_valid_preset(path: str) -> None:
     assert entries["Ingress"].ray_actor_options.num_cpus == 0
     if preset.serving.autoscaling is not None:
         assert "num_replicas" not in raw["applications"][0]["deployments"][1]
+
+
+def test_async_scheduling_reaches_the_replicas_generator(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deployments.llm_server import build_generator
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    for value in (True, False):
+        preset = Preset.parse(with_value("engine", "async_scheduling", value))
+        assert preset.engine.async_scheduling is value
+        assert build_generator(preset).generator.async_scheduling is value
+    assert Preset.parse(BASE).engine.async_scheduling is None  # the engine's default
+    speculating = with_value("engine", "async_scheduling", True)
+    speculating["engine"]["speculative"] = {"ngram": {}}
+    with pytest.raises(ValueError, match=re.escape("engine.async_scheduling: true cannot be")):
+        Preset.parse(speculating)
