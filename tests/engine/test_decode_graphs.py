@@ -15,6 +15,7 @@ import torch
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cuda import attention
+from engine.inflight import PENDING_TOKEN, TokenPatch
 from engine.model.cuda_graphs import DecodeGraphs, bucket_sizes
 from engine.model.runner import plan_rows
 from engine.ops import OPS_ENV, TORCH_OPS
@@ -91,6 +92,24 @@ def test_padded_static_steps_match_eager_forwards(cuda_model, monkeypatch, split
         want = _reference(cuda_model, kv, seqs)
         assert got.shape == want.shape
         assert _rel(got, want) <= TOL[torch.float32]
+
+
+def test_input_ids_from_the_device_replace_the_placeholders(cuda_model):
+    """Async scheduling: rows whose token is still on the device hold PENDING_TOKEN; the
+    step's TokenPatch writes their ids into the static buffer before the replay."""
+    kv = cuda_model.allocate_kv(16, PAGE)
+    graphs = DecodeGraphs(cuda_model, kv, PAGE, max_batch_size=4, max_seq_len=32, capture=False)
+    seqs = _decode_inputs([3, 5, 8])  # tokens 7, 8, 9
+    _fill_cache(cuda_model, kv, seqs)
+    want = _reference(cuda_model, kv, seqs)
+    pending = [
+        s if i == 1 else SequenceInput([PENDING_TOKEN], s.num_cached, s.pages)
+        for i, s in enumerate(seqs)
+    ]
+    patch = TokenPatch(torch.tensor([0, 2]), torch.tensor([7, 9]))
+    got = graphs.try_run(pending, patch)
+    assert _rel(got, want) <= TOL[torch.float32]
+    assert graphs._longs[0, :3].tolist() == [7, 8, 9]
 
 
 def test_padding_rows_write_no_page(cuda_model):
