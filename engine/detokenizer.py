@@ -75,6 +75,10 @@ class IncrementalDetokenizer:
         # decode() drops skipped special tokens before its decoder runs, so dropping them here
         # changes no text; kept, one could start a window that renders as "", and the window's
         # first real token would then lose its leading space (a start-of-decode strip).
+        if isinstance(ids, int):  # one generated token: the common case, kept cheap
+            if self._decode_special or ids not in self._tokenizer.special_ids:
+                return [ids]
+            return []
         ids = flat_ids(ids)
         if self._decode_special:
             return ids

@@ -352,8 +352,9 @@ class DynamicGenerator:
                 self._tokens_done.add(job.serial)
                 pending.append(False)
                 continue
-            for seq in job.seq.group:
-                seq.tokens.append(PENDING_TOKEN)
+            job.seq.tokens.append(PENDING_TOKEN)
+            if job.seq.partner is not None:  # a CFG job's negative row: the same token
+                job.seq.partner.tokens.append(PENDING_TOKEN)
             pending.append(True)
         self._in_flight = InFlightTokens.launch(
             jobs, requests, sampled.tokens, sampled.flags, logits, pending

@@ -79,8 +79,9 @@ class InFlightTokens:
         rows: dict[int, int] = {}
         for i, job in enumerate(jobs):
             if pending[i]:
-                for seq in job.seq.group:  # a CFG job's two rows continue with one token
-                    rows[id(seq)] = i
+                rows[id(job.seq)] = i
+                if job.seq.partner is not None:  # a CFG job's two rows take one token
+                    rows[id(job.seq.partner)] = i
         host, host_flags, ready = tokens, flags, None
         if tokens.is_cuda:  # pinned buffers: the copies are queued after the sampling
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

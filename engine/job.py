@@ -285,13 +285,17 @@ class DynamicJob:
         if self.constraint is not None:
             self.constraint.consume(token)  # FilterError: the generator ends this job alone
         self.new_token_ids.append(token)
-        for seq in self.seq.group:  # a CFG job's negative row continues the same way
-            if not replaces_pending:
-                seq.tokens.append(token)
-            elif seq.tokens[-1] == PENDING_TOKEN:
-                seq.tokens[-1] = token
-            else:
-                raise RuntimeError(f"job {self.identifier!r} holds no pending token to replace")
+        seq, partner = self.seq, self.seq.partner  # a CFG job's negative row continues alike
+        if not replaces_pending:
+            seq.tokens.append(token)
+            if partner is not None:
+                partner.tokens.append(token)
+        elif seq.tokens[-1] == PENDING_TOKEN:
+            seq.tokens[-1] = token
+            if partner is not None:
+                partner.tokens[-1] = token
+        else:
+            raise RuntimeError(f"job {self.identifier!r} holds no pending token to replace")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
         data: dict[str, Any] = {}

@@ -32,11 +32,17 @@ class StopStringMatcher:
     def partial_suffix_start(self, text: str) -> int:
         """Index where the earliest suffix of ``text`` that is a proper prefix of a stop string
         begins; ``len(text)`` when no suffix could grow into a match."""
-        start = len(text)
+        n = len(text)
+        start = n
         for stop in self.stop_strings:
-            # only suffixes shorter than the stop string can still be completed by more text
-            for length in range(min(len(stop) - 1, len(text)), 0, -1):
-                if stop.startswith(text[-length:]):
-                    start = min(start, len(text) - length)
+            # only suffixes shorter than the stop string can still be completed by more text,
+            # and only those starting with its first character (one C-level find each, usually
+            # none: this runs for every token of every job with stop strings)
+            first = stop[0]
+            i = text.find(first, max(0, n - len(stop) + 1), start)
+            while i >= 0:
+                if stop.startswith(text[i:]):
+                    start = i
                     break
+                i = text.find(first, i + 1, start)
         return start

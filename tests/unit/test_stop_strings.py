@@ -108,6 +108,28 @@ def test_full_match_is_not_a_partial():
     assert m.partial_suffix_start("Hello world") == len("Hello world")
 
 
+def _partial_by_definition(text: str, stops: list[str]) -> int:
+    """The earliest start of a suffix shorter than some stop string and a prefix of it."""
+    starts = [
+        len(text) - n
+        for stop in stops
+        for n in range(1, min(len(stop) - 1, len(text)) + 1)
+        if stop.startswith(text[-n:])
+    ]
+    return min(starts, default=len(text))
+
+
+@given(
+    st.text(alphabet="abcx", max_size=14),
+    st.lists(st.text(alphabet="abcx", min_size=1, max_size=5), max_size=4),
+)
+@settings(max_examples=400, deadline=None)
+def test_partial_suffix_start_follows_its_definition(text: str, stops: list[str]):
+    assert StopStringMatcher(stops).partial_suffix_start(text) == _partial_by_definition(
+        text, stops
+    )
+
+
 def test_single_char_stop_never_holds():
     m = StopStringMatcher(["x", "y"])
     assert m.partial_suffix_start("abcx") == 4
