@@ -39,11 +39,16 @@ from engine.batch import ForwardBatch, SequenceInput
 from engine.embeddings import EMBEDDING_ID_BASE
 from engine.inflight import TokenPatch
 from engine.ops import OpSet
+from engine.scheduler import StepEntry
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 PAD_SLOT = -1
+
+
+# one decode row: (its input token, its position (= tokens already cached), its pages)
+DecodeRow = tuple[int, int, Sequence[int]]
 
 
 @dataclass(slots=True)
@@ -205,6 +210,19 @@ class DecodeGraphs:
         return logits
 
     @torch.inference_mode()
+    def supports_entries(self, entries: Sequence[StepEntry]) -> bool:
+        """``supports(plan_rows(plan))`` for a plan's entries, without building the rows."""
+        if not 1 <= len(entries) <= self.max_size:
+            return False
+        return all(
+            e.num_tokens == 1
+            and not e.drafts
+            and e.samples
+            and e.start < self.max_seq_len
+            and not (e.seq.embeddings and e.seq.tokens[e.start] >= EMBEDDING_ID_BASE)
+            for e in entries
+        )
+
     def try_run(
         self, seqs: Sequence[SequenceInput], token_patch: TokenPatch | None = None
     ) -> torch.Tensor | None:
@@ -212,8 +230,21 @@ class DecodeGraphs:
         ``token_patch``: input ids taken from the device (row i's token is input id i)."""
         if not self.supports(seqs):
             return None
-        bucket = self._buckets[self.bucket_for(len(seqs))]
-        self._stage(seqs, bucket.size)
+        return self._replay([(s.token_ids[0], s.num_cached, s.pages) for s in seqs], token_patch)
+
+    def try_run_entries(
+        self, entries: Sequence[StepEntry], token_patch: TokenPatch | None = None
+    ) -> torch.Tensor | None:
+        """``try_run(plan_rows(plan))`` read straight from a plan's entries: a decode step
+        builds no ``SequenceInput`` rows, and a step the graphs decline builds nothing."""
+        if not self.supports_entries(entries):
+            return None
+        rows = [(e.seq.tokens[e.start], e.start, e.seq.pages) for e in entries]
+        return self._replay(rows, token_patch)
+
+    def _replay(self, rows: list[DecodeRow], token_patch: TokenPatch | None) -> torch.Tensor:
+        bucket = self._buckets[self.bucket_for(len(rows))]
+        self._stage(rows, bucket.size)
         self._upload(bucket.size)
         if token_patch is not None:
             token_patch.apply(self._longs[0])
@@ -223,20 +254,18 @@ class DecodeGraphs:
             hidden = bucket.hidden
         else:
             hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.ops)
-        return self.model.network.logits(hidden[: len(seqs)])
+        return self.model.network.logits(hidden[: len(rows)])
 
-    def _stage(self, seqs: Sequence[SequenceInput], size: int) -> None:
+    def _stage(self, rows: Sequence[DecodeRow], size: int) -> None:
         """Write the step's values (and padding rows up to ``size``) into the host buffers."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the host buffers
         longs, ints = self._np_longs, self._np_ints
-        n, ps = len(seqs), self.page_size
-        for i, seq in enumerate(seqs):
-            pos = seq.num_cached
-            pages = seq.pages
+        n, ps = len(rows), self.page_size
+        for i, (token, pos, pages) in enumerate(rows):
             if len(pages) <= pos // ps:
                 raise ValueError(f"sequence of {pos + 1} tokens needs more than {len(pages)} pages")
-            longs[0, i] = seq.token_ids[0]
+            longs[0, i] = token
             longs[1, i] = pos
             longs[2, i] = pages[pos // ps] * ps + pos % ps
             ints[i] = pos + 1

@@ -104,7 +104,7 @@ class ModelRunner:
         step before sampled, see engine/inflight.py), written over the batch's before the
         forward."""
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.try_run(plan_rows(plan), token_patch)
+            logits = self.decode_graphs.try_run_entries(plan.entries, token_patch)
             if logits is not None:
                 return logits
         if self.persistent_batch is None:

@@ -137,8 +137,8 @@ def test_block_table_rows_follow_growth_swaps_and_row_changes(cuda_model):
     a, b = [1, 2], [3]
 
     def step(*pages_lists: list[int]) -> None:
-        seqs = [SequenceInput([5], len(p) * PAGE - 1, p) for p in pages_lists]
-        graphs._stage(seqs, graphs.bucket_for(len(seqs)))
+        rows = [(5, len(p) * PAGE - 1, p) for p in pages_lists]  # (token, position, pages)
+        graphs._stage(rows, graphs.bucket_for(len(rows)))
         for row, pages in enumerate(pages_lists):
             assert tables[row, : len(pages)].tolist() == pages
 
@@ -168,10 +168,15 @@ def test_block_tables_staged_from_scheduler_runs_match_the_pages(cuda_model, see
     staged = []
 
     def stage(plan) -> None:
+        # the runner stages from the plan's entries; the rows are what it stands for
         rows = plan_rows(plan)
-        if not graphs.supports(rows):
+        supported = graphs.supports_entries(plan.entries)
+        assert supported == graphs.supports(rows)
+        if not supported:
             return
-        graphs._stage(rows, graphs.bucket_for(len(rows)))
+        entries = [(e.seq.tokens[e.start], e.start, e.seq.pages) for e in plan.entries]
+        assert entries == [(r.token_ids[0], r.num_cached, r.pages) for r in rows]
+        graphs._stage(entries, graphs.bucket_for(len(rows)))
         staged.append(len(rows))
         for i, row in enumerate(rows):
             assert tables[i, : len(row.pages)].tolist() == list(row.pages)
@@ -214,10 +219,16 @@ def test_graphs_need_the_kernel_op_set(small, monkeypatch):  # noqa: F811
 def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, monkeypatch):  # noqa: F811
     prompts = [[5, 9, 17, 3, 40, 2], [5, 9, 17, 3, 11], [200], [7, 7]]
 
-    def greedy(model: Model, graphs: bool) -> list[list[int]]:
+    def greedy(model: Model, graphs: bool, late: bool = False) -> list[list[int]]:
         cache = PagedCache(model, 128, page_size=PAGE)
         generator = DynamicGenerator(
-            model, cache, tiny.tokenizer, max_chunk_size=16, max_batch_size=6, cuda_graphs=graphs
+            model,
+            cache,
+            tiny.tokenizer,
+            max_chunk_size=16,
+            max_batch_size=6,
+            cuda_graphs=graphs,
+            async_scheduling=late,
         )
         assert (generator.runner.decode_graphs is not None) == graphs
         jobs = [
@@ -234,6 +245,8 @@ def test_generator_with_decode_graphs_matches_torch(cuda_model, small, tiny, mon
         return [job.new_token_ids for job in jobs]
 
     with_graphs = greedy(cuda_model, True)
+    # async scheduling: the graphs' input ids come from the device (TokenPatch)
+    assert greedy(cuda_model, True, late=True) == with_graphs
     monkeypatch.setenv(OPS_ENV, "torch")
     assert with_graphs == greedy(Model.from_pretrained(small), False)
 
