@@ -39,18 +39,23 @@ row costs the max pass only. (A radix select with shared histograms would cut th
 
 Exactness against the torch path (same draws): greedy tokens are exact. Sampled tokens use the
 same float32 operations per probability (``/ T``, ``- M / T``, ``exp``, ``p / Z``) and the same
-keep rules (ties at the k-th kept; ties at the top-p cut kept lowest ids first), and the kernel
-and torch's CUDA ``exp`` are the same libdevice function. What differs is summation order:
+keep rules (ties at the k-th kept; ties at the top-p cut kept lowest ids first); on a GPU the
+kernel's ``exp`` lowers to libdevice's ``__nv_expf``, the CUDA math library's ``expf`` that
+torch's CUDA ``exp`` calls (not checked on a device yet). What differs is summation order:
 the masses ``S``, ``Z``, the mass above the cut (float64 here; torch: float32 sums, a float32
 cumsum on CUDA, a float64-accumulated one on CPU) and the CDF (float64 in both, summed in
 ranges here, sequentially there). So ``Z`` (hence every ``q``) and the top-p decision may
 differ in the last float32 bit, and a token differs only when the draw, or ``top_p * S``,
 lands within that rounding of a boundary: about 1e-7 per draw. Other documented differences:
 rows with a +inf maximum are flagged (the torch path computes NaN probabilities for them);
-when rounding puts ``u * total`` at or past the last CDF step the kernel takes the last kept
-id (torch: the last candidate, possibly a zero); under the simulator ``exp`` is Python's
-double ``exp`` rounded to float32, which can differ from torch's CPU float32 ``exp`` by an
-ulp (the same kind of last-bit difference).
+when rounding puts ``u * total`` at or past the last CDF step the kernel takes the row's last
+kept id (torch: the last candidate, possibly one of probability 0); under the simulator
+``exp`` is Python's double ``exp`` rounded to float32, which can differ from torch's CPU
+float32 ``exp`` by an ulp (the same kind of last-bit difference). Like the torch path, the
+kernel takes ``p`` to be non-decreasing in the logit (the k-th probability is that of the
+k-th logit). Batches the torch path hands to the reference (``max top_k + 1 > limit``, ties
+at the k-th reaching past its candidates) are computed here directly, with the reference's
+keep rules (ties at the k-th kept, ``k`` past the finite values keeps them all).
 
 Launch functions take and return device tensors and never read a device value on the host:
 ``greedy_cuda`` -> (tokens int64 [B], flags bool [B]); ``sample_cuda`` -> the same, its greedy
@@ -416,12 +421,13 @@ def _sample_kernel_py(x, limit, uniforms, temps, top_k, top_p, min_p, greedy, to
     last, part = _walk(x, row, start, end, temp, scaled_max, cut, rank, -1.0, float64(0.0))
     before, after, cdf_total = _scan_f64(part, fbuf)
     last = _max_i64(last, ibuf)
+    if tid == 0:  # the row's last kept id: kept if rounding puts u * total past every step
+        tokens[row] = last
+    cuda.syncthreads()
     target = uniforms[row] * cdf_total
     if part > 0 and before <= target < after:
         # (if rounding keeps the walk's sum <= target: the range's last kept id)
         tokens[row] = _walk(x, row, start, end, temp, scaled_max, cut, rank, target, before)[0]
-    elif tid == 0 and not target < cdf_total:  # rounding put the target past every step
-        tokens[row] = last
 
 
 def _greedy_kernel_py(x, limit, tokens, flags):
