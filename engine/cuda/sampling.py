@@ -84,6 +84,9 @@ _MAX_THREADS = 1024
 _SIM_THREADS = 8  # the simulator runs a Python thread per CUDA thread: few, for speed
 _NEG_INF_KEY = -2139095041  # _key(-inf)
 _ONE_BITS = 0x3F800000  # float32 1.0
+# top-k rows whose kept ids (k and the ties at the k-th) fit are copied to shared memory
+# (8 KB of logits, 8 KB of ids) and read there for the rest; larger sets stay in the row
+_CANDIDATES = 2048
 
 
 # -- bit casts: libdevice on a GPU, numpy in the simulator (where libdevice returns None) ----
@@ -224,18 +227,17 @@ def _scan_i64(v, buf):
 
 
 @cuda.jit(device=True)
-def _row_max(x, row, limit, fbuf, ibuf):
-    """(max, its first id, NaN seen) of ``x[row, :limit]``; the id is ``limit`` if empty."""
+def _row_max(vals, n, fbuf, ibuf):
+    """(max, its first id, NaN seen) of ``vals[:n]``; the id is ``n`` if empty."""
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     best = float32(-math.inf)
-    best_id = int64(limit)  # none yet
+    best_id = int64(n)  # none yet
     nan = int64(0)
-    for i in range(tid, limit, nt):  # ids ascending: a thread keeps its first maximum
-        v = x[row, i]
+    for i in range(tid, n, cuda.blockDim.x):  # ids ascending: a thread keeps its first maximum
+        v = vals[i]
         if v != v:
             nan = 1
-        elif best_id == limit or v > best:
+        elif best_id == n or v > best:
             best = v
             best_id = i
     fbuf[tid] = float64(best)
@@ -247,8 +249,8 @@ def _row_max(x, row, limit, fbuf, ibuf):
             other_id = ibuf[tid + step]
             other = fbuf[tid + step]
             mine = ibuf[tid]
-            if other_id != limit and (
-                mine == limit or other > fbuf[tid] or (other == fbuf[tid] and other_id < mine)
+            if other_id != n and (
+                mine == n or other > fbuf[tid] or (other == fbuf[tid] and other_id < mine)
             ):
                 fbuf[tid] = other
                 ibuf[tid] = other_id
@@ -262,17 +264,17 @@ def _row_max(x, row, limit, fbuf, ibuf):
 
 
 @cuda.jit(device=True)
-def _kth_logit(x, row, limit, k, row_max, ibuf):
-    """The k-th largest value of ``x[row, :limit]`` (1 <= k < limit, no NaN): the largest
-    ordered key whose value has at least k values >= it."""
-    lo = int64(_NEG_INF_KEY)  # every value is >= -inf: count limit >= k
+def _kth_logit(vals, n, k, row_max, ibuf):
+    """The k-th largest of ``vals[:n]`` (1 <= k < n, no NaN): the largest ordered key whose
+    value has at least k values >= it."""
+    lo = int64(_NEG_INF_KEY)  # every value is >= -inf: count n >= k
     hi = _key(row_max) + 1  # nothing is above the maximum: count 0 < k
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
         pivot = _unkey(mid)
         count = int64(0)
-        for i in range(cuda.threadIdx.x, limit, cuda.blockDim.x):
-            if x[row, i] >= pivot:
+        for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            if vals[i] >= pivot:
                 count += 1
         if _sum_i64(count, ibuf) >= k:
             lo = mid
@@ -282,24 +284,54 @@ def _kth_logit(x, row, limit, k, row_max, ibuf):
 
 
 @cuda.jit(device=True)
-def _mass_above(x, row, limit, temp, scaled_max, kth, level, fbuf):
+def _range(n):
+    """This thread's contiguous ids [start, end) of n (ranges in thread order)."""
+    chunk = (n + cuda.blockDim.x - 1) // cuda.blockDim.x
+    start = min(cuda.threadIdx.x * chunk, n)
+    return start, min(start + chunk, n)
+
+
+@cuda.jit(device=True)
+def _compact(vals, n, temp, scaled_max, kth, cvals, cids, ibuf):
+    """How many of ``vals[:n]`` have p >= kth; when at most ``_CANDIDATES``, they are copied
+    with their ids to ``cvals`` / ``cids``, in id order (each thread's range at its offset)."""
+    start, end = _range(n)
+    count = int64(0)
+    for i in range(start, end):
+        if _prob(vals[i], temp, scaled_max) >= kth:
+            count += 1
+    total = _sum_i64(count, ibuf)
+    at = _scan_i64(count, ibuf)
+    if total <= _CANDIDATES:
+        for i in range(start, end):
+            v = vals[i]
+            if _prob(v, temp, scaled_max) >= kth:
+                cvals[at] = v
+                cids[at] = i
+                at += 1
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def _mass_above(vals, n, temp, scaled_max, kth, level, fbuf):
     """float64 sum of the kept (p >= kth) probabilities above ``level``."""
     mass = float64(0.0)
-    for i in range(cuda.threadIdx.x, limit, cuda.blockDim.x):
-        p = _prob(x[row, i], temp, scaled_max)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        p = _prob(vals[i], temp, scaled_max)
         if p >= kth and p > level:
             mass += float64(p)
     return _sum_f64(mass, fbuf)
 
 
 @cuda.jit(device=True)
-def _top_p_level(x, row, limit, temp, scaled_max, kth, cap, fbuf):
+def _top_p_level(vals, n, temp, scaled_max, kth, cap, fbuf):
     """The smallest probability level whose kept mass above it, in float32, is < cap."""
     lo = int64(_float_bits(kth)) - 1 if kth > 0 else int64(-1)  # mass above: all, >= cap
     hi = int64(_ONE_BITS)  # nothing is above 1: mass 0 < cap (cap > 0)
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
-        above = _mass_above(x, row, limit, temp, scaled_max, kth, _bits_float(mid), fbuf)
+        above = _mass_above(vals, n, temp, scaled_max, kth, _bits_float(mid), fbuf)
         if float32(above) < cap:
             hi = mid
         else:
@@ -319,31 +351,14 @@ def _kept(p, kth, level, rank, ties_kept, min_p):
 
 
 @cuda.jit(device=True)
-def _thresholds(x, row, limit, temp, row_max, k, p_cut, fbuf, ibuf):
-    """(kth, level, cap): top-k's probability threshold (0: none), top-p's cut level (0:
-    none) and ``top_p * S``."""
-    scaled_max = float32(row_max / temp)
-    kth = float32(0.0)  # keeps every probability
-    if 0 < k < limit:
-        kth = _prob(_kth_logit(x, row, limit, k, row_max, ibuf), temp, scaled_max)
-    level = float32(0.0)
-    cap = float32(0.0)
-    if p_cut < 1.0:
-        total = float32(_mass_above(x, row, limit, temp, scaled_max, kth, float32(-1.0), fbuf))
-        cap = float32(p_cut * total)
-        level = _top_p_level(x, row, limit, temp, scaled_max, kth, cap, fbuf)
-    return kth, level, cap
-
-
-@cuda.jit(device=True)
-def _range_masses(x, row, start, end, temp, scaled_max, kth, level, low_p):
+def _range_masses(vals, start, end, temp, scaled_max, kth, level, low_p):
     """Over ids [start, end): the kept mass above the level (float64), the same after min-p,
     and how many kept ids are tied at the level."""
     above = float64(0.0)
     mass = float64(0.0)
     ties = int64(0)
     for i in range(start, end):
-        p = _prob(x[row, i], temp, scaled_max)
+        p = _prob(vals[i], temp, scaled_max)
         if p >= kth:
             if p > level:
                 above += float64(p)
@@ -367,7 +382,7 @@ def _ties_kept(topp, level, cap, above, ties):
 
 
 @cuda.jit(device=True)
-def _walk(x, row, start, end, temp, scaled_max, cut, rank, target, acc):
+def _walk(vals, start, end, temp, scaled_max, cut, rank, target, acc):
     """Ids [start, end) in order, adding each kept ``q = p / Z`` to ``acc`` (float64): the
     first id whose cumulative mass exceeds ``target`` (``target`` < 0: none, the whole range
     summed), else the range's last kept id; (that id or -1, the sum). ``cut``: (kth, level,
@@ -375,7 +390,7 @@ def _walk(x, row, start, end, temp, scaled_max, cut, rank, target, acc):
     kth, level, ties_kept, low_p, norm = cut
     chosen = int64(-1)
     for i in range(start, end):
-        p = _prob(x[row, i], temp, scaled_max)
+        p = _prob(vals[i], temp, scaled_max)
         keep = _kept(p, kth, level, rank, ties_kept, low_p)
         if p == level and p >= kth:
             rank += 1
@@ -389,52 +404,79 @@ def _walk(x, row, start, end, temp, scaled_max, cut, rank, target, acc):
     return chosen, acc
 
 
-def _sample_kernel_py(x, limit, uniforms, temps, top_k, top_p, min_p, greedy, tokens, flags):
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    fbuf = cuda.shared.array(_MAX_THREADS, float64)
-    ibuf = cuda.shared.array(_MAX_THREADS, int64)
-    row_max, arg, nans = _row_max(x, row, limit, fbuf, ibuf)
-    bad = nans > 0 or row_max == math.inf or row_max == -math.inf
-    if bad or greedy[row] != 0:
-        if tid == 0:
-            tokens[row] = arg
-            flags[row] = 1 if bad else 0
-        return
-    temp = temps[row]
-    scaled_max = float32(row_max / temp)
-    kth, level, cap = _thresholds(x, row, limit, temp, row_max, top_k[row], top_p[row], fbuf, ibuf)
-    low_p = min_p[row]
-    # contiguous id ranges from here on: the ties and the CDF go in id order
-    chunk = (limit + cuda.blockDim.x - 1) // cuda.blockDim.x
-    start = min(tid * chunk, limit)
-    end = min(start + chunk, limit)
-    above, mass, ties = _range_masses(x, row, start, end, temp, scaled_max, kth, level, low_p)
+@cuda.jit(device=True)
+def _draw(vals, n, ids, compact, u, temp, scaled_max, kth, p_cut, low_p, fbuf, ibuf):
+    """Steps 4-6 (top-p, min-p, the draw) over ``vals[:n]`` (the row, or its compacted top-k
+    candidates: then ``ids`` maps their positions to ids); returns the chosen id."""
+    level = float32(0.0)
+    cap = float32(0.0)
+    if p_cut < 1.0:
+        total = float32(_mass_above(vals, n, temp, scaled_max, kth, float32(-1.0), fbuf))
+        cap = float32(p_cut * total)
+        level = _top_p_level(vals, n, temp, scaled_max, kth, cap, fbuf)
+    # contiguous ranges from here on: the ties and the CDF go in id order
+    start, end = _range(n)
+    above, mass, ties = _range_masses(vals, start, end, temp, scaled_max, kth, level, low_p)
     above = _sum_f64(above, fbuf)
     mass = _sum_f64(mass, fbuf)
     rank = _scan_i64(ties, ibuf)
-    ties_kept = _ties_kept(top_p[row] < 1.0, level, cap, above, _sum_i64(ties, ibuf))
+    ties_kept = _ties_kept(p_cut < 1.0, level, cap, above, _sum_i64(ties, ibuf))
     if level >= low_p:
         mass += float64(ties_kept) * float64(level)
     cut = (kth, level, ties_kept, low_p, float32(mass))
     # the CDF: each range's sum of q = p / Z, a scan, then the range holding the draw walked
-    last, part = _walk(x, row, start, end, temp, scaled_max, cut, rank, -1.0, float64(0.0))
+    last, part = _walk(vals, start, end, temp, scaled_max, cut, rank, -1.0, float64(0.0))
     before, after, cdf_total = _scan_f64(part, fbuf)
-    last = _max_i64(last, ibuf)
-    if tid == 0:  # the row's last kept id: kept if rounding puts u * total past every step
-        tokens[row] = last
-    cuda.syncthreads()
-    target = uniforms[row] * cdf_total
+    # the last kept position: the choice if rounding puts u * total past every step
+    chosen = _max_i64(last, ibuf)
+    target = u * cdf_total
     if part > 0 and before <= target < after:
         # (if rounding keeps the walk's sum <= target: the range's last kept id)
-        tokens[row] = _walk(x, row, start, end, temp, scaled_max, cut, rank, target, before)[0]
+        ibuf[0] = _walk(vals, start, end, temp, scaled_max, cut, rank, target, before)[0]
+    cuda.syncthreads()
+    if target < cdf_total:
+        chosen = ibuf[0]
+    cuda.syncthreads()
+    return int64(ids[chosen]) if compact else chosen
+
+
+def _sample_kernel_py(x, limit, uniforms, temps, top_k, top_p, min_p, greedy, tokens, flags):
+    row = cuda.blockIdx.x
+    fbuf = cuda.shared.array(_MAX_THREADS, float64)
+    ibuf = cuda.shared.array(_MAX_THREADS, int64)
+    cvals = cuda.shared.array(_CANDIDATES, float32)
+    cids = cuda.shared.array(_CANDIDATES, int32)
+    xr = x[row]
+    row_max, arg, nans = _row_max(xr, limit, fbuf, ibuf)
+    bad = nans > 0 or row_max == math.inf or row_max == -math.inf
+    token = arg
+    if not bad and greedy[row] == 0:
+        temp = temps[row]
+        scaled_max = float32(row_max / temp)
+        k = top_k[row]
+        u = uniforms[row]
+        kth = float32(0.0)  # keeps every probability
+        n = int64(0)
+        if 0 < k < limit:
+            kth = _prob(_kth_logit(xr, limit, k, row_max, ibuf), temp, scaled_max)
+            if kth > 0:
+                n = _compact(xr, limit, temp, scaled_max, kth, cvals, cids, ibuf)
+        if 0 < n <= _CANDIDATES:  # the top-k candidates and their ties fit: read them there
+            token = _draw(cvals, n, cids, True, u, temp, scaled_max, kth, top_p[row],
+                          min_p[row], fbuf, ibuf)  # fmt: skip
+        else:
+            token = _draw(xr, limit, cids, False, u, temp, scaled_max, kth, top_p[row],
+                          min_p[row], fbuf, ibuf)  # fmt: skip
+    if cuda.threadIdx.x == 0:
+        tokens[row] = token
+        flags[row] = 1 if bad else 0
 
 
 def _greedy_kernel_py(x, limit, tokens, flags):
     row = cuda.blockIdx.x
     fbuf = cuda.shared.array(_MAX_THREADS, float64)
     ibuf = cuda.shared.array(_MAX_THREADS, int64)
-    row_max, arg, nans = _row_max(x, row, limit, fbuf, ibuf)
+    row_max, arg, nans = _row_max(x[row], limit, fbuf, ibuf)
     if cuda.threadIdx.x == 0:
         tokens[row] = arg
         flags[row] = 1 if nans > 0 or row_max == math.inf or row_max == -math.inf else 0

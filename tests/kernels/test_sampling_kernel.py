@@ -154,6 +154,16 @@ def test_ties_at_the_kth_value_and_at_the_top_p_cut():
     _assert_same_tokens(x, 240, settings, seeds=(0, 1, 2))
 
 
+def test_top_k_rows_whose_candidates_do_not_fit_read_the_row(monkeypatch):
+    """Top-k rows whose kept ids (k and the ties at the k-th) outnumber the shared-memory
+    candidates take the whole-row path; with 6 slots: top_k 3 fits, 10 and 40 do not."""
+    monkeypatch.setattr(kernels, "_CANDIDATES", 6)
+    settings = [S(top_k=3, top_p=0.9), S(top_k=10), S(top_k=40, top_p=0.8, min_p=0.02)]
+    settings += [S(top_k=5, temperature=0.5)]  # rounded logits: ties at the 5th past 6 ids
+    x = _logits(len(settings), 240, seed=21, ties=True)
+    _assert_same_tokens(x, 240, settings)
+
+
 def _straddling_row(vocab: int = 256) -> tuple[torch.Tensor, list[int]]:
     """One id above 7 tied ids spread over the row, everything else banned: top_p 0.5 keeps
     the top id and the 3 lowest tied ids (mass above the cut 1, each tie exp(-0.2))."""
@@ -218,8 +228,8 @@ def test_bans_limit_and_k_past_the_finite_values():
 def test_a_wrong_top_k_threshold_is_caught(monkeypatch):
     right = kernels._kth_logit
 
-    def one_too_many(x, row, limit, k, row_max, ibuf):  # the (k+1)-th value
-        return right(x, row, limit, min(k + 1, limit - 1), row_max, ibuf)
+    def one_too_many(vals, n, k, row_max, ibuf):  # the (k+1)-th value
+        return right(vals, n, min(k + 1, n - 1), row_max, ibuf)
 
     monkeypatch.setattr(kernels, "_kth_logit", one_too_many)
     settings = [S(top_k=2, temperature=5.0)] * 8  # hot: the (k+1)-th is about as likely
