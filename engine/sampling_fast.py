@@ -40,6 +40,9 @@ top_k nor top_p (its whole row is the distribution), a top_k above ``MAX_FAST_TO
 (or at least the vocabulary), typical sampling,
 ``return_probs`` or ``top_k_return``, rows with NaN or with every token banned, and rows
 whose ties at the k-th candidate reach past the candidates.
+
+On CUDA tensors ``_choose`` runs the Numba CUDA kernels of ``engine.cuda.sampling`` instead
+(the same tokens up to float rounding, said there; ``ENGINE_SAMPLING_KERNELS=0``: torch ops).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ shared-memory tree, so results are deterministic):
    (<= 32 counting passes: how many ids hold a value >= the pivot; no exp). Its probability
    ``kth = p(x_k)`` is the torch path's ``probs.gather(1, top_k - 1)``; ids with ``p >= kth``
    are kept, so ties at the k-th are kept, as there. ``k >= limit`` or a k-th value of -inf
-   keep everything (a threshold of 0), as the reference does.
+   keep everything (a threshold of 0), as the reference does. When the kept ids (k plus the
+   ties) fit in ``_CANDIDATES`` (2048) slots, two passes over contiguous ranges copy their
+   logits and ids to shared memory in id order, and steps 4-6 read that list, not the row.
 4. top-p: ``L = top_p * S`` (S: the mass after top-k, one pass). The cut level ``c`` is the
    smallest probability whose mass above it is < L (the torch path's ``mass_before < L`` for the
    first token of that level), found by bisection over the float32 bit patterns of ``p`` in
@@ -32,10 +34,15 @@ shared-memory tree, so results are deterministic):
    gives each range its CDF start; the one thread whose range holds ``u * total`` walks it in
    id order to the first id whose cumulative mass exceeds it (``searchsorted(right=True)``).
 
-Cost per sampled row: 1 max pass, up to 32 counting passes (top-k rows), 1 mass pass + up to
-30 exp passes (top-p rows), 2 exp passes over contiguous ranges, and one range walked. A greedy
-row costs the max pass only. (A radix select with shared histograms would cut the searches to
-4 passes each, at the price of atomics whose float order is not deterministic.)
+Cost per row, in passes over the row's ``limit`` ids: greedy rows 1 (the max pass). Top-k rows
+whose candidates fit: 1 + up to 32 counting passes (compare only) + 2 exp passes (the copy);
+then up to 33 + 3 passes over at most 2048 shared-memory values. Rows without a top-k (or
+whose candidates do not fit): 1 + (top-k: 32 + 2) + 1 mass pass + up to 30 exp passes for the
+top-p cut + 2 exp passes over contiguous ranges + one range walked. Each pass ends in a
+shared-memory tree reduction (log2(threads) + 2 barriers). (A radix select with shared
+histograms would cut each search to 4 passes, at the price of float atomics whose order is
+not deterministic; rows without a top-k could start from a top-m candidate set as the torch
+path does. Neither is done yet. Not timed on a GPU yet: none was available.)
 
 Exactness against the torch path (same draws): greedy tokens are exact. Sampled tokens use the
 same float32 operations per probability (``/ T``, ``- M / T``, ``exp``, ``p / Z``) and the same
