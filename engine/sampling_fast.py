@@ -268,6 +268,7 @@ def _choose(
 
 
 def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests):
+    """``_choose`` with torch ops: block maxima and candidates (``engine.sampling_candidates``)."""
     n = params.max_top_k + 1
     if n > limit and not params.all_greedy:
         return None
@@ -322,7 +323,9 @@ def _choose_with_kernels(x: torch.Tensor, limit: int, params: RowParams, request
     """``_choose`` on the kernels: the same tokens (``engine.cuda.sampling`` says where the
     float rounding may differ) and the same contract: a batch with a NaN or infinite-maximum
     row goes to the reference before anything is drawn. That check reads the greedy kernel's
-    flags (the one host sync, as the torch path's); the sampling launch then needs none."""
+    flags (a host sync, as the torch path's NaN check); the sampling launch needs none. The
+    batches the torch path hands over for its candidates' sake (ties at the k-th past them,
+    ``max top_k + 1 > limit``) are sampled here, by the reference's keep rules."""
     from engine.cuda.sampling import greedy_cuda, sample_cuda
 
     greedy_tokens, flags = greedy_cuda(x, limit)
@@ -337,21 +340,27 @@ def _choose_with_kernels(x: torch.Tensor, limit: int, params: RowParams, request
     return tokens
 
 
-_KERNEL_ROWS: list = [None, None]  # [the RowParams, its SampleRows]: rebuilt when it changes
+# (the last RowParams, its kernel rows): one tuple, read and replaced whole (thread-safe)
+_kernel_rows_cache: tuple = (None, None)
 
 
 def _kernel_rows(params: RowParams):
-    """``params`` as the kernels' per-row [B] tensors, built once per ``RowParams``."""
+    """``params`` as the kernels' per-row [B] tensors, built once per ``RowParams`` (a
+    generator keeps one while its batch and settings stay the same)."""
+    global _kernel_rows_cache
+    cached_params, rows = _kernel_rows_cache
+    if cached_params is params:
+        return rows
     from engine.cuda.sampling import SampleRows
 
-    if _KERNEL_ROWS[0] is not params:
-        temps = params.temps.reshape(-1)
-        top_p = params.top_p.reshape(-1) if params.top_p is not None else torch.ones_like(temps)
-        min_p = params.min_p.reshape(-1) if params.min_p is not None else torch.zeros_like(temps)
-        # RowParams' top_k is 1 for rows without one; the kernels' 0 means none
-        top_k = params.top_k.masked_fill(params.unbounded, 0).reshape(-1)
-        _KERNEL_ROWS[:] = [params, SampleRows(temps, top_k, top_p, min_p, params.greedy)]
-    return _KERNEL_ROWS[1]
+    temps = params.temps.reshape(-1)
+    top_p = params.top_p.reshape(-1) if params.top_p is not None else torch.ones_like(temps)
+    min_p = params.min_p.reshape(-1) if params.min_p is not None else torch.zeros_like(temps)
+    # RowParams' top_k is 1 for rows without one; the kernels' 0 means none
+    top_k = params.top_k.masked_fill(params.unbounded, 0).reshape(-1)
+    rows = SampleRows(temps, top_k, top_p, min_p, params.greedy)
+    _kernel_rows_cache = (params, rows)
+    return rows
 
 
 def _row_mass(x, limit: int, row_max: torch.Tensor, params: RowParams) -> torch.Tensor | None:
