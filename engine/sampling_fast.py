@@ -40,11 +40,15 @@ top_k nor top_p (its whole row is the distribution), a top_k above ``MAX_FAST_TO
 (or at least the vocabulary), typical sampling,
 ``return_probs`` or ``top_k_return``, rows with NaN or with every token banned, and rows
 whose ties at the k-th candidate reach past the candidates.
+
+On CUDA tensors ``_choose`` runs the Numba CUDA kernels of ``engine.cuda.sampling`` instead
+(the same tokens up to float rounding, said there; ``ENGINE_SAMPLING_KERNELS=0``: torch ops).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -71,6 +75,7 @@ from engine.sampling_penalties import (
 )
 
 MAX_FAST_TOP_K = 1024  # larger top_k go to the reference (the candidate set stops paying)
+SAMPLING_KERNELS_ENV = "ENGINE_SAMPLING_KERNELS"  # "0": the torch path on CUDA too
 MIN_BLOCK_ROWS = 16  # block maxima for batches of at least this many rows
 _SETTINGS_KEY = attrgetter(
     "temperature",
@@ -307,8 +312,22 @@ class SamplerState:
             self._contexts = {k: v for k, v in self._contexts.items() if k in live}
 
 
-def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.Tensor | None:
-    """Each row's token, or None when a row needs the reference (then nothing is drawn)."""
+def _choose(
+    x: torch.Tensor, limit: int, params: RowParams, requests, kernels: bool | None = None
+) -> torch.Tensor | None:
+    """Each row's token, or None when a row needs the reference (then nothing is drawn).
+
+    ``kernels``: use the Numba CUDA kernels (``engine.cuda.sampling``); None: on CUDA tensors
+    when they are available, unless ``ENGINE_SAMPLING_KERNELS=0``."""
+    if kernels is None:
+        kernels = _kernels_wanted(x)
+    if kernels:
+        return _choose_with_kernels(x, limit, params, requests)
+    return _choose_with_torch(x, limit, params, requests)
+
+
+def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests):
+    """``_choose`` with torch ops: block maxima and candidates (``engine.sampling_candidates``)."""
     n = params.max_top_k + 1
     if n > limit and not params.all_greedy:
         return None
@@ -349,6 +368,58 @@ def _choose(x: torch.Tensor, limit: int, params: RowParams, requests) -> torch.T
     picked = _inverse_cdf(probs.gather(1, order), uniforms)
     sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
     return torch.where(params.greedy, greedy_tokens, sampled)
+
+
+def _kernels_wanted(x: torch.Tensor) -> bool:
+    if not x.is_cuda or os.environ.get(SAMPLING_KERNELS_ENV, "1").strip() == "0":
+        return False
+    from engine.cuda import _launch  # numba only where there is CUDA
+
+    return _launch.kernels_available()
+
+
+def _choose_with_kernels(x: torch.Tensor, limit: int, params: RowParams, requests):
+    """``_choose`` on the kernels: the same tokens (``engine.cuda.sampling`` says where the
+    float rounding may differ) and the same contract: a batch with a NaN or infinite-maximum
+    row goes to the reference before anything is drawn. That check reads the greedy kernel's
+    flags (a host sync, as the torch path's NaN check); the sampling launch needs none. The
+    batches the torch path hands over for its candidates' sake (ties at the k-th past them,
+    ``max top_k + 1 > limit``) are sampled here, by the reference's keep rules."""
+    from engine.cuda.sampling import greedy_cuda, sample_cuda
+
+    greedy_tokens, flags = greedy_cuda(x, limit)
+    if bool(flags.any()):
+        return None
+    draws = [r.rng.random() for r in requests]  # every row draws, as the reference
+    if params.all_greedy:
+        return greedy_tokens
+    # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
+    uniforms = torch.tensor(draws, dtype=torch.float64, device=x.device)
+    tokens, _ = sample_cuda(x, limit, uniforms, _kernel_rows(params))
+    return tokens
+
+
+# (the last RowParams, its kernel rows): one tuple, read and replaced whole (thread-safe)
+_kernel_rows_cache: tuple = (None, None)
+
+
+def _kernel_rows(params: RowParams):
+    """``params`` as the kernels' per-row [B] tensors, built once per ``RowParams`` (a
+    generator keeps one while its batch and settings stay the same)."""
+    global _kernel_rows_cache
+    cached_params, rows = _kernel_rows_cache
+    if cached_params is params:
+        return rows
+    from engine.cuda.sampling import SampleRows
+
+    temps = params.temps.reshape(-1)
+    top_p = params.top_p.reshape(-1) if params.top_p is not None else torch.ones_like(temps)
+    min_p = params.min_p.reshape(-1) if params.min_p is not None else torch.zeros_like(temps)
+    # RowParams' top_k is 1 for rows without one; the kernels' 0 means none
+    top_k = params.top_k.masked_fill(params.unbounded, 0).reshape(-1)
+    rows = SampleRows(temps, top_k, top_p, min_p, params.greedy)
+    _kernel_rows_cache = (params, rows)
+    return rows
 
 
 def _row_mass(x, limit: int, row_max: torch.Tensor, params: RowParams) -> torch.Tensor | None:
