@@ -403,8 +403,11 @@ class DynamicGenerator:
         job = flight.jobs[row]
         if token == BANNED_ROW:
             raise ValueError(f"every token is banned for job {job.identifier!r} at this step")
-        if token != fed:
-            raise ValueError(f"job {job.identifier!r}: no finite logit to pick a token from")
+        if token != fed:  # (a NaN row that the device path picked differently)
+            raise ValueError(
+                f"job {job.identifier!r}: its logits hold a NaN or no finite value, and the "
+                "token the device already fed to the next step is not the reference sampler's"
+            )
         return token
 
     def _sample_rows(self, jobs, logits, token_mask) -> list[dict[str, Any]]:

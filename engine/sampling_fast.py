@@ -169,7 +169,18 @@ class SamplerState:
     """Sampling for one generator across steps: cached ``RowParams``, each job's
     ``ContextCounts`` (keyed by ``SampleRequest.key``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: bool | None = None) -> None:
+        """``kernels``: ``sample_on_device`` samples non-greedy batches with the Numba CUDA
+        kernels (``engine.cuda.sampling``); None: on CUDA logits when they are available
+        (True also under the CUDA simulator, for tests)."""
+        if kernels is not None and not isinstance(kernels, bool):
+            raise ValueError(f"kernels must be a bool or None, got {kernels!r}")
+        if kernels:
+            from engine.cuda import _launch  # numba only where it is asked for
+
+            if not _launch.kernels_available():
+                raise ValueError("kernels=True needs a CUDA device or the CUDA simulator")
+        self.kernels = kernels
         self._params: RowParams | None = None
         self._contexts: dict[int, ContextCounts] = {}
         self.fast_calls = 0  # calls served by the candidate path (the rest: the reference)
@@ -215,10 +226,11 @@ class SamplerState:
     ) -> DeviceSample:
         """The tokens of ``sample`` (no mask, no extras) as a tensor on the logits' device.
 
-        Greedy batches (penalties, biases and bans included) never wait for the device here:
-        rows without a finite maximum (a NaN, every token banned) are flagged, and the caller
-        runs the reference for them when it reads the tokens. Other batches sample as
-        ``sample`` does (on the host's time) and hand back its tokens."""
+        Greedy batches (penalties, biases and bans included), and on the kernels every batch
+        the candidate path takes, never wait for the device here: rows without a finite
+        maximum (a NaN, every token banned) are flagged, and the caller runs the reference
+        for them when it reads the tokens. Other batches sample as ``sample`` does (on the
+        host's time) and hand back its tokens."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
         params = self.params(requests, logits.device)
@@ -229,8 +241,35 @@ class SamplerState:
             self.fast_calls += 1
             self._forget_others(requests)
             return DeviceSample(tokens, flags)
+        if params.fast and not extras and self._kernels_for(logits):
+            with torch.inference_mode():
+                tokens, flags = self._kernels_on_device(logits, requests, vocab_limit, params)
+            self.fast_calls += 1
+            self._forget_others(requests)
+            return DeviceSample(tokens, flags)
         out = self.sample(logits, requests, vocab_limit)
         return DeviceSample(upload(out.tokens, logits.device, torch.long))
+
+    def _kernels_for(self, logits: torch.Tensor) -> bool:
+        return _kernels_wanted(logits) if self.kernels is None else self.kernels
+
+    def _kernels_on_device(self, logits, requests, vocab_limit, params: RowParams):
+        """(tokens, flags) from ``sample_cuda`` after the edits, no host sync."""
+        from engine.cuda.sampling import sample_cuda
+
+        raw = logits.float()
+        if not raw.is_contiguous():
+            raw = raw.contiguous()
+        limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
+        edits = LogitEdits(raw.view(-1))
+        try:
+            self._edit(raw, edits, requests, params)
+            # every row draws, as in ``sample``; float64: see _choose_with_torch
+            draws = [r.rng.random() for r in requests]
+            uniforms = upload(draws, raw.device, torch.float64)
+            return sample_cuda(raw, limit, uniforms, _kernel_rows(params))
+        finally:
+            edits.restore()
 
     def _greedy_on_device(self, logits, requests, vocab_limit, params: RowParams):
         raw = logits.float()

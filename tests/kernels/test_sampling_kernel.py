@@ -266,6 +266,39 @@ def test_all_greedy_batches_draw_once_per_row():
     assert _kernel_tokens(x, 150, settings, 0) == x[:, :150].max(-1).indices.tolist()
 
 
+def test_sample_on_device_takes_the_kernels():
+    """Async scheduling's sampler entry: the host sampler's tokens, penalties and bans
+    included, from the kernels; a NaN row is flagged (its job is read through the reference)."""
+    settings = [
+        S(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3),
+        S.greedy(),
+        S(temperature=1.1, top_p=0.8, min_p=0.05),
+        S(temperature=0.7, top_k=5, presence_penalty=0.5),
+    ]
+    x = _logits(len(settings), 300, seed=4)
+    contexts = [[1, 2, 3, 250], [], [7, 7], [9, 10, 11]]
+
+    def requests(seed):
+        reqs = _requests(settings, seed)
+        for r, ctx in zip(reqs, contexts, strict=True):
+            r.context = ctx
+        reqs[2].banned_tokens = (int(x[2].argmax()),)
+        return reqs
+
+    for seed in range(3):
+        host = SamplerState().sample(x.clone(), requests(seed), 290)
+        state = SamplerState(kernels=True)
+        state.sample = None  # the host sampler must not run: the kernels answer
+        out = state.sample_on_device(x.clone(), requests(seed), 290)
+        assert out.tokens.tolist() == host.tokens and not out.flags.any()
+    poisoned = x.clone()
+    poisoned[1, 7] = float("nan")
+    out = SamplerState(kernels=True).sample_on_device(poisoned, requests(0), 290)
+    assert out.flags.tolist() == [False, True, False, False]
+    with pytest.raises(ValueError, match="kernels"):
+        SamplerState(kernels="yes")
+
+
 def test_cpu_tensors_stay_on_the_torch_path():
     assert not _kernels_wanted(torch.zeros(1, 4))
 
