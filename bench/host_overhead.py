@@ -50,6 +50,7 @@ from before ``PersistentBatch`` runs with ``--batch-paths reference``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -398,6 +399,13 @@ def timed_steps(generator, steps: int) -> tuple[list[float], list[float], list[d
     return plain, instrumented, parts, tokens
 
 
+def supported_stages(stages: list[str]) -> list[str]:
+    """The text stages this engine's generator has the options of (a --baseline engine from
+    before async scheduling has no ``async`` stage; its rows are then left out)."""
+    accepted = inspect.signature(DynamicGenerator.__init__).parameters
+    return [s for s in stages if set(TEXT_STAGES[s]) <= set(accepted)]
+
+
 def run_case(model, tokenizer, mode: str, batch: int, args, text_stage: str) -> CaseResult:
     steps = max(args.min_steps, min(args.max_steps, args.step_budget // batch))
     warm = 3
@@ -692,7 +700,7 @@ def run(args, baseline: tuple[Path, str] | None) -> None:
         for row in (r for r in before if r["mode"] == mode):
             print_row(row, engine=args.baseline)
         for batch in args.batches:
-            for stage in args.text_stages:
+            for stage in supported_stages(args.text_stages):
                 results.append(run_case(model, tokenizer, mode, batch, args, stage))
                 print_row(results[-1])
     for name, rows in (("this", results), (args.baseline, before)):
