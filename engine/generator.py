@@ -379,6 +379,8 @@ class DynamicGenerator:
                 if flags[i]:  # no finite maximum: the reference's answer
                     token = self._resample(flight, i, token)
                     token_tensors_i = None
+                if token == BANNED_ROW:  # the host sampler found no token for this row
+                    raise ValueError(f"every token is banned for job {job.identifier!r}")
                 data = job.take_token(
                     token, token_tensor=token_tensors_i, replaces_pending=flight.pending[i]
                 )
@@ -392,18 +394,16 @@ class DynamicGenerator:
         return results
 
     def _resample(self, flight: InFlightTokens, row: int, fed: int) -> int:
-        """A flagged row's token from the reference sampler, with the context it had. The
-        device's pick ``fed`` is already the running step's input: a job whose reference
-        token differs (none found: every token banned) ends here."""
+        """A flagged row's token from the reference sampler, with the context it had
+        (``BANNED_ROW`` when it finds none). The device's pick ``fed`` is already the running
+        step's input: a job whose reference token differs ends here."""
         request = flight.requests[row]
         if flight.pending[row] and request.context:  # drop the PENDING_TOKEN it holds now
             request = dataclasses.replace(request, context=request.context[:-1])
         logits = flight.logits[row : row + 1]
         token = sample(logits, [request], self.tokenizer.vocab_size).tokens[0]
         job = flight.jobs[row]
-        if token == BANNED_ROW:
-            raise ValueError(f"every token is banned for job {job.identifier!r} at this step")
-        if token != fed:  # (a NaN row that the device path picked differently)
+        if token not in (fed, BANNED_ROW):  # a NaN row the device path picked differently
             raise ValueError(
                 f"job {job.identifier!r}: its logits hold a NaN or no finite value, and the "
                 "token the device already fed to the next step is not the reference sampler's"

@@ -260,11 +260,13 @@ def test_rows_the_device_cannot_pick_get_the_reference_token(tiny, count):
     assert tokens[True] == tokens[False]
 
 
-def test_a_row_with_every_token_banned_ends_its_job_alone(tiny):
-    """The device path flags the row; the reference finds no token; only that job ends."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])  # the device path; the host sampler
+def test_a_row_with_every_token_banned_ends_its_job_alone(tiny, temperature):
+    """Greedy: the device path flags the row and the reference finds no token; sampled: the
+    host sampler marks it. Only that job ends."""
     prompts = _prompts(tiny.tokenizer, count=2, seed=27)
     everything = dict.fromkeys(range(tiny.tokenizer.vocab_size), -math.inf)
-    banned = SamplerSettings(temperature=0.0, token_bias=everything)
+    banned = SamplerSettings(temperature=temperature, token_bias=everything)
     generator = tiny.generator(async_scheduling=True)
     jobs = [
         DynamicJob(prompts[0], 6, stop_conditions=[], gen_settings=banned, identifier=0),
