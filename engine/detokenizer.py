@@ -91,6 +91,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: TokenIds) -> str:
         """Append token(s); return the text that became final (may be "")."""
+        if isinstance(token_ids, int) and self._read_offset == len(self._ids):
+            # nothing held: a token whose text is context-free needs no decode (the state
+            # is the one _emit would leave: the token alone, read)
+            text = self._tokenizer.standalone_text(token_ids)  # (None for added tokens)
+            if text is not None:
+                self._ids = [token_ids]
+                self._prefix_offset, self._read_offset = 0, 1
+                self._prefix_text = text
+                self.text += text
+                return text
         new_ids = self._kept(token_ids)
         if not new_ids:
             return ""

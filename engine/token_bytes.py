@@ -17,7 +17,7 @@ METASPACE = "\u2581"
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
+def byte_level_decoder() -> dict[str, int]:
     """GPT-2's table, inverted: printable character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     chars = list(printable)
@@ -54,7 +54,7 @@ class TokenBytes:
             return bytes([self._tokenizer.byte_tokens[token_id]])
         piece = self._tokenizer.id_to_piece(token_id)
         if self._byte_level:
-            table = _byte_level_decoder()
+            table = byte_level_decoder()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
         return piece.replace(METASPACE, " ").encode()

@@ -27,6 +27,7 @@ from engine.detokenizer import IncrementalDetokenizer, TokenIds, flat_ids
 from engine.embeddings import MMEmbedding, find_aliases, split_on_aliases
 from engine.gguf_file import find_gguf_file, open_gguf
 from engine.gguf_tokenizer import gguf_tokenizer_parts
+from engine.token_bytes import byte_level_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,9 @@ def _select_template(value: Any) -> str | None:
 class Tokenizer:
     """Encode/decode with a ``tokenizers`` model plus the special ids from the config files.
 
-    Thread-safe: nothing is mutated after construction. Two ``tokenizers`` instances are kept
-    because their ``encode_special_tokens`` flag is per-instance state.
+    Thread-safe: nothing is mutated after construction but the ``standalone_text`` cache,
+    whose entries never change once written. Two ``tokenizers`` instances are kept because
+    their ``encode_special_tokens`` flag is per-instance state.
     """
 
     def __init__(
@@ -84,6 +86,14 @@ class Tokenizer:
 
         added = self._parse.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        spec = json.loads(tokenizer_json)
+        # decode() is the pieces' bytes joined, then UTF-8: a token's text never depends on
+        # the tokens around it once it is complete UTF-8 on its own (see standalone_text)
+        self._joins_bytes = (spec.get("decoder") or {}).get("type") == "ByteLevel" and (
+            spec.get("model") or {}
+        ).get("type") == "BPE"
+        self._standalone: dict[int, str | None] = {}
         self.vocab_size: int = self._parse.get_vocab_size(with_added_tokens=True)
         # id -> byte value of each <0xNN> token, for ByteFallback decoders only
         self.byte_tokens = self._find_byte_tokens(json.loads(tokenizer_json).get("decoder"))
@@ -222,6 +232,31 @@ class Tokenizer:
     def decode_list(self, ids: list[int], decode_special_tokens: bool = False) -> str:
         """``decode`` for a flat list of ints, unchecked (the detokenizer's hot path)."""
         return self._parse.decode(ids, skip_special_tokens=not decode_special_tokens)
+
+    def standalone_text(self, token_id: int) -> str | None:
+        """The text ``token_id`` adds to any text that ends on a character boundary, when it
+        does not depend on what came before: a regular (not added) token of a byte-level BPE
+        whose bytes are complete UTF-8. None otherwise. The detokenizer's shortcut: two
+        decodes of its window per token become one dict lookup."""
+        try:
+            return self._standalone[token_id]
+        except KeyError:
+            text = self._standalone[token_id] = self._find_standalone_text(token_id)
+            return text
+
+    def _find_standalone_text(self, token_id: int) -> str | None:
+        if not self._joins_bytes or token_id in self._added_ids:
+            return None
+        piece = self._parse.id_to_token(token_id)
+        if piece is None:
+            return None
+        table = byte_level_decoder()
+        try:
+            text = bytes(table[c] for c in piece).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):  # not a byte-level piece; half a character
+            return None
+        # (the decoder's own answer must agree, or the shortcut is not taken for this id)
+        return text if text and text == self.decode_list([token_id], True) else None
 
     def to_json(self) -> str:
         """The ``tokenizer.json`` text of this tokenizer (config-declared added tokens

@@ -308,6 +308,36 @@ def test_prefix_ids_keep_the_first_leading_space(folders: dict[str, Path]) -> No
     assert "".join(_stream(tok.detokenizer(context), hello)) == " Hello"
 
 
+def test_standalone_text_only_where_a_token_renders_alone(folders: dict[str, Path]) -> None:
+    """The detokenizer's shortcut: byte-level BPE tokens that are complete UTF-8, never added
+    or special tokens, half characters, or a SentencePiece vocabulary (its decoder strips and
+    merges across tokens)."""
+    tok = Tokenizer.from_pretrained(folders["byte_level"])
+    ids = tok.encode("Hello world, caf\u00e9 \U0001f642!")[0].tolist()
+    texts = [tok.standalone_text(i) for i in ids]
+    assert texts[0] == tok.decode([ids[0]]) and sum(t is not None for t in texts) >= 3
+    for i, text in zip(ids, texts, strict=True):
+        assert text is None or text == tok.decode([i])
+    assert all(tok.standalone_text(i) is None for i in tok.special_ids)
+    halves = [i for i in tok.encode("\U0001f642")[0].tolist() if "\ufffd" in tok.decode([i])]
+    assert halves and all(tok.standalone_text(i) is None for i in halves)
+    sp = Tokenizer.from_pretrained(folders["sentencepiece"])
+    assert all(sp.standalone_text(i) is None for i in range(min(sp.vocab_size, 300)))
+
+
+def test_detokenizer_shortcut_streams_what_the_window_decode_streams(
+    folders: dict[str, Path],
+) -> None:
+    tok = Tokenizer.from_pretrained(folders["byte_level"])
+    slow = Tokenizer.from_pretrained(folders["byte_level"])
+    slow._joins_bytes = False  # every token through the window decodes
+    for text in TEXTS:
+        ids = tok.encode(text, encode_special_tokens=True)[0].tolist()
+        for special in (False, True):
+            fast_chunks = _stream(tok.detokenizer(ids[:2], special), ids[2:])
+            assert fast_chunks == _stream(slow.detokenizer(ids[:2], special), ids[2:]), text
+
+
 def test_detokenizer_holds_split_characters(tok: Tokenizer) -> None:
     ids = tok.encode("a😀")[0].tolist()
     det = tok.detokenizer()
