@@ -80,6 +80,10 @@ class Mode:
     quant: str
     rotate: bool | None
     round_to: torch.dtype | None = None
+    # EXPERIMENTS (bench only, bench/kv_balance.py; not engine options): "bal": K (and V with
+    # --balance-alpha-v) divided per channel by scales from the weights, q and the attention
+    # output multiplied back; "ctr": a fixed mean key subtracted from every post-RoPE key.
+    adjust: tuple[str, ...] = ()
 
 
 BASELINES = {
@@ -97,6 +101,17 @@ MODES = {
         for rotate in (False, True)
     },
 }
+MODES.update(
+    {
+        f"{name}+{'+'.join(adjust)}": dataclasses.replace(
+            mode, name=f"{name}+{'+'.join(adjust)}", adjust=adjust
+        )
+        for name, mode in list(MODES.items())
+        if mode.quant != "fp16"
+        for adjust in (("bal",), ("ctr",), ("ctr", "bal"))
+    }
+)
+BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 REFERENCE = "fp32"
 
 
@@ -172,11 +187,26 @@ def mode_ops(model: Model, mode: Mode) -> Iterator[OpSet]:
     forwards call ``model.ops``)."""
     original = model.ops
     ops = original if mode.round_to is None else rounded_writes(original, mode.round_to)
+    if mode.adjust:
+        ops = adjusted(model, ops, mode.adjust)
     model.ops = ops
     try:
         yield ops
     finally:
         model.ops = original
+
+
+def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
+    """``ops`` with the bench-only K/V experiments of bench/kv_balance.py."""
+    from bench import kv_balance
+
+    if "bal" in adjust:
+        layers = kv_balance.model_scales(model, BALANCE_ALPHA["keys"], BALANCE_ALPHA["values"])
+    else:
+        layers = kv_balance.identity_scales(model)
+    if "ctr" in adjust:
+        layers = kv_balance.centered(layers, kv_balance.key_means(model))
+    return kv_balance.adjusted_ops(ops, layers)
 
 
 def allocate(model: Model, pages: int, mode: Mode):
@@ -367,7 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the perplexity and attention errors (they are NaN / null in the report)",
     )
+    parser.add_argument(
+        "--balance-alpha", type=float, default=0.5, help="+bal modes: keys' exponent"
+    )
+    parser.add_argument(
+        "--balance-alpha-v", type=float, default=0.0, help="+bal modes: values' exponent"
+    )
     args = parser.parse_args(argv)
+    BALANCE_ALPHA.update(keys=args.balance_alpha, values=args.balance_alpha_v)
     try:
         modes = parse_modes(args.modes)
     except ValueError as e:
@@ -401,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_size": PAGE_SIZE,
         "chunk": CHUNK,
         "attention_tokens": args.attention_tokens,
+        "balance_alpha": dict(BALANCE_ALPHA),  # +bal modes only
         "results": [],
     }
 
