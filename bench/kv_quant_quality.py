@@ -8,6 +8,12 @@ The model runs in float32. For each cache mode (``--modes``; default all):
                  a 16-bit cache stores): the noise floor a 16-bit cache alone costs
     q8, q6, q4   the quantized caches (engine/cache/quant.py), "+rot" with the 32-point
                  Hadamard rotation per group
+    ...+bal      EXPERIMENT, bench only (bench/kv_balance.py, not an engine option): keys
+                 (and values with --balance-alpha-v) divided per channel by scales derived
+                 from the weights, q and the output multiplied back (exact without
+                 quantization); ``--balance-alpha`` sets the exponent
+    ...+ctr      EXPERIMENT, bench only: a fixed mean post-RoPE key (one forward over random
+                 token ids) subtracted from every key (exact: softmax ignores the shift)
 
 it measures
 
@@ -101,16 +107,15 @@ MODES = {
         for rotate in (False, True)
     },
 }
-MODES.update(
-    {
-        f"{name}+{'+'.join(adjust)}": dataclasses.replace(
-            mode, name=f"{name}+{'+'.join(adjust)}", adjust=adjust
-        )
-        for name, mode in list(MODES.items())
-        if mode.quant != "fp16"
-        for adjust in (("bal",), ("ctr",), ("ctr", "bal"))
-    }
-)
+# Named on the command line only (the default run is MODES): "q4+rot+ctr", "q8+bal", ...
+EXPERIMENT_MODES = {
+    f"{name}+{'+'.join(adjust)}": dataclasses.replace(
+        mode, name=f"{name}+{'+'.join(adjust)}", adjust=adjust
+    )
+    for name, mode in list(MODES.items())
+    if mode.quant != "fp16"
+    for adjust in (("bal",), ("ctr",), ("ctr", "bal"))
+}
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 REFERENCE = "fp32"
 
@@ -118,11 +123,15 @@ REFERENCE = "fp32"
 def parse_modes(text: str) -> list[Mode]:
     """ "fp32,q8,q4+rot" -> modes; the reference (fp32) comes first, added if missing."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in MODES]
+    known = {**MODES, **EXPERIMENT_MODES}
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+        raise ValueError(
+            f"unknown mode(s) {unknown}; known: {', '.join(MODES)} "
+            "(and the bench-only experiments: a quantized mode + '+bal', '+ctr', '+ctr+bal')"
+        )
     names = [REFERENCE] + [name for name in dict.fromkeys(names) if name != REFERENCE]
-    return [MODES[name] for name in names]
+    return [known[name] for name in names]
 
 
 @dataclass

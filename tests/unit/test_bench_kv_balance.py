@@ -112,3 +112,14 @@ def test_identity_scales_change_nothing(model):
     plain = _logits(model, ids, TORCH_OPS)
     same = _logits(model, ids, adjusted_ops(TORCH_OPS, identity_scales(model)))
     assert torch.equal(same, plain)
+
+
+def test_experiments_are_named_modes_outside_the_default_run():
+    from bench.kv_quant_quality import MODES, parse_modes
+
+    assert not any(mode.adjust for mode in MODES.values())
+    modes = parse_modes("q4+rot+ctr,q8+bal,q8+rot+ctr+bal")
+    assert [m.adjust for m in modes] == [(), ("ctr",), ("bal",), ("ctr", "bal")]
+    assert modes[1].quant == "q4" and modes[1].rotate
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("fp16+bal")
