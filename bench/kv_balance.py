@@ -125,11 +125,16 @@ def _per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[0], dim=0)
 
 
-def key_means(model, tokens: int = CENTER_TOKENS, seed: int = CENTER_SEED) -> list[torch.Tensor]:
+def key_means(
+    model, tokens: int = CENTER_TOKENS, seed: int = CENTER_SEED, ids: list[int] | None = None
+) -> list[torch.Tensor]:
     """Per layer, the mean post-RoPE key [KV, D] (float32) over one forward of ``tokens``
-    uniformly random token ids (``seed``) through an unquantized cache."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=gen).tolist()
+    uniformly random token ids (``seed``), or of ``ids`` when given, through an unquantized
+    cache."""
+    if ids is None:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=gen).tolist()
+    tokens = len(ids)
     means: list[torch.Tensor] = []
     base = model.ops
 

@@ -117,6 +117,7 @@ EXPERIMENT_MODES = {
     for adjust in (("bal",), ("ctr",), ("ctr", "bal"))
 }
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
+CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
 REFERENCE = "fp32"
 
 
@@ -214,7 +215,8 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
     else:
         layers = kv_balance.identity_scales(model)
     if "ctr" in adjust:
-        layers = kv_balance.centered(layers, kv_balance.key_means(model))
+        ids = CENTER_IDS or None
+        layers = kv_balance.centered(layers, kv_balance.key_means(model, ids=ids))
     return kv_balance.adjusted_ops(ops, layers)
 
 
@@ -412,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--balance-alpha-v", type=float, default=0.0, help="+bal modes: values' exponent"
     )
+    parser.add_argument(
+        "--center-text",
+        type=Path,
+        default=None,
+        help="+ctr modes: the mean key from this text's first 512 tokens (default: random ids)",
+    )
     args = parser.parse_args(argv)
     BALANCE_ALPHA.update(keys=args.balance_alpha, values=args.balance_alpha_v)
     try:
@@ -430,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_pretrained(gguf)
     text = fixed_text(args.text)
     ids = text_ids(tokenizer, args.tokens, text)
+    if args.center_text is not None:
+        CENTER_IDS[:] = text_ids(tokenizer, 512, fixed_text(args.center_text))
     prompts = prompts_from(ids, args.prompts) if args.prompts else []
     report = {
         "model": gguf.name,
@@ -448,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunk": CHUNK,
         "attention_tokens": args.attention_tokens,
         "balance_alpha": dict(BALANCE_ALPHA),  # +bal modes only
+        "center_text": None if args.center_text is None else display_path(args.center_text),
         "results": [],
     }
 
