@@ -8,6 +8,12 @@ The model runs in float32. For each cache mode (``--modes``; default all):
                  a 16-bit cache stores): the noise floor a 16-bit cache alone costs
     q8, q6, q4   the quantized caches (engine/cache/quant.py), "+rot" with the 32-point
                  Hadamard rotation per group
+    ...+bal      EXPERIMENT, bench only (bench/kv_balance.py, not an engine option): keys
+                 (and values with --balance-alpha-v) divided per channel by scales derived
+                 from the weights, q and the output multiplied back (exact without
+                 quantization); ``--balance-alpha`` sets the exponent
+    ...+ctr      EXPERIMENT, bench only: a fixed mean post-RoPE key (one forward over random
+                 token ids) subtracted from every key (exact: softmax ignores the shift)
 
 it measures
 
@@ -80,6 +86,10 @@ class Mode:
     quant: str
     rotate: bool | None
     round_to: torch.dtype | None = None
+    # EXPERIMENTS (bench only, bench/kv_balance.py; not engine options): "bal": K (and V with
+    # --balance-alpha-v) divided per channel by scales from the weights, q and the attention
+    # output multiplied back; "ctr": a fixed mean key subtracted from every post-RoPE key.
+    adjust: tuple[str, ...] = ()
 
 
 BASELINES = {
@@ -97,17 +107,32 @@ MODES = {
         for rotate in (False, True)
     },
 }
+# Named on the command line only (the default run is MODES): "q4+rot+ctr", "q8+bal", ...
+EXPERIMENT_MODES = {
+    f"{name}+{'+'.join(adjust)}": dataclasses.replace(
+        mode, name=f"{name}+{'+'.join(adjust)}", adjust=adjust
+    )
+    for name, mode in list(MODES.items())
+    if mode.quant != "fp16"
+    for adjust in (("bal",), ("ctr",), ("ctr", "bal"))
+}
+BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
+CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
 REFERENCE = "fp32"
 
 
 def parse_modes(text: str) -> list[Mode]:
     """ "fp32,q8,q4+rot" -> modes; the reference (fp32) comes first, added if missing."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in MODES]
+    known = {**MODES, **EXPERIMENT_MODES}
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+        raise ValueError(
+            f"unknown mode(s) {unknown}; known: {', '.join(MODES)} "
+            "(and the bench-only experiments: a quantized mode + '+bal', '+ctr', '+ctr+bal')"
+        )
     names = [REFERENCE] + [name for name in dict.fromkeys(names) if name != REFERENCE]
-    return [MODES[name] for name in names]
+    return [known[name] for name in names]
 
 
 @dataclass
@@ -172,11 +197,27 @@ def mode_ops(model: Model, mode: Mode) -> Iterator[OpSet]:
     forwards call ``model.ops``)."""
     original = model.ops
     ops = original if mode.round_to is None else rounded_writes(original, mode.round_to)
+    if mode.adjust:
+        ops = adjusted(model, ops, mode.adjust)
     model.ops = ops
     try:
         yield ops
     finally:
         model.ops = original
+
+
+def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
+    """``ops`` with the bench-only K/V experiments of bench/kv_balance.py."""
+    from bench import kv_balance
+
+    if "bal" in adjust:
+        layers = kv_balance.model_scales(model, BALANCE_ALPHA["keys"], BALANCE_ALPHA["values"])
+    else:
+        layers = kv_balance.identity_scales(model)
+    if "ctr" in adjust:
+        ids = CENTER_IDS or None
+        layers = kv_balance.centered(layers, kv_balance.key_means(model, ids=ids))
+    return kv_balance.adjusted_ops(ops, layers)
 
 
 def allocate(model: Model, pages: int, mode: Mode):
@@ -367,7 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the perplexity and attention errors (they are NaN / null in the report)",
     )
+    parser.add_argument(
+        "--balance-alpha", type=float, default=0.5, help="+bal modes: keys' exponent"
+    )
+    parser.add_argument(
+        "--balance-alpha-v", type=float, default=0.0, help="+bal modes: values' exponent"
+    )
+    parser.add_argument(
+        "--center-text",
+        type=Path,
+        default=None,
+        help="+ctr modes: the mean key from this text's first 512 tokens (default: random ids)",
+    )
     args = parser.parse_args(argv)
+    BALANCE_ALPHA.update(keys=args.balance_alpha, values=args.balance_alpha_v)
     try:
         modes = parse_modes(args.modes)
     except ValueError as e:
@@ -384,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_pretrained(gguf)
     text = fixed_text(args.text)
     ids = text_ids(tokenizer, args.tokens, text)
+    if args.center_text is not None:
+        CENTER_IDS[:] = text_ids(tokenizer, 512, fixed_text(args.center_text))
     prompts = prompts_from(ids, args.prompts) if args.prompts else []
     report = {
         "model": gguf.name,
@@ -401,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         "page_size": PAGE_SIZE,
         "chunk": CHUNK,
         "attention_tokens": args.attention_tokens,
+        "balance_alpha": dict(BALANCE_ALPHA),  # +bal modes only
+        "center_text": None if args.center_text is None else display_path(args.center_text),
         "results": [],
     }
 

@@ -1,0 +1,125 @@
+"""bench/kv_balance.py (bench-only K/V experiments of bench/kv_quant_quality.py): the scales'
+RoPE pairing, exactness of the transforms without quantization, and that each one shrinks the
+quantized attention error in the case it is built for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.kv_balance import (
+    LayerScales,
+    adjusted_ops,
+    centered,
+    identity_scales,
+    key_means,
+    model_scales,
+)
+from engine import Model
+from engine.batch import SequenceInput, build_forward_batch
+from engine.cache.quant import allocate_quant_pages
+from engine.ops import TORCH_OPS
+from tests.hf_models import build_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    # head_dim 32 (one quantization group), two q heads per KV head.
+    folder = tmp_path_factory.mktemp("kv_balance")
+    build_model(folder, "llama_gqa", num_attention_heads=2, num_key_value_heads=1)
+    return Model.from_pretrained(folder, device="cpu", dtype=torch.float32)
+
+
+def test_scales_share_rope_pairs_and_have_unit_geometric_mean(model):
+    half = model.config.head_dim // 2
+    for layer in model_scales(model, 0.5, 0.5):
+        assert torch.equal(layer.s[:, :half], layer.s[:, half:])
+        for x in (layer.s, layer.t):
+            assert x.log().mean(dim=-1).abs().max() < 1e-5
+            assert not torch.allclose(x, torch.ones_like(x))  # random weights: not flat
+
+
+def _logits(model: Model, ids: list[int], ops) -> torch.Tensor:
+    pages = -(-len(ids) // 4)
+    kv = model.allocate_kv(pages, 4)
+    # Two chunks: the second one's attention reads keys the first wrote.
+    out = []
+    for start, end in ((0, 7), (7, len(ids))):
+        row = SequenceInput(ids[start:end], start, range(pages), logits_rows=end - start)
+        with torch.inference_mode():
+            out.append(model.network(build_forward_batch([row], 4, "cpu"), kv, ops))
+    return torch.cat(out)
+
+
+def test_transforms_are_exact_without_quantization(model):
+    ids = [3, 17, 250, 9, 41, 41, 7, 300, 12, 5, 88, 2, 64]
+    plain = _logits(model, ids, TORCH_OPS)
+    layers = centered(model_scales(model, 0.5, 0.5), key_means(model, tokens=24))
+    adjusted = _logits(model, ids, adjusted_ops(TORCH_OPS, layers))
+    assert (adjusted - plain).abs().max() < 1e-4 * plain.abs().max()
+    assert not torch.equal(layers[0].key_mean, torch.zeros_like(layers[0].key_mean))
+
+
+def _quantized_error(q, k, v, layer: LayerScales, bits: int = 4) -> float:
+    """max |attention over q4 rotated pages - exact| / max |exact| for one sequence, with the
+    K/V written and read through ``adjusted_ops`` with ``layer``."""
+    tokens, kv_heads, dim = k.shape
+    batch = build_forward_batch([SequenceInput([1] * tokens, 0, range(tokens // 4))], 4)
+    slots = torch.arange(tokens)
+    cos, sin = torch.ones(tokens, dim // 2), torch.zeros(tokens, dim // 2)
+    scale = dim**-0.5
+    exact_k = torch.zeros(tokens // 4, 4, kv_heads, dim)
+    exact_v = torch.zeros_like(exact_k)
+    q_rot = TORCH_OPS.rotary_cache_write(q, k, v, cos, sin, exact_k, exact_v, slots)
+    exact = TORCH_OPS.paged_attention(q_rot, exact_k, exact_v, batch, scale)
+    pages = [allocate_quant_pages(tokens // 4, 4, kv_heads, dim, bits, True, "cpu") for _ in "kv"]
+    ops = adjusted_ops(TORCH_OPS, [layer])
+    q_rot = ops.rotary_cache_write(q, k, v, cos, sin, *pages, slots)
+    out = ops.paged_attention(q_rot, *pages, batch, scale)
+    return ((out - exact).abs().max() / exact.abs().max()).item()
+
+
+def _case(seed: int = 0, tokens: int = 64, heads: int = 2, dim: int = 32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    k = torch.randn(tokens, 1, dim, generator=gen)
+    v = torch.randn(tokens, 1, dim, generator=gen)
+    return q, k, v
+
+
+def test_centering_shrinks_the_error_of_keys_with_a_common_offset():
+    q, k, v = _case()
+    offset = 4 * torch.randn(1, 32, generator=torch.Generator().manual_seed(1))
+    k = k + offset
+    plain = LayerScales(torch.ones(1, 32), torch.ones(1, 32))
+    with_mean = LayerScales(plain.s, plain.t, key_mean=offset)
+    assert _quantized_error(q, k, v, with_mean) < 0.6 * _quantized_error(q, k, v, plain)
+
+
+def test_rebalancing_shrinks_the_error_of_skewed_channels():
+    # Keys large where queries are small and the other way round: s^2 = |k| / |q|.
+    q, k, v = _case()
+    skew = torch.ones(32)
+    skew[[0, 16, 5, 21]] = 8.0  # two RoPE pairs
+    q, k = q / skew, k * skew
+    plain = LayerScales(torch.ones(1, 32), torch.ones(1, 32))
+    balanced = LayerScales(skew[None, :], torch.ones(1, 32))
+    assert _quantized_error(q, k, v, balanced) < 0.6 * _quantized_error(q, k, v, plain)
+
+
+def test_identity_scales_change_nothing(model):
+    ids = [3, 17, 250, 9, 41, 41, 7, 300, 12, 5]
+    plain = _logits(model, ids, TORCH_OPS)
+    same = _logits(model, ids, adjusted_ops(TORCH_OPS, identity_scales(model)))
+    assert torch.equal(same, plain)
+
+
+def test_experiments_are_named_modes_outside_the_default_run():
+    from bench.kv_quant_quality import MODES, parse_modes
+
+    assert not any(mode.adjust for mode in MODES.values())
+    modes = parse_modes("q4+rot+ctr,q8+bal,q8+rot+ctr+bal")
+    assert [m.adjust for m in modes] == [(), ("ctr",), ("bal",), ("ctr", "bal")]
+    assert modes[1].quant == "q4" and modes[1].rotate
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("fp16+bal")
