@@ -122,8 +122,10 @@ class DynamicGenerator:
                 f"filter_background_eval must be a bool, got {filter_background_eval!r}"
             )
         self.filter_background_eval = filter_background_eval
-        self.defer_text = _resolve_defer_text(defer_text, model, speculating)
-        self.async_scheduling = _resolve_async_scheduling(async_scheduling, model, speculating)
+        self.defer_text = _resolve_overlap("defer_text", defer_text, model, speculating)
+        self.async_scheduling = _resolve_overlap(
+            "async_scheduling", async_scheduling, model, speculating
+        )
         self._in_flight: InFlightTokens | None = None  # the last step's tokens, still unread
         self.async_steps = 0  # steps whose tokens were read one step later (stats, tests)
         # (job, token, result data) taken in the last step, their text not made yet
@@ -630,26 +632,18 @@ class DynamicGenerator:
         }
 
 
-def _resolve_async_scheduling(value: bool | None, model, speculating: bool) -> bool:
+def _resolve_overlap(name: str, value: bool | None, model, speculating: bool) -> bool:
+    """``defer_text`` / ``async_scheduling``: None means on for a GPU without speculation
+    (its forward is asynchronous: there is something to overlap). Neither combines with
+    speculation: a step's accepted drafts are taken and rendered together, and the next
+    drafts need them on the host."""
     if value is None:
         return model.device.type == "cuda" and not speculating
     if not isinstance(value, bool):
-        raise ValueError(f"async_scheduling must be a bool or None, got {value!r}")
+        raise ValueError(f"{name} must be a bool or None, got {value!r}")
     if value and speculating:
-        # verification needs the accepted tokens on the host before the next drafts
-        raise ValueError("async_scheduling=True cannot be combined with speculative decoding")
+        raise ValueError(f"{name}=True cannot be combined with speculative decoding")
     return value
-
-
-def _resolve_defer_text(defer_text: bool | None, model, speculating: bool) -> bool:
-    if defer_text is None:
-        return model.device.type == "cuda" and not speculating
-    if not isinstance(defer_text, bool):
-        raise ValueError(f"defer_text must be a bool or None, got {defer_text!r}")
-    if defer_text and speculating:
-        # a step's accepted drafts are taken and rendered together (receive_tokens)
-        raise ValueError("defer_text=True cannot be combined with speculative decoding")
-    return defer_text
 
 
 def _without_finished(jobs: list[DynamicJob], logits: torch.Tensor, token_mask):

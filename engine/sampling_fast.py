@@ -47,9 +47,10 @@ On CUDA tensors ``_choose`` runs the Numba CUDA kernels of ``engine.cuda.samplin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -257,28 +258,14 @@ class SamplerState:
         """(tokens, flags) from ``sample_cuda`` after the edits, no host sync."""
         from engine.cuda.sampling import sample_cuda
 
-        raw = logits.float()
-        if not raw.is_contiguous():
-            raw = raw.contiguous()
-        limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
-        edits = LogitEdits(raw.view(-1))
-        try:
-            self._edit(raw, edits, requests, params)
+        with self._edited(logits, requests, vocab_limit, params) as (raw, limit):
             # every row draws, as in ``sample``; float64: see _choose_with_torch
             draws = [r.rng.random() for r in requests]
             uniforms = upload(draws, raw.device, torch.float64)
             return sample_cuda(raw, limit, uniforms, _kernel_rows(params))
-        finally:
-            edits.restore()
 
     def _greedy_on_device(self, logits, requests, vocab_limit, params: RowParams):
-        raw = logits.float()
-        if not raw.is_contiguous():
-            raw = raw.contiguous()
-        limit = raw.shape[1] if vocab_limit is None else min(vocab_limit, raw.shape[1])
-        edits = LogitEdits(raw.view(-1))
-        try:
-            self._edit(raw, edits, requests, params)
+        with self._edited(logits, requests, vocab_limit, params) as (raw, limit):
             if raw.shape[0] < MIN_BLOCK_ROWS:  # a few rows: one whole-row op costs less
                 best = raw[:, :limit].max(-1)
                 tokens, row_max = best.indices, best.values
@@ -286,13 +273,25 @@ class SamplerState:
                 blocks = Blocks.of(raw, limit)
                 tokens, row_max = blocks.greedy(), blocks.row_max.squeeze(1)
             flags = ~(row_max > -math.inf)  # (a NaN maximum is not > -inf either)
-        finally:
-            edits.restore()
         for r in requests:  # every row draws, as in ``sample``
             r.rng.random()
         return tokens, flags
 
     def _sample_fast(self, logits, requests, vocab_limit, token_mask, params: RowParams):
+        with self._edited(logits, requests, vocab_limit, params) as (raw, limit):
+            x = raw if token_mask is None else raw + token_mask[:, : raw.shape[1]]
+            tokens = _choose(x, limit, params, requests)
+        if tokens is None:
+            return None
+        out = SampleOutput(tokens=tokens.tolist())
+        if any(r.logprobs is not None for r in requests):
+            _add_logprobs(out, raw, tokens, requests, limit)
+        return out
+
+    @contextlib.contextmanager
+    def _edited(self, logits, requests, vocab_limit, params: RowParams) -> Iterator[tuple]:
+        """(float32 logits with penalties, biases and bans written in, the vocabulary limit)
+        while the block runs; the edited positions are put back after it."""
         raw = logits.float()
         if not raw.is_contiguous():
             raw = raw.contiguous()
@@ -300,16 +299,9 @@ class SamplerState:
         edits = LogitEdits(raw.view(-1))
         try:
             self._edit(raw, edits, requests, params)
-            x = raw if token_mask is None else raw + token_mask[:, : raw.shape[1]]
-            tokens = _choose(x, limit, params, requests)
+            yield raw, limit
         finally:
             edits.restore()
-        if tokens is None:
-            return None
-        out = SampleOutput(tokens=tokens.tolist())
-        if any(r.logprobs is not None for r in requests):
-            _add_logprobs(out, raw, tokens, requests, limit)
-        return out
 
     def _edit(self, raw, edits: LogitEdits, requests, params: RowParams) -> None:
         """Penalties, then biases and bans (the reference's order), in place."""
