@@ -386,13 +386,10 @@ class DynamicGenerator:
                 data = job.take_token(
                     token, token_tensor=token_tensors_i, replaces_pending=flight.pending[i]
                 )
-                result = job.render_token(token, data)
             except Exception as error:
                 results.append(self._fail(job, error))
                 continue
-            if result["eos"]:
-                self._retire(job)
-            results.append(result)
+            results.append(self._rendered(job, token, data))
         return results
 
     def _resample(self, flight: InFlightTokens, row: int, fed: int) -> int:
@@ -522,19 +519,21 @@ class DynamicGenerator:
         else:
             pending = [p for p in self._text_pending if p[0] is only]
             self._text_pending = [p for p in self._text_pending if p[0] is not only]
-        results = []
-        for job, token, data in pending:
-            if self._jobs.get(job.serial) is not job:  # failed or cancelled meanwhile
-                continue
-            try:
-                result = job.render_token(token, data)
-            except Exception as error:
-                results.append(self._fail(job, error))
-                continue
-            if result["eos"]:
-                self._retire(job)
-            results.append(result)
-        return results
+        return [
+            self._rendered(job, token, data)
+            for job, token, data in pending
+            if self._jobs.get(job.serial) is job  # (not failed or cancelled meanwhile)
+        ]
+
+    def _rendered(self, job: DynamicJob, token: int, data: dict[str, Any]) -> dict[str, Any]:
+        """``job.render_token``; a job that fails there ends alone, one that ends is retired."""
+        try:
+            result = job.render_token(token, data)
+        except Exception as error:
+            return self._fail(job, error)
+        if result["eos"]:
+            self._retire(job)
+        return result
 
     def _fail(self, job: DynamicJob, error: Exception) -> dict[str, Any]:
         """End one job with an "error" result and free its pages."""
