@@ -6,7 +6,11 @@ they agree to rounding; fp16 rounds inputs and outputs to 11 bits, so 2e-3 (the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -15,6 +19,22 @@ from engine.cuda import _launch
 DEVICE = "cpu" if _launch.SIMULATOR else "cuda"
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_without_simulator(script: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -c script`` in the repository with the CUDA simulator off (the GPU build of
+    the kernels: typing, lowering, compiling need no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def assert_warmed_up(specialisations: list[tuple[Callable, tuple]], *launches: Callable) -> None:

@@ -7,11 +7,7 @@ a few pages). On a GPU the same tests run on CUDA tensors, plus the ``gpu`` test
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,7 @@ import torch
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cuda import attention
 from engine.cuda.attention import paged_attention_cuda, paged_attention_reference
-from tests.kernels.common import DEVICE, TOL
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels.common import DEVICE, TOL, run_without_simulator
 
 
 def make_case(specs, heads, kv_heads, head_dim, dtype, page_size=4, seed=0, device=DEVICE):
@@ -309,16 +303,7 @@ def test_kernels_compile_for_sm90():
     """Compiles the real (non-simulator) kernels to sm_90 cubins with NVVM + nvJitLink, which
     needs no GPU, and checks for register spills. Skipped where the NVVM/nvJitLink libraries
     are not installed (pip: nvidia-nvvm, nvidia-nvjitlink)."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_without_simulator(_COMPILE_SCRIPT)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,12 +10,9 @@ reach. Two tests break the kernel on purpose to show the comparisons can fail.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +21,8 @@ from engine.cuda import sampling as kernels
 from engine.cuda.sampling import SampleRows, greedy_cuda, sample_cuda
 from engine.sampling import SampleRequest, SamplerSettings, sample
 from engine.sampling_fast import SamplerState, _choose, _kernels_wanted
-from tests.kernels.common import DEVICE
+from tests.kernels.common import DEVICE, run_without_simulator
 
-REPO = Path(__file__).resolve().parents[2]
 S = SamplerSettings
 INF = float("inf")
 
@@ -375,14 +371,5 @@ _LOWER_SCRIPT = textwrap.dedent(
 def test_kernels_type_and_lower_for_the_gpu():
     """The GPU build (libdevice bit casts instead of the simulator's numpy ones) typed and
     lowered to LLVM IR: no GPU or CUDA toolkit needed (PTX would need libdevice)."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOWER_SCRIPT],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_without_simulator(_LOWER_SCRIPT)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
