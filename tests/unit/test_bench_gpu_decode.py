@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -11,21 +10,14 @@ import sys
 import pytest
 import torch
 
+from tests.bench_scripts import run_bench
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "bench" / "gpu_decode.py"
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "ENGINE_OPS"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_bench(SCRIPT.name, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -4,29 +4,17 @@ GPU it refuses to run."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "bench" / "step_gap.py"
+from tests.bench_scripts import run_bench
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "ENGINE_OPS"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_bench("step_gap.py", *args, timeout=300)
 
 
 def test_dry_run_measures_both_modes(tmp_path: pathlib.Path) -> None:
