@@ -3,8 +3,9 @@
 ``AppProcess(config, code_root)`` starts ``python app_process.py`` with ``PYTHONPATH=code_root``
 (so a bench can serve another checkout's code, e.g. ``main`` before a change, next to this one),
 waits until the app answers, and on exit sends the child SIGTERM: the child shuts Serve and Ray
-down itself and the temp dir is removed. Only the child's own process id (and, should it not
-exit, its own process group, which it leads) is ever signalled.
+down itself and the temp dir is removed; what is left of its process group afterwards (Ray's
+agents outlive ``ray.shutdown``) is stopped too. Only the child's own process id and the process
+group it leads are ever signalled.
 
 The child writes ``ready.json`` (the base URL) into its folder once ``serve.run`` returned.
 """
@@ -137,9 +138,42 @@ class AppProcess:
                 logger.warning("the app process ignored SIGTERM; killing its process group")
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        if process is not None:
+            stop_leftovers(process.pid)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         self.process = self.folder = None
+
+
+def stop_leftovers(group: int, grace_s: float = 5.0) -> None:
+    """SIGTERM whatever is left of the child's process group after the child exited (Ray's
+    dashboard and runtime-env agents outlive ``ray.shutdown`` as orphans), then SIGKILL what
+    ignores it. The group is the one the child led, so nothing else is ever signalled."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):  # empty: everything has exited
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and group_alive(group):
+            time.sleep(0.1)
+        if not group_alive(group):
+            return
+
+
+def group_alive(group: int) -> bool:
+    """Whether a process of this group still runs (zombies waiting for init do not count)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == group:
+            return True
+    return False
 
 
 # -- CPU time of the app's processes ---------------------------------------------------------

@@ -24,9 +24,11 @@ if str(BENCH) not in sys.path:
 
 from loadgen.app_process import (  # noqa: E402
     cpu_used,
+    group_alive,
     parse_stat,
     process_label,
     session_cpu,
+    stop_leftovers,
 )
 from loadgen.client import RequestResult, run_request  # noqa: E402
 
@@ -243,6 +245,23 @@ def test_cpu_of_this_session_grows_and_differences_are_per_label() -> None:
 
 
 # -- the client keeps choice 0's text ---------------------------------------------------------
+
+
+def test_leftovers_of_an_exited_child_are_stopped() -> None:
+    """A child in a session of its own starts a grandchild in its group and exits (as the app
+    child's Ray agents outlive it): stop_leftovers ends the grandchild, and an empty group is
+    a no-op."""
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess; subprocess.Popen(['sleep', '60'])"],
+        start_new_session=True,
+    )
+    child.wait(30)
+    assert group_alive(child.pid)  # the orphaned sleep
+    stop_leftovers(child.pid, grace_s=10)
+    assert not group_alive(child.pid)
+    stop_leftovers(child.pid)  # nothing left: no error
 
 
 def test_client_collects_the_streamed_text() -> None:
