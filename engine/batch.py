@@ -24,7 +24,7 @@ import torch
 from engine.embeddings import EmbeddingTable, EmbeddingTableBuilder, MMEmbedding
 
 if TYPE_CHECKING:
-    from engine.cuda.attention import KernelPlan, KernelPlanKey, PaddedLayout
+    from engine.cuda.attention import AttentionGroup, KernelPlan, KernelPlanKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +59,8 @@ class AttentionPlan:
 
     # CUDA kernel: launch plan (work list, split count, partial buffers) per shape and window
     kernel: dict[KernelPlanKey, KernelPlan] = field(default_factory=dict)
-    # torch reference: flat <-> padded row maps, and the boolean mask per sliding window
-    layout: PaddedLayout | None = None
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # torch reference: the sequences padded together (row maps, pages, masks per window)
+    groups: list[AttentionGroup] | None = None
 
 
 @dataclass(slots=True)

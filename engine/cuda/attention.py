@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,25 +41,29 @@ def paged_attention_reference(
     K/V); returns [T, H, D]. Query at position p sees keys j with j <= p and, with a sliding
     window w, p - w < j.
     """
-    layout = padded_layout(batch)
-    k = _gather_pages(k_pages, batch, layout.num_blocks)
-    v = _gather_pages(v_pages, batch, layout.num_blocks)
-    return padded_attention(q, k, v, batch, scale, sliding_window)
+
+    def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
+        k = _gather_pages(k_pages, group.block_tables)
+        v = _gather_pages(v_pages, group.block_tables)
+        return padded_attention(q_group, k, v, group, scale, sliding_window)
+
+    return by_group(q, batch, attend)
 
 
 def padded_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    batch: ForwardBatch,
+    group: AttentionGroup,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """The reference's attention over gathered context k, v [B, num_blocks * S, KV, D]."""
-    layout = padded_layout(batch)
+    """The reference's attention of one group's queries q [T_g, H, D] over its gathered
+    context k, v [B_g, num_blocks * S, KV, D]; returns [T_g, H, D]."""
+    layout = group.layout
     num_heads, head_dim = q.shape[1], q.shape[2]
     q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
-    mask = _mask(batch, layout, sliding_window)
+    mask = _mask(group, sliding_window)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
         k.transpose(1, 2).to(q.dtype),  # [B, KV, max_kv, D]
@@ -71,9 +76,8 @@ def padded_attention(
     return out[layout.out_rows]
 
 
-def _gather_pages(pages: torch.Tensor, batch: ForwardBatch, num_blocks: int) -> torch.Tensor:
+def _gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[P, S, KV, D] pages -> [B, num_blocks * S, KV, D] contiguous per-sequence context."""
-    table = batch.block_tables[:, :num_blocks].long()
     gathered = pages[table]  # [B, num_blocks, S, KV, D]
     b, n, s, kv, d = gathered.shape
     return gathered.view(b, n * s, kv, d)
@@ -81,7 +85,7 @@ def _gather_pages(pages: torch.Tensor, batch: ForwardBatch, num_blocks: int) -> 
 
 @dataclass(frozen=True, slots=True)
 class PaddedLayout:
-    """The torch reference's map between flat rows and [B, max_q] padded rows (per forward)."""
+    """The torch reference's map between a group's flat rows and [B, max_q] padded rows."""
 
     q_index: torch.Tensor  # [B, max_q] flat row of each padded row (T: the zero row)
     out_rows: torch.Tensor  # [T] padded row of each flat row
@@ -91,36 +95,118 @@ class PaddedLayout:
     kv_pos: torch.Tensor  # [num_blocks * page_size] key positions
 
 
-def padded_layout(batch: ForwardBatch) -> PaddedLayout:
-    """Index tensors mapping flat rows <-> [B, max_q] padded rows; built once per forward."""
-    if batch.attention.layout is not None:
-        return batch.attention.layout
-    device = batch.input_ids.device
-    num_seqs, max_q = batch.num_seqs, batch.max_query_len
-    q_lens = torch.tensor(batch.q_lens, device=device)
-    seq_lens = torch.tensor(batch.seq_lens_host, device=device)
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences of one forward that the torch reference pads and attends together.
+
+    Padding makes a group cost (sequences x longest query x longest context): one prefill
+    chunk of 448 tokens in a step with 63 decode rows would pad every decode row to 448
+    queries (~56x the real work). So a forward's sequences are grouped by query length (see
+    ``attention_groups``) and each group runs one padded attention of its own.
+    """
+
+    rows: torch.Tensor | None  # [T_g] the group's flat query rows (None: all, in order)
+    block_tables: torch.Tensor  # [B_g, num_blocks] long: the pages each sequence reads
+    layout: PaddedLayout
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per window
+
+
+def by_group(
+    q: torch.Tensor,
+    batch: ForwardBatch,
+    attend: Callable[[AttentionGroup, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``attend(group, q rows of the group)`` for each of the batch's groups, the outputs put
+    back in flat row order: [T, H, D]."""
+    groups = attention_groups(batch)
+    if len(groups) == 1:
+        return attend(groups[0], q)
+    out = None
+    for group in groups:
+        part = attend(group, q[group.rows])
+        if out is None:
+            out = part.new_empty((q.shape[0], *part.shape[1:]))
+        out[group.rows] = part
+    return out
+
+
+def attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
+    """The batch's groups, built once per forward (every layer reuses them): sequences whose
+    query lengths fall in one power-of-two bucket (1, 2-3, 4-7, ...) share a group, so padding
+    at most doubles a group's query rows and a step has at most ~log2(chunk) groups."""
+    if batch.attention.groups is not None:
+        return batch.attention.groups
+    buckets: dict[int, list[int]] = {}
+    for i, q_len in enumerate(batch.q_lens):
+        buckets.setdefault(q_len.bit_length(), []).append(i)
+    if len(buckets) == 1:
+        groups = [_whole_batch_group(batch)]
+    else:
+        groups = [_group(batch, seqs) for _, seqs in sorted(buckets.items())]
+    batch.attention.groups = groups
+    return groups
+
+
+def _whole_batch_group(batch: ForwardBatch) -> AttentionGroup:
+    """Every sequence in one group, with the batch's own row offsets (no row gather)."""
     starts = batch.query_start_loc[:-1].long()
+    layout = _padded_layout(batch, batch.q_lens, batch.seq_lens_host, starts, batch.num_tokens)
+    table = batch.block_tables[:, : layout.num_blocks].long()
+    return AttentionGroup(None, table, layout)
+
+
+def _group(batch: ForwardBatch, seqs: list[int]) -> AttentionGroup:
+    """The sequences ``seqs`` (batch indices) as one group: their rows gathered in order."""
+    device = batch.input_ids.device
+    offsets = [0]
+    for q_len in batch.q_lens:
+        offsets.append(offsets[-1] + q_len)
+    rows = [r for i in seqs for r in range(offsets[i], offsets[i + 1])]
+    q_lens = tuple(batch.q_lens[i] for i in seqs)
+    seq_lens = tuple(batch.seq_lens_host[i] for i in seqs)
+    local_starts = [0]
+    for q_len in q_lens[:-1]:
+        local_starts.append(local_starts[-1] + q_len)
+    starts = torch.tensor(local_starts, device=device)
+    layout = _padded_layout(batch, q_lens, seq_lens, starts, len(rows))
+    index = torch.tensor(seqs, device=device)
+    table = batch.block_tables[index, : layout.num_blocks].long()
+    return AttentionGroup(torch.tensor(rows, device=device), table, layout)
+
+
+def _padded_layout(
+    batch: ForwardBatch,
+    q_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    starts: torch.Tensor,
+    num_tokens: int,
+) -> PaddedLayout:
+    """Index tensors mapping a group's ``num_tokens`` flat rows (starting at ``starts`` per
+    sequence) <-> [B, max_q] padded rows."""
+    device = batch.input_ids.device
+    num_seqs, max_q = len(q_lens), max(q_lens)
+    q_lens_t = torch.tensor(q_lens, device=device)
+    seq_lens_t = torch.tensor(seq_lens, device=device)
     col = torch.arange(max_q, device=device)
-    valid = col[None, :] < q_lens[:, None]  # [B, max_q]
-    num_blocks = -(-batch.max_seq_len // batch.page_size)
-    layout = PaddedLayout(
+    valid = col[None, :] < q_lens_t[:, None]  # [B, max_q]
+    num_blocks = -(-max(seq_lens) // batch.page_size)
+    return PaddedLayout(
         # padding rows point at the extra zero row appended to q (index T)
-        q_index=torch.where(valid, starts[:, None] + col[None, :], batch.num_tokens),
+        q_index=torch.where(valid, starts[:, None] + col[None, :], num_tokens),
         out_rows=(torch.arange(num_seqs, device=device)[:, None] * max_q + col[None, :])[valid],
         valid=valid,
-        q_pos=(seq_lens - q_lens)[:, None] + col[None, :],
+        q_pos=(seq_lens_t - q_lens_t)[:, None] + col[None, :],
         num_blocks=num_blocks,
         kv_pos=torch.arange(num_blocks * batch.page_size, device=device),
     )
-    batch.attention.layout = layout
-    return layout
 
 
-def _mask(batch: ForwardBatch, layout: PaddedLayout, sliding_window: int | None) -> torch.Tensor:
-    """Boolean [B, 1, max_q, max_kv] mask (True = attend), one per window size per forward."""
-    mask = batch.attention.masks.get(sliding_window)
+def _mask(group: AttentionGroup, sliding_window: int | None) -> torch.Tensor:
+    """Boolean [B, 1, max_q, max_kv] mask (True = attend), one per window size per group."""
+    mask = group.masks.get(sliding_window)
     if mask is not None:
         return mask
+    layout = group.layout
     q_pos = layout.q_pos[:, :, None]  # [B, max_q, 1]
     kv_pos = layout.kv_pos[None, None, :]  # [1, 1, max_kv]
     mask = kv_pos <= q_pos
@@ -129,7 +215,7 @@ def _mask(batch: ForwardBatch, layout: PaddedLayout, sliding_window: int | None)
     # Padding query rows would see no key and turn into NaN; give them key 0 (rows are dropped).
     mask[:, :, 0] |= ~layout.valid
     mask = mask[:, None]
-    batch.attention.masks[sliding_window] = mask
+    group.masks[sliding_window] = mask
     return mask
 
 

@@ -18,7 +18,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.cache.quant import QuantPages, dequantize_pages, rotate_groups, write_slots
-from engine.cuda.attention import padded_attention, padded_layout
+from engine.cuda.attention import AttentionGroup, by_group, padded_attention
 from engine.cuda.rotary import rotary_reference
 
 
@@ -53,13 +53,15 @@ def quant_paged_attention_reference(
 ) -> torch.Tensor:
     """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D]."""
     check_pair(k_pages, v_pages)
-    layout = padded_layout(batch)
-    table = batch.block_tables[:, : layout.num_blocks].long()
-    k = _context(dequantize_pages(k_pages, table, q.dtype))
-    v = _context(dequantize_pages(v_pages, table, q.dtype))
+
+    def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
+        k = _context(dequantize_pages(k_pages, group.block_tables, q.dtype))
+        v = _context(dequantize_pages(v_pages, group.block_tables, q.dtype))
+        return padded_attention(q_group, k, v, group, scale, sliding_window)
+
     if k_pages.rotate:
         q = rotate_groups(q)
-    out = padded_attention(q, k, v, batch, scale, sliding_window)
+    out = by_group(q, batch, attend)
     return rotate_groups(out) if k_pages.rotate else out
 
 
