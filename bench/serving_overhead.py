@@ -24,6 +24,7 @@ ratios to bare and whether its greedy texts equal the bare engine's. JSON under
     flock /work/ray.lock python bench/serving_overhead.py --config configs/demo.yaml
     flock /work/ray.lock python bench/serving_overhead.py --config configs/smollm2.yaml \\
         --served main=/work/main --served branch=.
+    python bench/serving_overhead.py --no-served --bare-also main=/work/main  # engines only
 """
 
 from __future__ import annotations
@@ -112,7 +113,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="override a preset value for every path, e.g. serving.stream_interval_s=0.2 "
         "(VALUE is YAML; repeatable)",
     )
+    p.add_argument(
+        "--bare-also",
+        type=_variant,
+        action="append",
+        default=[],
+        metavar="NAME=ROOT",
+        help="also run the bare engine of this checkout, after this one's (repeatable; e.g. "
+        "main before an engine change: its ratios to bare are the change's speed-up)",
+    )
     p.add_argument("--no-bare", action="store_true", help="skip the bare engine run")
+    p.add_argument("--no-served", action="store_true", help="bare engines only (no Ray)")
     p.add_argument(
         "--bare-last", action="store_true", help="run bare after the served runs (order check)"
     )
@@ -136,10 +147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.requests = args.streams if args.requests is None else args.requests
     if args.requests < 1:
         p.error("--requests must be >= 1")
-    args.served = args.served or [("this", REPO_ROOT)]
-    names = [name for name, _ in args.served]
+    if args.no_served and (args.served or args.no_bare):
+        p.error("--no-served runs the bare engines only: drop --served / --no-bare")
+    args.served = [] if args.no_served else args.served or [("this", REPO_ROOT)]
+    names = [name for name, _ in args.served + args.bare_also]
     if len(set(names)) != len(names) or "bare" in names:
-        p.error(f"--served names must be distinct and not 'bare', got {names}")
+        p.error(f"--served/--bare-also names must be distinct and not 'bare', got {names}")
+    if args.bare_also and args.no_bare:
+        p.error("--bare-also compares with this checkout's bare run: drop --no-bare")
     args.name = args.name or "serving-overhead-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return args
 
@@ -315,22 +330,24 @@ class BareRequest:
     generation: Any  # engine.request.GenerationRequest
 
 
-def bare_in_child(args: argparse.Namespace, config: Path, folder: Path) -> PathRun:
+def bare_in_child(
+    args: argparse.Namespace, config: Path, folder: Path, root: Path = REPO_ROOT
+) -> PathRun:
     """The bare run in a child process of its own session, like the served app's: with the
     kernel's autogroup scheduling a session shares the CPU as one, so both paths compete
     with the rest of the machine on the same terms (in this process's session the bare
     engine would share its slice with whatever else runs there)."""
-    out = folder / "bare.json"
+    out = folder / f"bare-{len(list(folder.glob('bare-*.json')))}.json"
     command = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        str(root / "bench" / "serving_overhead.py"),
         *("--config", str(config), "--streams", str(args.streams)),
         *("--requests", str(args.requests), "--max-tokens", str(args.max_tokens)),
         *("--prompt-words", "{}:{}".format(*args.prompt_words), "--seed", str(args.seed)),
         *("--log-level", args.log_level, "--bare-child", str(out)),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    child = subprocess.Popen(command, env=env, start_new_session=True)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    child = subprocess.Popen(command, cwd=root, env=env, start_new_session=True)
     try:
         code = child.wait(args.request_timeout * 2)
     finally:
@@ -457,6 +474,7 @@ def build_report(
         },
         "order": list(runs),
         "served_roots": {name: str(root) for name, root in args.served},
+        "bare_roots": {"bare": str(REPO_ROOT), **{n: str(r) for n, r in args.bare_also}},
         "paths": {name: asdict(s) for name, s in summaries.items()},
         "cpu_s_by_process": {name: _rounded(r.cpu) for name, r in runs.items()},
         "vs_bare": {},
@@ -466,9 +484,10 @@ def build_report(
         if name == "bare" or bare is None:
             continue
         r = ratios(summary, bare)
+        served = name not in report["bare_roots"]  # the goals are about serving, not engines
         report["vs_bare"][name] = {
             "ratios": r,
-            "goals": goals(r),
+            "goals": goals(r) if served else None,
             "text": text_agreement(runs[name].results, runs["bare"].results),
         }
     return report
@@ -526,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         config = served_preset(args.config, Path(folder), args.set)
         if not args.no_bare and not args.bare_last:
             runs["bare"] = bare_in_child(args, config, Path(folder))
+        for name, root in args.bare_also:
+            runs[name] = bare_in_child(args, config, Path(folder), root)
         for name, root in args.served:
             runs[name] = run_served(config, root, requests, args.streams, args.request_timeout)
         if not args.no_bare and args.bare_last:

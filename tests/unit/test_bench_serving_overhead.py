@@ -82,6 +82,10 @@ def test_served_variants_and_ranges_parse() -> None:
         ["--served", "x=/nonexistent/checkout"],
         ["--served", f"bare={REPO_ROOT}"],
         ["--served", f"a={REPO_ROOT}", "--served", f"a={REPO_ROOT}"],
+        ["--served", f"a={REPO_ROOT}", "--bare-also", f"a={REPO_ROOT}"],
+        ["--bare-also", f"b={REPO_ROOT}", "--no-bare"],
+        ["--no-served", "--served", f"a={REPO_ROOT}"],
+        ["--no-served", "--no-bare"],
         ["--prompt-words", "9:3"],
         ["--prompt-words", "a:b"],
         ["--streams", "0"],
@@ -193,6 +197,22 @@ def test_report_and_table(tmp_path: pathlib.Path) -> None:
     assert "main / bare" in lines[3] and "same text 1/2" in lines[3]
     no_bare = so.build_report(args, {"main": runs["main"]}, {})
     assert no_bare["vs_bare"] == {}
+
+
+def test_another_checkouts_bare_engine_is_compared_without_serving_goals() -> None:
+    args = so.parse_args(["--bare-also", f"base={REPO_ROOT}", "--streams", "2"])
+    assert args.bare_also == [("base", REPO_ROOT)] and args.served == [("this", REPO_ROOT)]
+    runs = {
+        "bare": so.PathRun([_result(0, [0.1, 0.2], 2, "t")], 1.0, {"bare": 0.5}),
+        "base": so.PathRun([_result(0, [0.1, 0.2], 2, "t")], 2.5, {"bare": 1.2}),
+        "this": so.PathRun([_result(0, [0.2, 0.4], 2, "t")], 2.0, {}),
+    }
+    report = so.build_report(args, runs, {})
+    assert report["bare_roots"] == {"bare": str(REPO_ROOT), "base": str(REPO_ROOT)}
+    assert report["vs_bare"]["base"]["ratios"]["tokens_per_s"] == pytest.approx(0.4)
+    assert report["vs_bare"]["base"]["goals"] is None  # an engine, not the served path
+    assert report["vs_bare"]["this"]["goals"]["throughput_ge_90pct"] is False
+    assert so.parse_args(["--no-served", "--bare-also", f"base={REPO_ROOT}"]).served == []
 
 
 def test_served_preset_has_one_replica_and_the_overrides(tmp_path: pathlib.Path) -> None:
