@@ -237,7 +237,17 @@ class Ingress:
         self.model_id = self.prompts.model_id
         self.created = int(time.time())
         self._llm = llm
-        self._generate = llm.options(method_name="generate", stream=True)
+        # By value over the replicas' gRPC server rather than Ray object refs: every streamed
+        # delta is one message, and this path costs less CPU per message (bench/
+        # serving_overhead.py on the 2-core CPU: served tok/s 0.75-0.87 -> 0.79-0.97 of the
+        # bare engine's, CPU per token -6..-10%). Deltas are plain dicts: pickle suffices.
+        self._generate = llm.options(
+            method_name="generate",
+            stream=True,
+            _by_reference=False,
+            request_serialization="pickle",
+            response_serialization="pickle",
+        )
         logger.info(
             "Ingress ready: model %r, context %d", self.model_id, self.prompts.context_length
         )
