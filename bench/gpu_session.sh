@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One lent-GPU session's checks, in priority order, each under its own time cap so that one
+# slow or hung step cannot eat the others' device time:
+#   1. the machine (GPU, driver, python, torch, numba, numba-cuda);
+#   2. the kernel tests on the real device (no simulator) and the CUDA-graph test;
+#   3. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
+#   4. bench/gpu_decode.py on the 1B shape (default kernels + torch references, KV-cache modes
+#      at batch 32 x 4k: issue "Quantized KV cache");
+#   5. bench/gpu_decode.py on the 8B shape (default op set), merged into the same JSON.
+# Writes run.log, pytest.log, step_gap.json and gpu_decode.json under $OUT (or ./gpu-out).
+#
+#   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
+#   DRY=1 OUT=/tmp/x bash bench/gpu_session.sh      # here: the same steps as CPU dry runs
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+DRY=${DRY:-}
+dry=${DRY:+--dry-run}
+small=llama3.2-1b large=llama3-8b
+[ -n "$DRY" ] && small=tiny large=tiny
+log="$OUT/run.log"
+start=$(date +%s)
+
+step() {  # step NAME CAP_SECONDS COMMAND...: run, log, and report its status and time
+  local name=$1 cap=$2
+  shift 2
+  local t0=$(date +%s)
+  echo "=== $name (cap ${cap}s) at +$((t0 - start))s" | tee -a "$log"
+  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log" | tail -n 60
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $(($(date +%s) - t0))s" | tee -a "$log"
+}
+
+step machine 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+  --format=csv 2>&1; $PY -c 'import sys, torch, numba, numba_cuda; print(sys.version); \
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available()); \
+print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
+
+if [ -z "$DRY" ]; then
+  step kernel-tests "${KERNEL_CAP:-150}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
+    --durations=15 --continue-on-collection-errors tests/kernels \
+    tests/engine/test_decode_graphs.py 2>&1 | tee $OUT/pytest.log"
+fi
+
+step step-gap "${GAP_CAP:-90}" $PY bench/step_gap.py $dry --batches 1 64 \
+  --sampling greedy topk_topp --output "$OUT/step_gap.json"
+
+step gpu-decode-1b "${DECODE_1B_CAP:-130}" $PY bench/gpu_decode.py $dry \
+  --models "$small" --ops default,torch --decode-batches 1,32 \
+  --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode.json"
+
+step gpu-decode-8b "${DECODE_8B_CAP:-100}" $PY bench/gpu_decode.py $dry \
+  --models "$large" --ops default --decode-batches 1,32 \
+  --prefill-batches 1 --decode-steps 32 --skip-transformers --merge \
+  --output "$OUT/gpu_decode.json"
+
+echo "=== done in $(($(date +%s) - start))s" | tee -a "$log"
