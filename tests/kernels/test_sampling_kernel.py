@@ -304,19 +304,24 @@ def test_cpu_tensors_stay_on_the_torch_path():
 
 def _rows(n: int) -> SampleRows:
     return SampleRows(
-        torch.ones(n), torch.zeros(n, dtype=torch.long), torch.ones(n), torch.zeros(n),
-        torch.zeros(n, dtype=torch.bool),
+        torch.ones(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE),
+        torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE),
+        torch.zeros(n, dtype=torch.bool, device=DEVICE),
     )  # fmt: skip
+
+
+def _zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)  # (on a GPU the device check is first)
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: greedy_cuda(torch.zeros(2, 8, dtype=torch.float16), 8), "float32"),
-        (lambda: greedy_cuda(torch.zeros(2, 8), 9), "limit 9"),
-        (lambda: greedy_cuda(torch.zeros(2, 8), 8, threads=6), "threads 6"),
-        (lambda: sample_cuda(torch.zeros(2, 8), 8, torch.zeros(2), _rows(2)), "uniforms"),
-        (lambda: sample_cuda(torch.zeros(3, 8), 8, torch.zeros(3, dtype=torch.float64), _rows(2)),
+        (lambda: greedy_cuda(_zeros(2, 8, dtype=torch.float16), 8), "float32"),
+        (lambda: greedy_cuda(_zeros(2, 8), 9), "limit 9"),
+        (lambda: greedy_cuda(_zeros(2, 8), 8, threads=6), "threads 6"),
+        (lambda: sample_cuda(_zeros(2, 8), 8, _zeros(2), _rows(2)), "uniforms"),
+        (lambda: sample_cuda(_zeros(3, 8), 8, _zeros(3, dtype=torch.float64), _rows(2)),
          "temps"),
     ],
 )  # fmt: skip
