@@ -39,19 +39,19 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
 print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
 
 if [ -z "$DRY" ]; then
-  step kernel-tests "${KERNEL_CAP:-150}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
+  step kernel-tests "${KERNEL_CAP:-170}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
     --durations=15 --continue-on-collection-errors tests/kernels \
     tests/engine/test_decode_graphs.py 2>&1 | tee $OUT/pytest.log"
 fi
 
-step step-gap "${GAP_CAP:-90}" $PY bench/step_gap.py $dry --batches 1 64 \
+step step-gap "${GAP_CAP:-100}" $PY bench/step_gap.py $dry --batches 1 64 \
   --sampling greedy topk_topp --output "$OUT/step_gap.json"
 
-step gpu-decode-1b "${DECODE_1B_CAP:-130}" $PY bench/gpu_decode.py $dry \
+step gpu-decode-1b "${DECODE_1B_CAP:-160}" $PY bench/gpu_decode.py $dry \
   --models "$small" --ops default,torch --decode-batches 1,32 \
   --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode.json"
 
-step gpu-decode-8b "${DECODE_8B_CAP:-100}" $PY bench/gpu_decode.py $dry \
+step gpu-decode-8b "${DECODE_8B_CAP:-130}" $PY bench/gpu_decode.py $dry \
   --models "$large" --ops default --decode-batches 1,32 \
   --prefill-batches 1 --decode-steps 32 --skip-transformers --merge \
   --output "$OUT/gpu_decode.json"
