@@ -735,8 +735,13 @@ def warm_up_split_merge(
     """
     from engine.batch import SequenceInput, build_forward_batch
 
-    seq = SequenceInput([0], num_cached=page_size, pages=[0, 1])
+    # Long enough that a 2-way split survives rounding each split to whole key groups (up to
+    # a block's threads): a context of one page did not split on a GPU, so nothing compiled.
+    cached = 2 * _NUM_WARPS * 32
+    num_pages = cached // page_size + 1
+    seq = SequenceInput([0], num_cached=cached, pages=list(range(num_pages)))
     batch = build_forward_batch([seq], page_size, device)
     q = torch.zeros((1, num_heads, head_dim), dtype=dtype, device=device)
-    pages = torch.zeros((2, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    pages = torch.zeros(shape, dtype=dtype, device=device)
     paged_attention_cuda(q, pages, pages, batch, 1.0, num_splits=2)

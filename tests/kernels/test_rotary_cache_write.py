@@ -51,8 +51,15 @@ def run_both(q, k, v, cos, sin, k_pages, v_pages, slots, **kwargs):
 
 def assert_matches(got, ref, dtype):
     (q, k_pages, v_pages), (ref_q, ref_k, ref_v) = got, ref
-    assert max_rel_err(q, ref_q) <= TOL[dtype]
-    assert max_rel_err(k_pages, ref_k) <= TOL[dtype]
+    for out, want in ((q, ref_q), (k_pages, ref_k)):
+        if dtype == torch.float32:
+            # x*cos - y*sin can cancel to near zero, where a GPU's fused multiply-add rounds
+            # differently from the reference's multiply then add: the error is a few ulps of
+            # the pair's magnitude (<= the largest output), not of the result.
+            bound = 4 * torch.finfo(dtype).eps * want.abs().max().item()
+            assert (out - want).abs().max().item() <= bound
+        else:
+            assert max_rel_err(out, want) <= TOL[dtype]
     assert torch.equal(v_pages, ref_v)  # a copy: exact, and untouched slots kept
 
 
