@@ -123,7 +123,7 @@ EXPERIMENT_MODES = {
 }
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
-CALIBRATION = {"stat": "rms", "alpha": 0.5, "query_alpha": 0.5}  # +cal: --cal-*
+CALIBRATION = {"stat": "absmax", "alpha": 0.5, "query_alpha": 0.5}  # +cal: --cal-*
 CALIBRATION_IDS: list[int] = []  # +cal: --calibration-text's token ids (empty: random ids)
 CALIBRATION_TOKENS = 1024
 CALIBRATION_TEXT = REPO / "engine" / "cache" / "quant.py"
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"+cal modes: the scales from this text's first {CALIBRATION_TOKENS} tokens",
     )
     parser.add_argument(
-        "--cal-stat", default="rms", choices=("rms", "absmax", "p99"), help="+cal modes"
+        "--cal-stat", default="absmax", choices=("rms", "absmax", "p99"), help="+cal modes"
     )
     parser.add_argument("--cal-alpha", type=float, default=0.5, help="+cal modes: |k|'s exponent")
     parser.add_argument(
