@@ -197,3 +197,16 @@ def test_experiments_are_named_modes_outside_the_default_run():
     assert modes[1].quant == "q4" and modes[1].rotate
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("fp16+bal")
+
+
+def test_sweep_scores_compare_distributions_with_the_reference():
+    from bench.kv_cal_sweep import scores
+
+    ref = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]).log()
+    targets = torch.tensor([0, 2])
+    same = scores(ref, ref, targets)
+    assert same == {"kl": 0.0, "top1": 1.0, "ppl_vs_fp32": 0.0}
+    other = torch.tensor([[0.2, 0.7, 0.1], [0.1, 0.1, 0.8]]).log()
+    moved = scores(ref, other, targets)
+    assert moved["kl"] > 0 and moved["top1"] == 0.5
+    assert moved["ppl_vs_fp32"] == pytest.approx((0.7 / 0.2) ** 0.5 - 1)
