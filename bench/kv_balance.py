@@ -211,9 +211,12 @@ def calibrated_scales(
     alpha: float = 0.5,
     query_alpha: float = 0.5,
     means: list[torch.Tensor] | None = None,
+    pairs: bool = False,
 ) -> list[torch.Tensor]:
     """Per layer, the key divisors s [KV, D] = |k|^alpha / |q|^query_alpha (``stat`` over the
-    recorded tokens; keys minus ``means[layer]`` when given), geometric mean 1 per head."""
+    recorded tokens; keys minus ``means[layer]`` when given), geometric mean 1 per head.
+    ``pairs``: each RoPE pair (c, c + D/2) shares one scale from the pair's combined statistics
+    (then s commutes with the rotary, so it does not depend on the positions calibrated at)."""
     out = []
     for layer, (q, k) in enumerate(zip(acts.q, acts.k, strict=True)):
         kv = k.shape[1]
@@ -221,6 +224,8 @@ def calibrated_scales(
             k = k - means[layer].to(k)
         kn = channel_stat(k, stat)
         qn = _per_kv_head(channel_stat(q, stat), kv)
+        if pairs:
+            kn, qn = _pairs(kn), _pairs(qn)
         tiny = torch.finfo(torch.float32).tiny
         log = alpha * kn.clamp_min(tiny).log() - query_alpha * qn.clamp_min(tiny).log()
         out.append((log - log.mean(dim=-1, keepdim=True)).exp())

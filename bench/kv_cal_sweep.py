@@ -85,8 +85,13 @@ def main() -> int:
     for config, name in runs:
         t0 = time.perf_counter()
         if config is not None:
-            stat, alpha, query_alpha = config.split(":")
-            kq.CALIBRATION.update(stat=stat, alpha=float(alpha), query_alpha=float(query_alpha))
+            stat, alpha, query_alpha, *pairs = config.split(":")  # "...:pairs": --cal-pairs
+            kq.CALIBRATION.update(
+                stat=stat,
+                alpha=float(alpha),
+                query_alpha=float(query_alpha),
+                pairs=pairs == ["pairs"],
+            )
         mode = {**kq.MODES, **kq.EXPERIMENT_MODES}[name]
         row = {"config": config, "mode": name}
         row |= scores(ref, text_logits(model, ids, mode), targets)

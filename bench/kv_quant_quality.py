@@ -123,7 +123,7 @@ EXPERIMENT_MODES = {
 }
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
-CALIBRATION = {"stat": "absmax", "alpha": 0.5, "query_alpha": 0.5}  # +cal: --cal-*
+CALIBRATION = {"stat": "absmax", "alpha": 0.5, "query_alpha": 0.5, "pairs": False}  # --cal-*
 CALIBRATION_IDS: list[int] = []  # +cal: --calibration-text's token ids (empty: random ids)
 CALIBRATION_TOKENS = 1024
 CALIBRATION_TEXT = REPO / "engine" / "cache" / "quant.py"
@@ -452,8 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cal-query-alpha", type=float, default=0.5, help="+cal modes: |q|'s exponent (0: none)"
     )
+    parser.add_argument(
+        "--cal-pairs",
+        action="store_true",
+        help="+cal modes: one scale per RoPE pair (c, c + D/2), from the pair's statistics",
+    )
     args = parser.parse_args(argv)
-    CALIBRATION.update(stat=args.cal_stat, alpha=args.cal_alpha, query_alpha=args.cal_query_alpha)
+    CALIBRATION.update(
+        stat=args.cal_stat,
+        alpha=args.cal_alpha,
+        query_alpha=args.cal_query_alpha,
+        pairs=args.cal_pairs,
+    )
     BALANCE_ALPHA.update(keys=args.balance_alpha, values=args.balance_alpha_v)
     try:
         modes = parse_modes(args.modes)

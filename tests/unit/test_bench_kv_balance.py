@@ -114,13 +114,13 @@ def test_rebalancing_shrinks_the_error_of_skewed_channels():
     assert _quantized_error(q, k, v, balanced) < 0.6 * _quantized_error(q, k, v, plain)
 
 
-@pytest.mark.parametrize("stat", STATS)
-def test_calibrated_equalization_is_exact_without_quantization(model, stat):
+@pytest.mark.parametrize(("stat", "pairs"), [(stat, False) for stat in STATS] + [("rms", True)])
+def test_calibrated_equalization_is_exact_without_quantization(model, stat, pairs):
     ids = [3, 17, 250, 9, 41, 41, 7, 300, 12, 5, 88, 2, 64]
     plain = _logits(model, ids, TORCH_OPS)
     acts = record_qk(model, random_ids(model, 24, seed=1))  # not the scored ids
     means = key_means(model, tokens=24)
-    scales = calibrated_scales(acts, stat, alpha=1.0, query_alpha=0.5, means=means)
+    scales = calibrated_scales(acts, stat, alpha=1.0, query_alpha=0.5, means=means, pairs=pairs)
     layers = calibrated(centered(identity_scales(model), means), scales)
     adjusted = _logits(model, ids, adjusted_ops(TORCH_OPS, layers))
     assert (adjusted - plain).abs().max() < 1e-4 * plain.abs().max()
@@ -128,6 +128,8 @@ def test_calibrated_equalization_is_exact_without_quantization(model, stat):
         assert s.shape == (model.config.num_kv_heads, model.config.head_dim)
         assert s.log().mean(dim=-1).abs().max() < 1e-5
         assert not torch.allclose(s, torch.ones_like(s))  # random weights: not flat
+        half = s.shape[-1] // 2
+        assert torch.equal(s[:, :half], s[:, half:]) == pairs
 
 
 def _skewed_keys(seed: int = 0):
