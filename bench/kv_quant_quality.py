@@ -406,7 +406,7 @@ def display_path(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; fp32 first")
     parser.add_argument("--text", type=Path, default=TEXT, help="UTF-8 text to score")
@@ -443,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration-text",
         type=Path,
         default=CALIBRATION_TEXT,
-        help=f"+cal modes: the scales from this text's first {CALIBRATION_TOKENS} tokens",
+        help="+cal modes: the scales from this text's first --calibration-tokens tokens",
     )
+    parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS)
     parser.add_argument(
         "--cal-stat", default="absmax", choices=("rms", "absmax", "p99"), help="+cal modes"
     )
@@ -457,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="+cal modes: one scale per RoPE pair (c, c + D/2), from the pair's statistics",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     CALIBRATION.update(
         stat=args.cal_stat,
@@ -485,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         CENTER_IDS[:] = text_ids(tokenizer, 512, fixed_text(args.center_text))
     calibration_text = fixed_text(args.calibration_text)
     if any("cal" in mode.adjust for mode in modes):
-        CALIBRATION_IDS[:] = text_ids(tokenizer, CALIBRATION_TOKENS, calibration_text)
+        CALIBRATION_IDS[:] = text_ids(tokenizer, args.calibration_tokens, calibration_text)
     prompts = prompts_from(ids, args.prompts) if args.prompts else []
     report = {
         "model": gguf.name,
@@ -508,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration": {  # +cal modes only
             **CALIBRATION,
             "text": display_path(args.calibration_text),
-            "text_tokens": CALIBRATION_TOKENS,
+            "text_tokens": args.calibration_tokens,
             "text_sha256": hashlib.sha256(calibration_text.encode()).hexdigest(),
         },
         "results": [],
