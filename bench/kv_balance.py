@@ -1,8 +1,9 @@
 """EXPERIMENTS (bench only, not engine options): K/V transforms around the quantized cache that
-attention undoes exactly. Two:
+attention undoes exactly. Three:
 
 1. ``+bal``: per-channel K/V rebalancing derived from the weights (no data).
-2. ``+ctr``: key centering: a fixed per-layer, KV-head vector m is subtracted from every
+2. ``+cal``: per-channel key equalization calibrated on activations (see below).
+3. ``+ctr``: key centering: a fixed per-layer, KV-head vector m is subtracted from every
    post-RoPE key before it is quantized. Exact without any correction: q . (k_j - m) differs
    from q . k_j by q . m, the same for every key a query reads, and softmax ignores a shift.
    SmolLM2's post-RoPE keys carry a large common component (30-70% of their energy per
@@ -27,6 +28,26 @@ a pair get one s (from the pair's combined norms) and the scaling commutes with 
 k before the rotary is the same as after. With qk-norm (qwen3) the norm weights stand for the
 magnitudes.
 
+Calibrated key equalization (``+cal``):
+
+The same k / s, q * s as the rebalancing above, but s is measured on the post-RoPE q and k of
+one calibration forward (``record_qk``: a text other than the scored one, or seeded random
+ids), per layer, KV head and channel (``calibrated_scales``):
+
+    s_c = (|k_c| / |q_c|) ** alpha      (query_alpha = alpha)
+    s_c = |k_c| ** alpha                 (query_alpha = 0)
+
+with |x_c| a statistic over the calibration tokens (``STATS``: RMS, absmax or the 99th
+percentile of |x_c|; with centering, of the centered keys) and the q heads sharing a KV head
+combined by RMS. Why these two: with a rotated group the quantization error is spread evenly
+over the group's channels with a variance that follows the group's mean square, so the score
+error's variance goes as sum_c q_c^2 s_c^2 * sum_c k_c^2 / s_c^2, least (Cauchy-Schwarz) at
+s_c = sqrt(|k_c| / |q_c|); with plain absmax groups a step follows the group's largest
+|k_c / s_c|, and sum_c q_c^2 s_c^2 under max_c |k_c| / s_c <= 1 is least at s_c = |k_c|, q
+plays no part. Applied after RoPE, the scaling does not have to commute with the rotary, so
+the channels of a RoPE pair (c, c + D/2) need not share a scale (the rotary mixes their
+magnitudes, so measured scales of a pair come out close anyway).
+
 ``adjusted_ops(ops, layers)`` wraps an op set: the cache write rotates q and k itself (and
 hands the op an identity rotary), subtracts m from k, divides k and v by s and t, and writes;
 the attention multiplies q by s and its output by t. The layer is the write's call index
@@ -47,6 +68,7 @@ from engine.ops import OpSet
 
 CENTER_TOKENS = 512
 CENTER_SEED = 0
+STATS = ("rms", "absmax", "p99")
 PAGE_SIZE = 16
 
 
@@ -125,29 +147,94 @@ def _per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[0], dim=0)
 
 
+def random_ids(model, tokens: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (tokens,), generator=gen).tolist()
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One forward's post-RoPE queries [T, H, D] and keys [T, KV, D] per layer (float32)."""
+
+    q: list[torch.Tensor]
+    k: list[torch.Tensor]
+
+
+def record_qk(model, ids: list[int]) -> Activations:
+    """The post-RoPE q and k of every layer in one forward of ``ids`` through an unquantized
+    cache."""
+    if not ids:
+        raise ValueError("record_qk needs at least one token id, got none")
+    qs: list[torch.Tensor] = []
+    ks: list[torch.Tensor] = []
+    base = model.ops
+
+    def record(q, k, v, cos, sin, k_pages, v_pages, slots):
+        q_rot, k_rot = rotary_reference(q, k, cos, sin)
+        qs.append(q_rot.float())
+        ks.append(k_rot.float())
+        return base.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+
+    pages = -(-len(ids) // PAGE_SIZE)
+    kv = model.allocate_kv(pages, PAGE_SIZE)
+    batch = build_forward_batch([SequenceInput(ids, 0, range(pages))], PAGE_SIZE, model.device)
+    with torch.inference_mode():
+        model.network(batch, kv, dataclasses.replace(base, rotary_cache_write=record))
+    return Activations(qs, ks)
+
+
 def key_means(
     model, tokens: int = CENTER_TOKENS, seed: int = CENTER_SEED, ids: list[int] | None = None
 ) -> list[torch.Tensor]:
     """Per layer, the mean post-RoPE key [KV, D] (float32) over one forward of ``tokens``
     uniformly random token ids (``seed``), or of ``ids`` when given, through an unquantized
     cache."""
-    if ids is None:
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=gen).tolist()
-    tokens = len(ids)
-    means: list[torch.Tensor] = []
-    base = model.ops
+    acts = record_qk(model, random_ids(model, tokens, seed) if ids is None else ids)
+    return [k.mean(dim=0) for k in acts.k]
 
-    def record(q, k, v, cos, sin, k_pages, v_pages, slots):
-        means.append(rotary_reference(q, k, cos, sin)[1].float().mean(dim=0))
-        return base.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
 
-    pages = -(-tokens // PAGE_SIZE)
-    kv = model.allocate_kv(pages, PAGE_SIZE)
-    batch = build_forward_batch([SequenceInput(ids, 0, range(pages))], PAGE_SIZE, model.device)
-    with torch.inference_mode():
-        model.network(batch, kv, dataclasses.replace(base, rotary_cache_write=record))
-    return means
+def channel_stat(x: torch.Tensor, stat: str) -> torch.Tensor:
+    """[T, n, D] -> [n, D]: per channel, over the tokens, the RMS, the largest |x| or the 99th
+    percentile of |x|."""
+    if stat == "rms":
+        return x.square().mean(dim=0).sqrt()
+    if stat == "absmax":
+        return x.abs().amax(dim=0)
+    if stat == "p99":
+        return x.abs().quantile(0.99, dim=0)
+    raise ValueError(f"unknown channel statistic {stat!r}; known: {', '.join(STATS)}")
+
+
+def calibrated_scales(
+    acts: Activations,
+    stat: str = "rms",
+    alpha: float = 0.5,
+    query_alpha: float = 0.5,
+    means: list[torch.Tensor] | None = None,
+    pairs: bool = False,
+) -> list[torch.Tensor]:
+    """Per layer, the key divisors s [KV, D] = |k|^alpha / |q|^query_alpha (``stat`` over the
+    recorded tokens; keys minus ``means[layer]`` when given), geometric mean 1 per head.
+    ``pairs``: each RoPE pair (c, c + D/2) shares one scale from the pair's combined statistics
+    (then s commutes with the rotary, so it does not depend on the positions calibrated at)."""
+    out = []
+    for layer, (q, k) in enumerate(zip(acts.q, acts.k, strict=True)):
+        kv = k.shape[1]
+        if means is not None:
+            k = k - means[layer].to(k)
+        kn = channel_stat(k, stat)
+        qn = _per_kv_head(channel_stat(q, stat), kv)
+        if pairs:
+            kn, qn = _pairs(kn), _pairs(qn)
+        tiny = torch.finfo(torch.float32).tiny
+        log = alpha * kn.clamp_min(tiny).log() - query_alpha * qn.clamp_min(tiny).log()
+        out.append((log - log.mean(dim=-1, keepdim=True)).exp())
+    return out
+
+
+def calibrated(layers: list[LayerScales], scales: list[torch.Tensor]) -> list[LayerScales]:
+    """``layers`` with the key divisors replaced by ``scales`` (values, means unchanged)."""
+    return [dataclasses.replace(x, s=s.to(x.s.device)) for x, s in zip(layers, scales, strict=True)]
 
 
 def centered(layers: list[LayerScales], means: list[torch.Tensor]) -> list[LayerScales]:

@@ -14,6 +14,10 @@ The model runs in float32. For each cache mode (``--modes``; default all):
                  quantization); ``--balance-alpha`` sets the exponent
     ...+ctr      EXPERIMENT, bench only: a fixed mean post-RoPE key (one forward over random
                  token ids) subtracted from every key (exact: softmax ignores the shift)
+    ...+cal      EXPERIMENT, bench only: post-RoPE keys divided per channel by scales
+                 measured on one calibration forward (``--calibration-text``, default
+                 engine/cache/quant.py, which the scored text does not contain), q multiplied
+                 back; ``--cal-stat``, ``--cal-alpha``, ``--cal-query-alpha`` choose them
 
 it measures
 
@@ -88,7 +92,8 @@ class Mode:
     round_to: torch.dtype | None = None
     # EXPERIMENTS (bench only, bench/kv_balance.py; not engine options): "bal": K (and V with
     # --balance-alpha-v) divided per channel by scales from the weights, q and the attention
-    # output multiplied back; "ctr": a fixed mean key subtracted from every post-RoPE key.
+    # output multiplied back; "ctr": a fixed mean key subtracted from every post-RoPE key;
+    # "cal": post-RoPE keys divided per channel by scales from a calibration forward.
     adjust: tuple[str, ...] = ()
 
 
@@ -114,10 +119,14 @@ EXPERIMENT_MODES = {
     )
     for name, mode in list(MODES.items())
     if mode.quant != "fp16"
-    for adjust in (("bal",), ("ctr",), ("ctr", "bal"))
+    for adjust in (("bal",), ("ctr",), ("ctr", "bal"), ("cal",), ("ctr", "cal"))
 }
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
+CALIBRATION = {"stat": "absmax", "alpha": 0.5, "query_alpha": 0.5, "pairs": False}  # --cal-*
+CALIBRATION_IDS: list[int] = []  # +cal: --calibration-text's token ids (empty: random ids)
+CALIBRATION_TOKENS = 1024
+CALIBRATION_TEXT = REPO / "engine" / "cache" / "quant.py"
 REFERENCE = "fp32"
 
 
@@ -129,7 +138,8 @@ def parse_modes(text: str) -> list[Mode]:
     if unknown:
         raise ValueError(
             f"unknown mode(s) {unknown}; known: {', '.join(MODES)} "
-            "(and the bench-only experiments: a quantized mode + '+bal', '+ctr', '+ctr+bal')"
+            "(and the bench-only experiments: a quantized mode + '+bal', '+ctr', '+ctr+bal', "
+            "'+cal', '+ctr+cal')"
         )
     names = [REFERENCE] + [name for name in dict.fromkeys(names) if name != REFERENCE]
     return [known[name] for name in names]
@@ -217,6 +227,15 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
     if "ctr" in adjust:
         ids = CENTER_IDS or None
         layers = kv_balance.centered(layers, kv_balance.key_means(model, ids=ids))
+    if "cal" in adjust:
+        ids = CALIBRATION_IDS or kv_balance.random_ids(
+            model, CALIBRATION_TOKENS, kv_balance.CENTER_SEED
+        )
+        means = [x.key_mean for x in layers] if "ctr" in adjust else None
+        scales = kv_balance.calibrated_scales(
+            kv_balance.record_qk(model, ids), means=means, **CALIBRATION
+        )
+        layers = kv_balance.calibrated(layers, scales)
     return kv_balance.adjusted_ops(ops, layers)
 
 
@@ -387,7 +406,7 @@ def display_path(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; fp32 first")
     parser.add_argument("--text", type=Path, default=TEXT, help="UTF-8 text to score")
@@ -420,7 +439,37 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="+ctr modes: the mean key from this text's first 512 tokens (default: random ids)",
     )
+    parser.add_argument(
+        "--calibration-text",
+        type=Path,
+        default=CALIBRATION_TEXT,
+        help="+cal modes: the scales from this text's first --calibration-tokens tokens",
+    )
+    parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS)
+    parser.add_argument(
+        "--cal-stat", default="absmax", choices=("rms", "absmax", "p99"), help="+cal modes"
+    )
+    parser.add_argument("--cal-alpha", type=float, default=0.5, help="+cal modes: |k|'s exponent")
+    parser.add_argument(
+        "--cal-query-alpha", type=float, default=0.5, help="+cal modes: |q|'s exponent (0: none)"
+    )
+    parser.add_argument(
+        "--cal-pairs",
+        action="store_true",
+        help="+cal modes: one scale per RoPE pair (c, c + D/2), from the pair's statistics",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    CALIBRATION.update(
+        stat=args.cal_stat,
+        alpha=args.cal_alpha,
+        query_alpha=args.cal_query_alpha,
+        pairs=args.cal_pairs,
+    )
     BALANCE_ALPHA.update(keys=args.balance_alpha, values=args.balance_alpha_v)
     try:
         modes = parse_modes(args.modes)
@@ -440,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = text_ids(tokenizer, args.tokens, text)
     if args.center_text is not None:
         CENTER_IDS[:] = text_ids(tokenizer, 512, fixed_text(args.center_text))
+    calibration_text = fixed_text(args.calibration_text)
+    if any("cal" in mode.adjust for mode in modes):
+        CALIBRATION_IDS[:] = text_ids(tokenizer, args.calibration_tokens, calibration_text)
     prompts = prompts_from(ids, args.prompts) if args.prompts else []
     report = {
         "model": gguf.name,
@@ -459,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         "attention_tokens": args.attention_tokens,
         "balance_alpha": dict(BALANCE_ALPHA),  # +bal modes only
         "center_text": None if args.center_text is None else display_path(args.center_text),
+        "calibration": {  # +cal modes only
+            **CALIBRATION,
+            "text": display_path(args.calibration_text),
+            "text_tokens": args.calibration_tokens,
+            "text_sha256": hashlib.sha256(calibration_text.encode()).hexdigest(),
+        },
         "results": [],
     }
 

@@ -8,12 +8,19 @@ import pytest
 import torch
 
 from bench.kv_balance import (
+    STATS,
+    Activations,
     LayerScales,
     adjusted_ops,
+    calibrated,
+    calibrated_scales,
     centered,
+    channel_stat,
     identity_scales,
     key_means,
     model_scales,
+    random_ids,
+    record_qk,
 )
 from engine import Model
 from engine.batch import SequenceInput, build_forward_batch
@@ -60,8 +67,8 @@ def test_transforms_are_exact_without_quantization(model):
     assert not torch.equal(layers[0].key_mean, torch.zeros_like(layers[0].key_mean))
 
 
-def _quantized_error(q, k, v, layer: LayerScales, bits: int = 4) -> float:
-    """max |attention over q4 rotated pages - exact| / max |exact| for one sequence, with the
+def _quantized_error(q, k, v, layer: LayerScales, bits: int = 4, rotate: bool = True) -> float:
+    """max |attention over quantized pages - exact| / max |exact| for one sequence, with the
     K/V written and read through ``adjusted_ops`` with ``layer``."""
     tokens, kv_heads, dim = k.shape
     batch = build_forward_batch([SequenceInput([1] * tokens, 0, range(tokens // 4))], 4)
@@ -72,7 +79,7 @@ def _quantized_error(q, k, v, layer: LayerScales, bits: int = 4) -> float:
     exact_v = torch.zeros_like(exact_k)
     q_rot = TORCH_OPS.rotary_cache_write(q, k, v, cos, sin, exact_k, exact_v, slots)
     exact = TORCH_OPS.paged_attention(q_rot, exact_k, exact_v, batch, scale)
-    pages = [allocate_quant_pages(tokens // 4, 4, kv_heads, dim, bits, True, "cpu") for _ in "kv"]
+    pages = [allocate_quant_pages(tokens // 4, 4, kv_heads, dim, bits, rotate, "cpu") for _ in "kv"]
     ops = adjusted_ops(TORCH_OPS, [layer])
     q_rot = ops.rotary_cache_write(q, k, v, cos, sin, *pages, slots)
     out = ops.paged_attention(q_rot, *pages, batch, scale)
@@ -107,6 +114,68 @@ def test_rebalancing_shrinks_the_error_of_skewed_channels():
     assert _quantized_error(q, k, v, balanced) < 0.6 * _quantized_error(q, k, v, plain)
 
 
+@pytest.mark.parametrize(("stat", "pairs"), [(stat, False) for stat in STATS] + [("rms", True)])
+def test_calibrated_equalization_is_exact_without_quantization(model, stat, pairs):
+    ids = [3, 17, 250, 9, 41, 41, 7, 300, 12, 5, 88, 2, 64]
+    plain = _logits(model, ids, TORCH_OPS)
+    acts = record_qk(model, random_ids(model, 24, seed=1))  # not the scored ids
+    means = key_means(model, tokens=24)
+    scales = calibrated_scales(acts, stat, alpha=1.0, query_alpha=0.5, means=means, pairs=pairs)
+    layers = calibrated(centered(identity_scales(model), means), scales)
+    adjusted = _logits(model, ids, adjusted_ops(TORCH_OPS, layers))
+    assert (adjusted - plain).abs().max() < 1e-4 * plain.abs().max()
+    for s in scales:
+        assert s.shape == (model.config.num_kv_heads, model.config.head_dim)
+        assert s.log().mean(dim=-1).abs().max() < 1e-5
+        assert not torch.allclose(s, torch.ones_like(s))  # random weights: not flat
+        half = s.shape[-1] // 2
+        assert torch.equal(s[:, :half], s[:, half:]) == pairs
+
+
+def _skewed_keys(seed: int = 0):
+    """A case whose keys have a few channels 8x larger than the rest (queries flat): not RoPE
+    pairs, the calibrated scales act after the rotary."""
+    q, k, v = _case(seed)
+    skew = torch.ones(32)
+    skew[[0, 5, 11, 30]] = 8.0
+    return q, k * skew, v
+
+
+@pytest.mark.parametrize(
+    ("stat", "alpha", "query_alpha", "bits", "rotate"),
+    [
+        ("rms", 0.5, 0.5, 4, True),
+        ("p99", 0.5, 0.5, 4, True),
+        ("absmax", 1.0, 0.0, 8, False),
+        ("rms", 1.0, 0.5, 8, False),
+    ],
+)
+def test_calibration_shrinks_the_error_of_keys_with_skewed_channels(
+    stat, alpha, query_alpha, bits, rotate
+):
+    q, k, v = _skewed_keys()
+    # Calibrated on another draw of the same distribution, not on the keys it is scored on.
+    cq, ck, _ = _skewed_keys(seed=5)
+    acts = Activations([cq], [ck])
+    (s,) = calibrated_scales(acts, stat, alpha, query_alpha)
+    plain = LayerScales(torch.ones(1, 32), torch.ones(1, 32))
+    equalized = LayerScales(s, torch.ones(1, 32))
+    before = _quantized_error(q, k, v, plain, bits, rotate)
+    after = _quantized_error(q, k, v, equalized, bits, rotate)
+    assert after < 0.75 * before
+
+
+def test_channel_stats_and_their_bad_input():
+    x = torch.tensor([[[1.0, -4.0]], [[-3.0, 0.0]]])  # [T=2, 1, D=2]
+    assert torch.allclose(channel_stat(x, "rms"), torch.tensor([[5**0.5, 8**0.5]]))
+    assert torch.equal(channel_stat(x, "absmax"), torch.tensor([[3.0, 4.0]]))
+    assert torch.allclose(channel_stat(x, "p99"), torch.tensor([[2.98, 3.96]]))
+    with pytest.raises(ValueError, match="'median'"):
+        channel_stat(x, "median")
+    with pytest.raises(ValueError, match="at least one token"):
+        record_qk(None, [])
+
+
 def test_identity_scales_change_nothing(model):
     ids = [3, 17, 250, 9, 41, 41, 7, 300, 12, 5]
     plain = _logits(model, ids, TORCH_OPS)
@@ -118,8 +187,28 @@ def test_experiments_are_named_modes_outside_the_default_run():
     from bench.kv_quant_quality import MODES, parse_modes
 
     assert not any(mode.adjust for mode in MODES.values())
-    modes = parse_modes("q4+rot+ctr,q8+bal,q8+rot+ctr+bal")
-    assert [m.adjust for m in modes] == [(), ("ctr",), ("bal",), ("ctr", "bal")]
+    modes = parse_modes("q4+rot+ctr,q8+bal,q8+rot+ctr+bal,q8+cal,q4+rot+ctr+cal")
+    assert [m.adjust for m in modes] == [
+        (),
+        ("ctr",),
+        ("bal",),
+        ("ctr", "bal"),
+        ("cal",),
+        ("ctr", "cal"),
+    ]
     assert modes[1].quant == "q4" and modes[1].rotate
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("fp16+bal")
+
+
+def test_sweep_scores_compare_distributions_with_the_reference():
+    from bench.kv_cal_sweep import scores
+
+    ref = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]).log()
+    targets = torch.tensor([0, 2])
+    same = scores(ref, ref, targets)
+    assert same == {"kl": 0.0, "top1": 1.0, "ppl_vs_fp32": 0.0}
+    other = torch.tensor([[0.2, 0.7, 0.1], [0.1, 0.1, 0.8]]).log()
+    moved = scores(ref, other, targets)
+    assert moved["kl"] > 0 and moved["top1"] == 0.5
+    assert moved["ppl_vs_fp32"] == pytest.approx((0.7 / 0.2) ** 0.5 - 1)
