@@ -3,11 +3,13 @@
 # slow or hung step cannot eat the others' device time:
 #   1. the machine (GPU, driver, python, torch, numba, numba-cuda);
 #   2. the kernel tests on the real device (no simulator) and the CUDA-graph test;
-#   3. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
-#   4. bench/gpu_decode.py on the 1B shape (default kernels + torch references, KV-cache modes
-#      at batch 32 x 4k: issue "Quantized KV cache");
-#   5. bench/gpu_decode.py on the 8B shape (default op set), merged into the same JSON.
-# Writes run.log, pytest.log, step_gap.json and gpu_decode.json under $OUT (or ./gpu-out).
+#   3. bench/kernel_launch.py (host cost per kernel launch, Numba's path vs the fast path);
+#   4. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
+#   5. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
+#      modes at batch 32 x 4k: issue "Quantized KV cache"), first with Numba's own launches
+#      (ENGINE_NUMBA_LAUNCH=numba, the baseline), then with the fast launch path;
+#   6. bench/gpu_decode.py on the 8B shape (default op set), merged into the same JSON.
+# Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).
 #
 #   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
 #   DRY=1 OUT=/tmp/x bash bench/gpu_session.sh      # here: the same steps as CPU dry runs
@@ -39,19 +41,26 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
 print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
 
 if [ -z "$DRY" ]; then
-  step kernel-tests "${KERNEL_CAP:-170}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
+  step kernel-tests "${KERNEL_CAP:-120}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
     --durations=15 --continue-on-collection-errors tests/kernels \
     tests/engine/test_decode_graphs.py 2>&1 | tee $OUT/pytest.log"
 fi
 
-step step-gap "${GAP_CAP:-100}" $PY bench/step_gap.py $dry --batches 1 64 \
+step kernel-launch "${LAUNCH_CAP:-90}" $PY bench/kernel_launch.py $dry --output "$OUT/kernel_launch.json"
+
+step step-gap "${GAP_CAP:-90}" $PY bench/step_gap.py $dry --batches 1 64 \
   --sampling greedy topk_topp --output "$OUT/step_gap.json"
 
-step gpu-decode-1b "${DECODE_1B_CAP:-160}" $PY bench/gpu_decode.py $dry \
-  --models "$small" --ops default,torch --decode-batches 1,32 \
+# the 1B shape with Numba's own launches (the baseline), then with the fast launch path
+step gpu-decode-1b-numba "${DECODE_1B_CAP:-90}" env ENGINE_NUMBA_LAUNCH=numba \
+  $PY bench/gpu_decode.py $dry --models "$small" --ops default,eager --decode-batches 1,32 \
+  --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode_numba_launch.json"
+
+step gpu-decode-1b "${DECODE_1B_CAP:-90}" $PY bench/gpu_decode.py $dry \
+  --models "$small" --ops default,eager --decode-batches 1,32 \
   --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode.json"
 
-step gpu-decode-8b "${DECODE_8B_CAP:-130}" $PY bench/gpu_decode.py $dry \
+step gpu-decode-8b "${DECODE_8B_CAP:-100}" $PY bench/gpu_decode.py $dry \
   --models "$large" --ops default --decode-batches 1,32 \
   --prefill-batches 1 --decode-steps 32 --skip-transformers --merge \
   --output "$OUT/gpu_decode.json"

@@ -81,6 +81,7 @@ class CaseResult:
     gap_fraction: float  # median gap / median forward
     step_ms: float  # wall time per iterate() over the timed steps
     async_steps: int
+    graph_steps: int  # timed steps whose forward went through the decode CUDA graphs
 
 
 class ForwardClock:
@@ -154,12 +155,14 @@ def run_case(case: Case, model: Any, tokenizer: Any, args: argparse.Namespace) -
     for _ in range(args.warmup_steps):
         generator.iterate()
     clock.recording = True
+    graph_steps = generator.runner.decode_graph_steps
     began = time.perf_counter()
     for _ in range(args.steps):
         generator.iterate()
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
+    graph_steps = generator.runner.decode_graph_steps - graph_steps
     clock.recording = False
     if args.trace is not None:
         write_trace(generator, case, args.trace)
@@ -178,6 +181,7 @@ def run_case(case: Case, model: Any, tokenizer: Any, args: argparse.Namespace) -
         gap_fraction=gap_ms / forward_ms if forward_ms > 0 else float("nan"),
         step_ms=1000.0 * seconds / args.steps,
         async_steps=generator.async_steps,
+        graph_steps=graph_steps,
     )
     return result, [job.new_token_ids for job in jobs]
 
@@ -223,7 +227,8 @@ def print_row(r: CaseResult) -> None:
     mode = "async" if r.async_scheduling else "sync"
     print(
         f"{r.model:12s} {r.batch:5d} {r.sampling:10s} {mode:5s} {r.forward_ms:10.3f} "
-        f"{r.gap_ms:9.3f} {100 * r.gap_fraction:7.1f}% {r.step_ms:9.3f} {r.async_steps:6d}",
+        f"{r.gap_ms:9.3f} {100 * r.gap_fraction:7.1f}% {r.step_ms:9.3f} {r.async_steps:6d} "
+        f"{r.graph_steps:6d}",
         flush=True,
     )
 
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = gpu_decode.load_tokenizer(spec.vocab_size, args.cache_dir)
     print(
         f"{'model':12s} {'batch':>5s} {'sampling':10s} {'mode':5s} {'forward ms':>10s} "
-        f"{'gap ms':>9s} {'gap/fwd':>8s} {'step ms':>9s} {'async':>6s}"
+        f"{'gap ms':>9s} {'gap/fwd':>8s} {'step ms':>9s} {'async':>6s} {'graphs':>6s}"
     )
     results: list[CaseResult] = []
     mismatches: list[str] = []

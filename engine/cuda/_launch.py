@@ -21,6 +21,8 @@ import torch
 from numba import cuda
 from numba.cuda import types as nbt
 
+from engine.cuda import fast_launch
+
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 # fp16 and fp32 are the dtypes every kernel supports; bf16 runs are converted at load (see
@@ -67,6 +69,26 @@ def stream() -> Any:
     if SIMULATOR:
         return 0
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def launch(kernel: Any, grid: Any, block: Any, *args: Any) -> None:
+    """``kernel[grid, block, stream()](*args)`` with torch tensors passed as they are: on a GPU
+    through ``engine.cuda.fast_launch`` (unless ``ENGINE_NUMBA_LAUNCH=numba``), which packs
+    the arguments itself once Numba has launched a signature; else through Numba."""
+    if SIMULATOR or fast_launch.launch_mode() == "numba":
+        _numba_launch(kernel, grid, block, args)
+        return
+    launcher = _LAUNCHERS.get(id(kernel))
+    if launcher is None:  # (the launcher holds the dispatcher: its id stays unique)
+        launcher = _LAUNCHERS[id(kernel)] = fast_launch.FastLauncher(kernel, _numba_launch)
+    launcher.launch(grid, block, args)
+
+
+_LAUNCHERS: dict[int, fast_launch.FastLauncher] = {}
+
+
+def _numba_launch(kernel: Any, grid: Any, block: Any, args: Any) -> None:
+    kernel[grid, block, stream()](*(arg(a) if isinstance(a, torch.Tensor) else a for a in args))
 
 
 def check_dtype(name: str, *tensors: torch.Tensor) -> None:

@@ -78,9 +78,7 @@ def silu_mul_cuda(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     threads = min(_THREADS, max(32, 1 << (total - 1).bit_length()))
     grid = min(_launch.blocks(total, threads), _MAX_BLOCKS)
-    _silu_mul_kernel(gate_up.dtype)[grid, threads, _launch.stream()](
-        _launch.arg(gate_up), _launch.arg(out)
-    )
+    _launch.launch(_silu_mul_kernel(gate_up.dtype), grid, threads, gate_up, out)
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
-from engine.cuda._launch import SIMULATOR, arg, check_dtype, cuda, kernels_available, stream
+from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
 from engine.cuda.kv_load import kv_loader
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
@@ -696,28 +696,36 @@ def launch_attention(
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():
         q = q.contiguous()  # the simulator copies arrays in as single buffers; a GPU takes views
-    launch_stream = stream()
-    kernel[(plan.num_items, kv_heads, plan.num_splits), _NUM_WARPS * 32, launch_stream](
-        arg(q),
-        arg(pages.k),
-        arg(pages.v),
-        arg(pages.k_scales),
-        arg(pages.v_scales),
-        arg(out),
-        arg(plan.part_ml),
-        arg(plan.part_o),
-        arg(batch.block_tables),
-        arg(batch.seq_lens),
-        arg(batch.query_start_loc),
-        arg(plan.work),
+    launch(
+        kernel,
+        (plan.num_items, kv_heads, plan.num_splits),
+        _NUM_WARPS * 32,
+        q,
+        pages.k,
+        pages.v,
+        pages.k_scales,
+        pages.v_scales,
+        out,
+        plan.part_ml,
+        plan.part_o,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        plan.work,
         np.float32(scale),
         sliding_window or 0,
         plan.min_chunk,
         plan.num_splits,
     )
     if plan.num_splits > 1:
-        _merge_kernel(head_dim)[tokens, _MERGE_THREADS, launch_stream](
-            arg(plan.part_ml), arg(plan.part_o), arg(out), plan.num_splits
+        launch(
+            _merge_kernel(head_dim),
+            tokens,
+            _MERGE_THREADS,
+            plan.part_ml,
+            plan.part_o,
+            out,
+            plan.num_splits,
         )
     return out
 

@@ -209,8 +209,8 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     if num_rows == 0 or x3.shape[2] == 0:
         return out
     kernel = _rms_norm_kernel(x.dtype)
-    kernel[num_rows, _row_threads(x3.shape[2]), _launch.stream()](
-        _launch.arg(x3), _launch.arg(weight), _launch.arg(out.view(x3.shape)), np.float32(eps)
+    _launch.launch(
+        kernel, num_rows, _row_threads(x3.shape[2]), x3, weight, out.view(x3.shape), np.float32(eps)
     )
     return out
 
@@ -244,11 +244,14 @@ def add_rms_norm_cuda(
     if num_rows == 0 or x3.shape[2] == 0:
         return out, residual
     kernel = _add_rms_norm_kernel(x.dtype)
-    kernel[num_rows, _row_threads(x3.shape[2]), _launch.stream()](
-        _launch.arg(x3),
-        _launch.arg(r3),
-        _launch.arg(weight),
-        _launch.arg(out.view(x3.shape)),
+    _launch.launch(
+        kernel,
+        num_rows,
+        _row_threads(x3.shape[2]),
+        x3,
+        r3,
+        weight,
+        out.view(x3.shape),
         np.float32(eps),
     )
     if r3.data_ptr() != residual.data_ptr():

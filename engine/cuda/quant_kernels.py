@@ -354,7 +354,5 @@ def quant_rotary_cache_write_cuda(
     if _launch.SIMULATOR:  # the simulator copies arrays in as single buffers; a GPU takes views
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     args = (q, k, v, cos, sin, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales)
-    kernel[tokens, threads, _launch.stream()](
-        *(_launch.arg(t) for t in (*args, slot_mapping.contiguous(), out))
-    )
+    _launch.launch(kernel, tokens, threads, *args, slot_mapping.contiguous(), out)
     return out

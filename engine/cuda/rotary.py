@@ -213,8 +213,8 @@ def rotary_cache_write_cuda(
         threads *= 2
     slot_mapping = slot_mapping.contiguous()  # typed C-contiguous; a no-op in the model
     kernel = _rotary_cache_write_kernel(q.dtype, slot_mapping.dtype)
-    kernel[num_tokens, threads, _launch.stream()](
-        *(_launch.arg(t) for t in (q, k, v, cos, sin, k_pages, v_pages, slot_mapping, out))
+    _launch.launch(
+        kernel, num_tokens, threads, q, k, v, cos, sin, k_pages, v_pages, slot_mapping, out
     )
     return out
 

@@ -567,8 +567,8 @@ def greedy_cuda(
     threads = _check("greedy_cuda", x, limit, threads)
     tokens, flags = _outputs(x)
     if x.shape[0]:
-        _greedy_kernel()[x.shape[0], threads, _launch.stream()](
-            _launch.arg(x), limit, _launch.arg(tokens), _launch.arg(flags.view(torch.uint8))
+        _launch.launch(
+            _greedy_kernel(), x.shape[0], threads, x, limit, tokens, flags.view(torch.uint8)
         )
     return tokens, flags
 
@@ -598,16 +598,19 @@ def sample_cuda(
             )
     tokens, flags = _outputs(x)
     if x.shape[0]:
-        _sample_kernel()[x.shape[0], threads, _launch.stream()](
-            _launch.arg(x),
+        _launch.launch(
+            _sample_kernel(),
+            x.shape[0],
+            threads,
+            x,
             limit,
-            _launch.arg(uniforms),
-            _launch.arg(rows.temps),
-            _launch.arg(rows.top_k),
-            _launch.arg(rows.top_p),
-            _launch.arg(rows.min_p),
-            _launch.arg(rows.greedy.view(torch.uint8)),
-            _launch.arg(tokens),
-            _launch.arg(flags.view(torch.uint8)),
+            uniforms,
+            rows.temps,
+            rows.top_k,
+            rows.top_p,
+            rows.min_p,
+            rows.greedy.view(torch.uint8),
+            tokens,
+            flags.view(torch.uint8),
         )
     return tokens, flags
