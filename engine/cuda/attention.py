@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
-from engine.cuda.kv_load import kv_loader
+from engine.cuda.kv_load import kv_step_loader, reads_words, word_dtype
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 
@@ -233,9 +233,11 @@ def _mask(group: AttentionGroup, sliding_window: int | None) -> torch.Tensor:
 # Inside a block: NT threads form NG = NT / LT groups of LT lanes (LT = 16 or 32: a half or a
 # whole warp). Per step each group owns one key (key = lo + step * NG + group); each lane owns
 # DPL = D / LT head dims strided by LT (lane, lane + LT, ...), so a group's K or V row load is
-# one contiguous coalesced run. Each group keeps an online softmax (max m, sum l, output acc)
-# per query row in registers; the LT partial dot products of a row are summed by an xor
-# butterfly of warp shuffles (a shared-memory sum in the simulator, which has no shuffles).
+# one contiguous coalesced run; on quantized pages a lane owns DPL consecutive dims instead and
+# reads them as one 4- or 8-byte word with one scale (engine/cuda/kv_load.py). Each group
+# keeps an online softmax (max m, sum l, output acc) per query row in registers; the LT
+# partial dot products of a row are summed by an xor butterfly of warp shuffles (a
+# shared-memory sum in the simulator, which has no shuffles).
 # At the end the NG group states are merged through shared memory, RB rows per round.
 #
 # All per-forward metadata (the work list, split count, chunk length, partial buffers) comes
@@ -294,7 +296,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
 ):
     """The attention kernel specialised on its compile-time constants. ``k_bits``/``v_bits``:
     the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
-    ``kv_loader``; the scale arrays are not read for unquantized pages."""
+    ``kv_step_loader``; the scale arrays are not read for unquantized pages."""
     D, PS, G, QT, LT = head_dim, page_size, group, q_tile, lanes
     DPL = D // LT
     NT = _NUM_WARPS * 32
@@ -308,11 +310,17 @@ def _attention_kernel(  # noqa: C901, PLR0915
     SM_RED = 2 * R * NT if SIMULATOR else 1
     NEG = _NEG
     row_sum = _row_sum_impl(R, LT, NT)
-    load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
+    load_kv = kv_step_loader(k_bits, v_bits, DPL, LT)
+    # Quantized pages: each lane owns DPL consecutive dims and reads them as one word (kv_load)
+    words = reads_words(k_bits, v_bits, DPL)
+    DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
+    LSTRIDE = DPL if words else 1
     options = {}
     if not SIMULATOR and QV <= 32:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
         # for D=128 with G=4/QT=1/LT=16, G=8/LT=32 and G=1/QT=8/LT=32; 133-167 without).
+        # Quantized pages too since they are read as words (element loads spilled 292 bytes
+        # for 8-bit K/V and 480 for 8/4 under this cap).
         options["launch_bounds"] = (NT, 4)
 
     @cuda.jit(fastmath=True, **options)
@@ -366,7 +374,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 acc[r * DPL + i] = 0.0
                 x = float32(0.0)
                 if r // G < n_q:
-                    x = float32(q[row0 + r // G, h * G + r % G, lane + LT * i]) * scale
+                    x = float32(q[row0 + r // G, h * G + r % G, lane * LSTRIDE + DSTRIDE * i])
+                    x *= scale
                 qv[r * DPL + i] = x
 
         n_steps = 0
@@ -379,9 +388,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
             jc = min(j, hi - 1)
             page = block_tables[b, jc // PS]
             slot = jc % PS
-            for i in range(DPL):
-                kf[i] = load_k(k_pages, k_scales, page, slot, h, lane + LT * i)
-                vf[i] = load_v(v_pages, v_scales, page, slot, h, lane + LT * i)
+            load_kv(k_pages, k_scales, v_pages, v_scales, page, slot, h, lane, kf, vf)
             for r in range(R):
                 dot = float32(0.0)
                 if r // G < n_q:
@@ -417,7 +424,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     mx = max(mx, sm_m[g * R + rb + rr])
                 w = math.exp(m[rb + rr] - mx)
                 for i in range(DPL):
-                    sm_acc[(rr * NG + grp) * D + lane + LT * i] = acc[(rb + rr) * DPL + i] * w
+                    d = lane * LSTRIDE + DSTRIDE * i
+                    sm_acc[(rr * NG + grp) * D + d] = acc[(rb + rr) * DPL + i] * w
             cuda.syncthreads()
             for idx in range(tid, RB * D, NT):
                 r = rb + idx // D
@@ -696,13 +704,17 @@ def launch_attention(
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():
         q = q.contiguous()  # the simulator copies arrays in as single buffers; a GPU takes views
+    k_pages, v_pages = pages.k, pages.v
+    dpl = head_dim // plan.lanes
+    if reads_words(pages.k_bits, pages.v_bits, dpl):
+        k_pages, v_pages = k_pages.view(word_dtype(dpl)), v_pages.view(word_dtype(dpl))
     launch(
         kernel,
         (plan.num_items, kv_heads, plan.num_splits),
         _NUM_WARPS * 32,
         q,
-        pages.k,
-        pages.v,
+        k_pages,
+        v_pages,
         pages.k_scales,
         pages.v_scales,
         out,

@@ -11,11 +11,20 @@ The layout is engine/cache/quant.py's (its INVARIANT); the product is taken in f
 torch reference's ``dequantize`` takes it, so both see the same values. A lane that owns dims
 lane, lane + LT, ... (LT = 16 or 32) reads, for each i, one byte of the group's 16: the lanes
 of a key group read contiguous bytes.
+
+``kv_word_loader(bits, dpl)`` is the vector form for quantized pages: a lane owns the ``dpl``
+(4 or 8) CONSECUTIVE dims ``lane * dpl ...``, which lie in one scale group and, in both
+formats, in ``dpl`` consecutive bytes (8-bit: one byte each; 4-bit: the low or the high
+nibbles of ``dpl`` bytes). So the pages are read as words of ``dpl`` bytes (``word_dtype``:
+the kernel gets ``pages.view(word_dtype(dpl))``): one load and one scale per lane per key,
+where the element loader issues ``dpl`` byte loads and ``dpl`` scale loads. Same values.
 """
 
 from __future__ import annotations
 
 import functools
+
+import torch
 
 from engine.cuda._launch import cuda
 
@@ -23,6 +32,73 @@ float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the 
 int32 = cuda.int32
 GROUP = 32
 HALF = GROUP // 2
+
+
+def vector_dims(bits: int, dpl: int) -> bool:
+    """Whether ``kv_word_loader`` serves this page format and dims per lane."""
+    return bits in (8, 4) and dpl in (4, 8)
+
+
+def reads_words(k_bits: int, v_bits: int, dpl: int) -> bool:
+    """Whether the attention kernel reads K and V as words (lanes own consecutive dims)."""
+    return vector_dims(k_bits, dpl) and vector_dims(v_bits, dpl)
+
+
+@functools.cache
+def kv_step_loader(k_bits: int, v_bits: int, dpl: int, lanes: int):
+    """``load(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, kf, vf)``: one
+    key's K and V dims of this lane into ``kf``/``vf``. As words when ``reads_words`` (the
+    lane's dims are ``lane * dpl + i``), else element by element (``lane + lanes * i``)."""
+    if reads_words(k_bits, v_bits, dpl):
+        load_k, load_v = kv_word_loader(k_bits, dpl), kv_word_loader(v_bits, dpl)
+
+        def load(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, kf, vf):
+            load_k(k_pages, k_scales, page, slot, head, lane, kf)
+            load_v(v_pages, v_scales, page, slot, head, lane, vf)
+
+    else:
+        load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
+
+        def load(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, kf, vf):
+            for i in range(dpl):
+                kf[i] = load_k(k_pages, k_scales, page, slot, head, lane + lanes * i)
+                vf[i] = load_v(v_pages, v_scales, page, slot, head, lane + lanes * i)
+
+    return cuda.jit(device=True)(load)
+
+
+def word_dtype(dpl: int) -> torch.dtype:
+    return {4: torch.int32, 8: torch.int64}[dpl]
+
+
+@functools.cache
+def kv_word_loader(bits: int, dpl: int):
+    """``load(words, scales, page, slot, head, lane, out)``: ``out[i]`` = element
+    ``lane * dpl + i`` (see the module docstring)."""
+    if not vector_dims(bits, dpl):
+        raise ValueError(f"no word loader for {bits}-bit pages with {dpl} dims per lane")
+    lanes_per_group = GROUP // dpl
+    if bits == 8:
+
+        def load(words, scales, page, slot, head, lane, out):
+            w = words[page, slot, head, lane]
+            sc = float32(scales[page, slot, head, lane // lanes_per_group])
+            for i in range(dpl):
+                b = (w >> (8 * i)) & 255
+                out[i] = float32(b - 256 if b >= 128 else b) * sc
+
+    else:
+
+        def load(words, scales, page, slot, head, lane, out):
+            g = lane // lanes_per_group
+            j0 = (lane - g * lanes_per_group) * dpl  # first dim's index in its group
+            shift = 4 if j0 >= HALF else 0
+            w = words[page, slot, head, (g * HALF + j0 % HALF) // dpl]
+            sc = float32(scales[page, slot, head, g])
+            for i in range(dpl):
+                out[i] = float32(((w >> (8 * i + shift)) & 15) - 8) * sc
+
+    return cuda.jit(device=True)(load)
 
 
 @functools.cache

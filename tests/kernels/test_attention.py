@@ -278,7 +278,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ]:
         kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb)
         scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
-        ARGS_NOW = ARGS.replace("{kt}", PAGES[kb]).replace("{vt}", PAGES[vb])
+        words = {4: "int32", 8: "int64"}[d // lt] if kb and vb else None  # kv_load words
+        ARGS_NOW = ARGS.replace("{kt}", words or PAGES[kb]).replace("{vt}", words or PAGES[vb])
         ARGS_NOW = ARGS_NOW.replace("{ks}", scales[kb]).replace("{vs}", scales[vb])
         opts = kernel.targetoptions
         ltoir, _ = cuda.compile(

@@ -20,6 +20,8 @@ from engine.cache.quant import (
     rotate_groups,
     write_slots,
 )
+from engine.cuda import attention
+from engine.cuda.kv_load import reads_words
 from engine.cuda.quant_kernels import paged_attention_quant_cuda, quant_rotary_cache_write_cuda
 from engine.cuda.quant_reference import (
     quant_paged_attention_reference,
@@ -120,13 +122,15 @@ def _codes(p: QuantPages) -> torch.Tensor:
 # --- attention --------------------------------------------------------------------------------
 
 
-def _quantized_case(specs, quant, rotate, heads=2, kv_heads=1, dtype=torch.float32, seed=0):
-    q, k, v, batch = make_case(specs, heads, kv_heads, GROUP, dtype, seed=seed)
+def _quantized_case(
+    specs, quant, rotate, heads=2, kv_heads=1, dtype=torch.float32, seed=0, head_dim=GROUP
+):
+    q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, dtype, seed=seed)
     pool, page_size = k.shape[:2]
-    k_pages, v_pages = _pages(quant, rotate, pool, page_size, kv_heads, GROUP)
+    k_pages, v_pages = _pages(quant, rotate, pool, page_size, kv_heads, head_dim)
     slots = torch.arange(pool * page_size, device=DEVICE)
-    write_slots(k_pages, k.reshape(-1, kv_heads, GROUP), slots)
-    write_slots(v_pages, v.reshape(-1, kv_heads, GROUP), slots)
+    write_slots(k_pages, k.reshape(-1, kv_heads, head_dim), slots)
+    write_slots(v_pages, v.reshape(-1, kv_heads, head_dim), slots)
     return q, k_pages, v_pages, batch
 
 
@@ -142,6 +146,23 @@ def test_attention_matches_reference(specs, quant, rotate, splits):
     q, k_pages, v_pages, batch = _quantized_case(specs, quant, rotate)
     scale = GROUP**-0.5
     out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=splits)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "lanes", "quant"),
+    [(64, 16, "q4"), (128, 16, "q8"), (128, 32, "q6"), (64, 16, "q6")],
+)
+def test_attention_reads_quantized_pages_as_words(monkeypatch, head_dim, lanes, quant):
+    """4 or 8 dims per lane: each lane reads its consecutive dims as one word (kv_load)."""
+    monkeypatch.setattr(attention, "_FORCE_LANES", lanes)
+    q, k_pages, v_pages, batch = _quantized_case(
+        [(5, 1), (19, 3)], quant, True, head_dim=head_dim, seed=3
+    )
+    assert reads_words(k_pages.bits, v_pages.bits, head_dim // lanes)
+    scale = head_dim**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=2)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
     assert rel_error(out, ref) <= TOL[torch.float32]
 
