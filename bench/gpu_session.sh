@@ -13,6 +13,7 @@
 #
 #   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
 #   DRY=1 OUT=/tmp/x bash bench/gpu_session.sh      # here: the same steps as CPU dry runs
+#   STEPS="kernel-tests step-gap" ... bash bench/gpu_session.sh   # only the steps named
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -28,6 +29,7 @@ start=$(date +%s)
 step() {  # step NAME CAP_SECONDS COMMAND...: run, log, and report its status and time
   local name=$1 cap=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
   local t0=$(date +%s)
   echo "=== $name (cap ${cap}s) at +$((t0 - start))s" | tee -a "$log"
   timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log" | tail -n 60
