@@ -81,7 +81,7 @@ class CaseResult:
     gap_fraction: float  # median gap / median forward
     step_ms: float  # wall time per iterate() over the timed steps
     async_steps: int
-    graph_steps: int  # timed steps whose forward went through the decode CUDA graphs
+    graph_steps: int  # timed steps replayed as captured decode CUDA graphs
 
 
 class ForwardClock:
@@ -155,14 +155,14 @@ def run_case(case: Case, model: Any, tokenizer: Any, args: argparse.Namespace) -
     for _ in range(args.warmup_steps):
         generator.iterate()
     clock.recording = True
-    graph_steps = generator.runner.decode_graph_steps
+    graph_steps = generator.runner.decode_graph_replays
     began = time.perf_counter()
     for _ in range(args.steps):
         generator.iterate()
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
-    graph_steps = generator.runner.decode_graph_steps - graph_steps
+    graph_steps = generator.runner.decode_graph_replays - graph_steps
     clock.recording = False
     if args.trace is not None:
         write_trace(generator, case, args.trace)

@@ -29,8 +29,10 @@ and the generator runs eager forwards.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +106,7 @@ class DecodeGraphs:
         self._buckets = {size: self._make_bucket(size) for size in self.sizes}
         self._copied: torch.cuda.Event | None = None
         self.steps = 0  # decode steps run through the buckets
+        self.replays = 0  # of those, replayed as captured graphs (not eager bucket runs)
         if capture:
             self._capture_all()
 
@@ -176,7 +179,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         capturing = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
-        with torch.inference_mode(), capturing:
+        with _nothing_freed(), torch.inference_mode(), capturing:
             hidden = network.hidden_states(bucket.batch, self.kv_pages, ops)
         bucket.graph, bucket.hidden = graph, hidden
 
@@ -250,6 +253,7 @@ class DecodeGraphs:
             token_patch.apply(self._longs[0])
         self.steps += 1
         if bucket.graph is not None:
+            self.replays += 1
             bucket.graph.replay()
             hidden = bucket.hidden
         else:
@@ -298,3 +302,22 @@ class DecodeGraphs:
         if self._longs.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+
+@contextlib.contextmanager
+def _nothing_freed() -> Iterator[None]:
+    """No CUDA resource freed while a graph is captured: freeing one (a CUDA call the capture
+    forbids) invalidates the capture. Seen on an H200: the garbage collector ran inside a
+    capture and destroyed an earlier generator's graph ("operation not permitted when stream
+    is capturing"), so that generator ran every decode step eagerly. The collector is paused
+    (torch collects on entering the capture) and Numba's deallocations are deferred."""
+    from engine.cuda._launch import cuda
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with cuda.defer_cleanup():
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()

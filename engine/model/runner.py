@@ -96,6 +96,11 @@ class ModelRunner:
     def decode_graph_steps(self) -> int:
         return self.decode_graphs.steps if self.decode_graphs is not None else 0
 
+    @property
+    def decode_graph_replays(self) -> int:
+        """Decode steps replayed as captured CUDA graphs (0 where capture failed or is off)."""
+        return self.decode_graphs.replays if self.decode_graphs is not None else 0
+
     # -- forwards --------------------------------------------------------------------------
 
     def forward_plan(self, plan: StepPlan, token_patch: TokenPatch | None = None) -> torch.Tensor:

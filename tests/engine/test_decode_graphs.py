@@ -265,3 +265,22 @@ def test_gpu_captured_graphs_match_eager(small):  # noqa: F811
         got = graphs.run(seqs)
         want = model.forward(build_forward_batch(seqs, PAGE, model.device), kv)
         assert _rel(got, want) <= TOL[torch.float16]
+
+
+def test_capture_runs_with_the_collector_paused():
+    """Collecting inside a capture can free an earlier graph (a CUDA call the capture forbids:
+    seen on an H200, where it left a generator without graphs)."""
+    import gc
+
+    from engine.model.cuda_graphs import _nothing_freed
+
+    with _nothing_freed():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _nothing_freed():
+            pass
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
