@@ -42,13 +42,15 @@ top-p cut + 2 exp passes over contiguous ranges + one range walked. Each pass en
 shared-memory tree reduction (log2(threads) + 2 barriers). (A radix select with shared
 histograms would cut each search to 4 passes, at the price of float atomics whose order is
 not deterministic; rows without a top-k could start from a top-m candidate set as the torch
-path does. Neither is done yet. Not timed on a GPU yet: none was available.)
+path does. Neither is done yet. On an H200, vocabulary 128k, top-k 50 + top-p 0.9: ~0.9 ms per
+call at batch 1 or 64, the torch path 0.8-1.1 ms: bench/kernel_launch.py.)
 
 Exactness against the torch path (same draws): greedy tokens are exact. Sampled tokens use the
 same float32 operations per probability (``/ T``, ``- M / T``, ``exp``, ``p / Z``) and the same
 keep rules (ties at the k-th kept; ties at the top-p cut kept lowest ids first); on a GPU the
 kernel's ``exp`` lowers to libdevice's ``__nv_expf``, the CUDA math library's ``expf`` that
-torch's CUDA ``exp`` calls (not checked on a device yet). What differs is summation order:
+torch's CUDA ``exp`` calls (on an H200 the kernel's tokens equalled the torch path's at
+vocabulary 152k: tests/kernels/test_sampling_kernel.py's GPU test). What differs is summation order:
 the masses ``S``, ``Z``, the mass above the cut (float64 here; torch: float32 sums, a float32
 cumsum on CUDA, a float64-accumulated one on CPU) and the CDF (float64 in both, summed in
 ranges here, sequentially there). So ``Z`` (hence every ``q``) and the top-p decision may
