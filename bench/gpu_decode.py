@@ -1031,6 +1031,11 @@ def main(argv: list[str] | None = None) -> int:
         "dry_run": args.dry_run,
         "device": device_info(ctx.device),
         "versions": versions(),
+        # the engine switches this run was started with (baselines set them)
+        "environment": {
+            k: os.environ.get(k)
+            for k in ("ENGINE_NUMBA_LAUNCH", "ENGINE_PREFILL_ATTENTION", "ENGINE_CUDA_GRAPHS")
+        },
         "workload": dataclasses.asdict(ctx.workload),
         "copy_bandwidth": bandwidth,
         "methods": METHODS,

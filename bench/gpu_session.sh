@@ -5,10 +5,13 @@
 #   2. the kernel tests on the real device (no simulator) and the CUDA-graph test;
 #   3. bench/kernel_launch.py (host cost per kernel launch, Numba's path vs the fast path);
 #   4. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
-#   5. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
-#      modes at batch 32 x 4k: issue "Quantized KV cache"), first with Numba's own launches
-#      (ENGINE_NUMBA_LAUNCH=numba, the baseline), then with the fast launch path;
-#   6. bench/gpu_decode.py on the 8B shape (default op set), merged into the same JSON.
+#   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth);
+#   6. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
+#      modes at batch 32 x 4k: issue "Quantized KV cache"), then its baselines: prefill
+#      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
+#      (ENGINE_NUMBA_LAUNCH=numba);
+#   7. bench/gpu_decode.py on the 8B shape (default op set, and transformers' generate_batch
+#      on the same weights), merged into the same JSON.
 # Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).
 #
 #   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
@@ -53,18 +56,29 @@ step kernel-launch "${LAUNCH_CAP:-90}" $PY bench/kernel_launch.py $dry --output 
 step step-gap "${GAP_CAP:-90}" $PY bench/step_gap.py $dry --batches 1 64 \
   --sampling greedy topk_topp --output "$OUT/step_gap.json"
 
-# the 1B shape with Numba's own launches (the baseline), then with the fast launch path
-step gpu-decode-1b-numba "${DECODE_1B_CAP:-90}" env ENGINE_NUMBA_LAUNCH=numba \
-  $PY bench/gpu_decode.py $dry --models "$small" --ops default,eager --decode-batches 1,32 \
-  --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode_numba_launch.json"
+if [ -z "$DRY" ]; then  # (no dry run: it writes bench/results/attention_kernel.json itself)
+  step attention-kernel "${ATTENTION_CAP:-60}" bash -c "$PY bench/attention_kernel.py --iters 20 \
+    && cp bench/results/attention_kernel.json $OUT/attention_kernel.json"
+fi
 
+# the 1B shape as shipped, then with prefill attention in the kernel (the baseline of the
+# SDPA routing) and with Numba's own launches (the baseline of the fast launch path)
 step gpu-decode-1b "${DECODE_1B_CAP:-90}" $PY bench/gpu_decode.py $dry \
   --models "$small" --ops default,eager --decode-batches 1,32 \
   --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode.json"
 
-step gpu-decode-8b "${DECODE_8B_CAP:-100}" $PY bench/gpu_decode.py $dry \
+step gpu-decode-1b-prefill-kernel "${DECODE_1B_CAP:-90}" env ENGINE_PREFILL_ATTENTION=kernel \
+  $PY bench/gpu_decode.py $dry --models "$small" --ops default --decode-batches 1 \
+  --prefill-batches 1,8 --skip-transformers --output "$OUT/gpu_decode_prefill_kernel.json"
+
+step gpu-decode-1b-numba "${DECODE_1B_CAP:-90}" env ENGINE_NUMBA_LAUNCH=numba \
+  $PY bench/gpu_decode.py $dry --models "$small" --ops default,eager --decode-batches 1,32 \
+  --prefill-batches 8 --skip-transformers --output "$OUT/gpu_decode_numba_launch.json"
+
+# the 8B shape last, with transformers' generate_batch on the same weights (slow to build)
+step gpu-decode-8b "${DECODE_8B_CAP:-150}" $PY bench/gpu_decode.py $dry \
   --models "$large" --ops default --decode-batches 1,32 \
-  --prefill-batches 1 --decode-steps 32 --skip-transformers --merge \
+  --prefill-batches 1 --decode-steps 32 --merge \
   --output "$OUT/gpu_decode.json"
 
 echo "=== done in $(($(date +%s) - start))s" | tee -a "$log"

@@ -26,6 +26,8 @@ from engine.cuda.rotary import rotary_cache_write_reference
 
 OPS_ENV = "ENGINE_OPS"
 OPS_CHOICES = ("auto", "torch", "cuda")
+PREFILL_ATTENTION_ENV = "ENGINE_PREFILL_ATTENTION"
+PREFILL_ATTENTION_CHOICES = ("torch", "kernel")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +92,48 @@ def cuda_ops() -> OpSet:
         rotary_cache_write=by_storage(
             rotary_cache_write_cuda, quant_rotary_cache_write_cuda, pages_arg=5
         ),
-        paged_attention=by_storage(paged_attention_cuda, paged_attention_quant_cuda, pages_arg=1),
+        paged_attention=by_storage(
+            by_query_length(paged_attention_cuda, paged_attention_reference),
+            paged_attention_quant_cuda,
+            pages_arg=1,
+        ),
         silu_mul=silu_mul_cuda,
         compiles=True,
         supports_graphs=True,
         dtypes=KERNEL_DTYPES,
         warm_up_extra=_warm_up_split_merge,
     )
+
+
+def by_query_length(kernel: Callable, reference: Callable) -> Callable:
+    """Attention on fp16/fp32 pages: decode batches (one query token per sequence) on the
+    Numba kernel, which CUDA graphs capture; batches with a longer query (prefill, chunked
+    prefill, draft verification) on the torch reference, whose SDPA uses the tensor cores.
+    Measured on an H200 (bench/kernel_launch.py, 1B shape): prefill of 2048 tokens 2.66 ms in
+    the kernel (CUDA cores, one key per lane group per step) vs 0.18 ms; decode at batch 64
+    x 1k about equal (138 vs 135 us). ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel
+    for every batch."""
+    if prefill_attention_choice() == "kernel":
+        return kernel
+
+    def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
+        if batch.max_query_len > 1:
+            return reference(q, k_pages, v_pages, batch, scale, sliding_window)
+        return kernel(q, k_pages, v_pages, batch, scale, sliding_window)
+
+    attention.__name__ = getattr(kernel, "__name__", "attention")
+    attention.__doc__ = kernel.__doc__
+    return attention
+
+
+def prefill_attention_choice() -> str:
+    choice = os.environ.get(PREFILL_ATTENTION_ENV, "torch").strip().lower() or "torch"
+    if choice not in PREFILL_ATTENTION_CHOICES:
+        raise ValueError(
+            f"{PREFILL_ATTENTION_ENV}={choice!r} is not one of "
+            f"{', '.join(PREFILL_ATTENTION_CHOICES)}"
+        )
+    return choice
 
 
 def _warm_up_split_merge(config, dtype: torch.dtype, device: torch.device, page_size: int):

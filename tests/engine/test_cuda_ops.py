@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
-from engine.ops import OPS_ENV, select_ops
+from engine.ops import OPS_ENV, PREFILL_ATTENTION_ENV, select_ops
 from tests.engine.conftest import run_to_end, simulator_model_folder
 
 
@@ -26,8 +26,10 @@ def _greedy(model: Model, tokenizer, prompts: list[list[int]]) -> list[list[int]
     return run_to_end(generator, jobs)
 
 
-def test_generator_through_cuda_kernels_matches_torch(small, tiny, monkeypatch):
+@pytest.mark.parametrize("prefill_attention", ["torch", "kernel"])
+def test_generator_through_cuda_kernels_matches_torch(small, tiny, monkeypatch, prefill_attention):
     prompts = [[5, 9, 17, 3, 40, 2], [5, 9, 17, 3, 11], [200]]
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill_attention)
     monkeypatch.setenv(OPS_ENV, "torch")
     reference = _greedy(Model.from_pretrained(small), tiny.tokenizer, prompts)
     monkeypatch.setenv(OPS_ENV, "cuda")
@@ -44,3 +46,30 @@ def test_ops_env_is_validated(monkeypatch):
     assert select_ops("cpu").name == "torch"
     monkeypatch.delenv(OPS_ENV)
     assert select_ops("cpu").name == "torch"  # auto: references off CUDA
+
+
+class _Spy:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(self.name)
+        return self.name
+
+
+def test_longer_queries_take_the_reference_and_decode_the_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.ops import by_query_length
+
+    calls: list[str] = []
+    kernel, reference = _Spy("kernel", calls), _Spy("reference", calls)
+    decode, prefill = SimpleNamespace(max_query_len=1), SimpleNamespace(max_query_len=7)
+    attention = by_query_length(kernel, reference)
+    assert attention("q", "k", "v", decode, 0.5) == "kernel"
+    assert attention("q", "k", "v", prefill, 0.5, 4) == "reference"
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
+    assert by_query_length(kernel, reference) is kernel
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")
+    with pytest.raises(ValueError, match="ENGINE_PREFILL_ATTENTION='sdpa'"):
+        by_query_length(kernel, reference)
