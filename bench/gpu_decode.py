@@ -838,8 +838,8 @@ def device_info(device: torch.device) -> dict:
     }
 
 
-def versions() -> dict:
-    import transformers
+def versions(transformers: bool = True) -> dict:
+    """Python, torch, CUDA, numba and numba-cuda versions (+ transformers': imports it)."""
 
     def dist(name: str) -> str | None:
         try:
@@ -847,14 +847,18 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {
+    found = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
         "numba": dist("numba"),
         "numba_cuda": dist("numba-cuda"),
     }
+    if transformers:
+        import transformers as hf
+
+        found["transformers"] = hf.__version__
+    return found
 
 
 def print_goals(report_goals: dict) -> None:

@@ -654,22 +654,6 @@ def print_table(rows: list[dict]) -> None:
             print(f"{name:{nw}s} {r['wall_us'] / 1e3:12.3f} {_fmt(r['synced_ms'], 12, 3)}")
 
 
-def versions() -> dict[str, str | None]:
-    def dist(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "numba": dist("numba"),
-        "numba_cuda": dist("numba-cuda"),
-    }
-
-
 METHODS = {
     "first_call_ms": "the first call in a fresh process (kernels: compile + launch + sync)",
     "host_us": "N back-to-back calls on prebuilt inputs, perf_counter before the synchronize, / N",
@@ -698,7 +682,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "dry_run": args.dry_run,
         "device": device | {"host": platform.node()},
-        "versions": versions(),
+        "versions": gpu_decode.versions(transformers=False),
         "dims": asdict(wl.dims),
         "shapes": {s.name: [list(seq) for seq in s.seqs] for s in wl.shapes},
         "sampling": {

@@ -3,33 +3,14 @@ of the engine, its torch reference, and the sampling paths."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import math
 import pathlib
 
 import pytest
 
+from bench.kernel_launch import kernel_functions
 from tests.bench_scripts import run_bench
-
-KERNEL_MODULES = ("norm", "activation", "rotary", "attention", "quant_kernels", "sampling")
-
-
-def _kernel_functions() -> set[str]:
-    """The public ``*_cuda`` launch functions the engine's kernel modules define."""
-    names = set()
-    for module_name in KERNEL_MODULES:
-        module = importlib.import_module(f"engine.cuda.{module_name}")
-        for name, value in vars(module).items():
-            if (
-                name.endswith("_cuda")
-                and not name.startswith("_")
-                and inspect.isfunction(value)
-                and value.__module__ == module.__name__
-            ):
-                names.add(name)
-    return names
 
 
 def test_dry_run_times_every_kernel_launch_function(
@@ -54,7 +35,7 @@ def test_dry_run_times_every_kernel_launch_function(
             assert math.isfinite(row[key]) and row[key] > 0, (row["function"], key)
         assert row["iters"] >= 1 and row["wall_us"] >= row["host_us"]
 
-    kernels = _kernel_functions()
+    kernels = set(kernel_functions())
     assert {"rms_norm_cuda", "paged_attention_cuda", "greedy_cuda", "sample_cuda"} <= kernels
     assert kernels <= {r["function"] for r in rows if r["mode"] != "torch"}
     # every kernel row has its torch reference row for the same op and case
