@@ -18,16 +18,22 @@ maximum is taken with one vectorised ``amax`` pass. Then:
 
 A row holding a NaN gets its first NaN as the greedy token (as ``max`` gives it) and a NaN
 ``row_max``; ``top`` does not handle such rows: callers check ``row_max``.
+
+The block maxima always come from torch (``amax`` is vectorised and propagates NaN). What
+follows them runs as compiled loops for float32 rows on the CPU (``engine.sampling_cpu``, the
+same tokens and values; ``ENGINE_SAMPLING_JIT=0``: the torch ops below everywhere).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 BLOCK = 64  # ids per block: a vectorised amax over 64 floats, ~500 blocks for 32k ids
 SUB = 8  # ids per sub-block, the second narrowing of the top-k candidates
+JIT_ENV = "ENGINE_SAMPLING_JIT"  # "0": the torch ops on the CPU too (no engine.sampling_cpu)
 
 
 @dataclass(slots=True)
@@ -64,6 +70,10 @@ class Blocks:
         width = self.full * BLOCK
         if not self.full:
             return _first_hit(self.tail, self.row_max)
+        if _compiled(self.x):
+            from engine import sampling_cpu
+
+            return sampling_cpu.greedy(self.x, self.limit, self.maxima, self.row_max)
         # a block holding a NaN has a NaN maximum (amax propagates it), equal to nothing
         hit = ((self.maxima == self.row_max) | self.maxima.isnan()).to(torch.uint8)
         in_blocks = hit.amax(-1).bool()
@@ -83,6 +93,10 @@ class Blocks:
         down); the final ``topk`` sees ``n * SUB`` values and the tail."""
         if self.full <= n:  # blocks would not narrow anything
             return self.x[:, : self.limit].topk(n, dim=-1)
+        if _compiled(self.x):
+            from engine import sampling_cpu
+
+            return sampling_cpu.top(self.x, self.limit, self.maxima, n)
         rows = self.x.shape[0]
         # which n: their order does not matter (sorted=False is cheaper)
         chosen = self.maxima.topk(n, dim=-1, sorted=False).indices
@@ -102,6 +116,17 @@ class Blocks:
             in_tail = where >= n * SUB
             ids = torch.where(in_tail, where - n * SUB + self.full * BLOCK, ids)
         return top, ids
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows take ``engine.sampling_cpu``'s loops: float32 on the CPU with unit
+    stride along the vocabulary (rows may be a view of a larger tensor)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.stride(1) == 1
+        and os.environ.get(JIT_ENV, "1").strip() != "0"
+    )
 
 
 def _first_hit(values: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:

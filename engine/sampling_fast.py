@@ -38,8 +38,10 @@ reference as it is: its one whole-row ``max`` costs less than more, smaller call
 Everything else goes to the reference, unchanged: batches with a sampled row with neither
 top_k nor top_p (its whole row is the distribution), a top_k above ``MAX_FAST_TOP_K``
 (or at least the vocabulary), typical sampling,
-``return_probs`` or ``top_k_return``, rows with NaN or with every token banned, and rows
-whose ties at the k-th candidate reach past the candidates.
+``return_probs`` or ``top_k_return``, and rows with NaN or with every token banned. A row
+whose ties at its k-th value reach past the candidates (the reference keeps every token tied
+with the k-th) widens the candidates, as a top-p cut past them does; only a row tied all the
+way to the vocabulary's end goes to the reference.
 
 On CUDA tensors ``_choose`` runs the Numba CUDA kernels of ``engine.cuda.sampling`` instead
 (the same tokens up to float rounding, said there; ``ENGINE_SAMPLING_KERNELS=0``: torch ops).
@@ -379,16 +381,10 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     total = _row_mass(x, limit, row_max, params)
     if params.unbounded_rows:
         n = max(n, TOP_P_CANDIDATES)
-    while True:  # widened (x4) while a row's top-p cut lies past the candidates
-        n = min(n, limit)
-        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
-        found = _candidate_probs(values, ids, x.shape[1], params, total)
-        if found is None:
-            return None
-        probs, inside = found
-        if inside or n == limit:
-            break
-        n *= 4
+    found = _widened_candidates(x, limit, n, blocks, params, total)
+    if found is None:
+        return None
+    probs, ids = found
     # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
     uniforms = torch.tensor(
         [r.rng.random() for r in requests], dtype=torch.float64, device=x.device
@@ -399,6 +395,21 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     picked = _inverse_cdf(probs.gather(1, order), uniforms)
     sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
     return torch.where(params.greedy, greedy_tokens, sampled)
+
+
+def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total):
+    """(probs, ids) [B, m] of the ``m >= n`` largest logits: ``n``, widened (x4) while a row's
+    top-p cut or the ties at its k-th lie past them; None when ties at a row's k-th reach the
+    end of the vocabulary (the reference's handling)."""
+    while True:
+        n = min(n, limit)
+        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
+        found = _candidate_probs(values, ids, x.shape[1], params, total)
+        if found is not None and (found[1] or n == limit):
+            return found[0], ids
+        if n == limit:
+            return None
+        n *= 4
 
 
 def _kernels_wanted(x: torch.Tensor) -> bool:
@@ -477,7 +488,7 @@ def _candidate_probs(
     """The final distribution over the candidates (``values``: logits, descending), as the
     reference's ``_final_distribution`` does over the whole row, and whether every row
     without a top_k has its top-p cut inside the candidates (else: widen them); None when a
-    row's ties at its k-th value reach past the candidates."""
+    row's ties at its k-th value reach past the candidates (widen them too)."""
     scaled = values / params.temps
     probs = torch.exp(scaled - scaled[:, :1])  # descending, as the values
     # rows without a top_k keep everything here (a k-th value of 0), as the reference's

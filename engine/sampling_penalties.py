@@ -125,13 +125,15 @@ def apply_sparse_penalties(
     """Penalise ``flat`` (the logits viewed flat) at ``pairs.keys``, whose current values
     are ``values``; ``params`` [rows, 3]: each penalised row's (repetition, frequency,
     presence) as float32. The dense form's operations, in its order, on those values only."""
-    rep, freq, presence = params[pairs.slot].unbind(1)
+    # index_select / index_copy_: a CPU's advanced indexing costs several times as much
+    rep, freq, presence = params.index_select(0, pairs.slot).unbind(1)
     counts = pairs.counts
     # Repetition penalty (CTRL style): shrink positive logits, push negative ones further down.
     edited = torch.where(values > 0, values / rep, values * rep)
     # a seen token's ``seen.float() * presence`` in the dense form is exactly ``presence``
     edited = edited - counts * freq - presence
-    flat[pairs.keys] = torch.where(counts > 0, edited, values)  # ids that left: unchanged
+    # ids that left the window: unchanged (the keys are distinct: one per (row, id))
+    flat.index_copy_(0, pairs.keys, torch.where(counts > 0, edited, values))
 
 
 class LogitEdits:
@@ -144,12 +146,13 @@ class LogitEdits:
 
     def save(self, keys: torch.Tensor) -> torch.Tensor:
         """Remember (and return) the values at ``keys``."""
-        values = self.flat[keys]
+        values = self.flat.index_select(0, keys)
         self._saved.append((keys, values))
         return values
 
     def restore(self) -> None:
         # last saved first: an earlier save holds the value before every later edit
+        # (a key twice in one save holds the same value twice: which write wins is moot)
         for keys, values in reversed(self._saved):
-            self.flat[keys] = values
+            self.flat.index_copy_(0, keys, values)
         self._saved.clear()

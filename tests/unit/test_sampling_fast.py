@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.sampling import SampleRequest, SamplerSettings, _apply_penalties, sample
-from engine.sampling_candidates import BLOCK, Blocks
+from engine.sampling_candidates import BLOCK, JIT_ENV, Blocks
 from engine.sampling_fast import MIN_BLOCK_ROWS, SamplerState
 from engine.sampling_penalties import (
     ContextCounts,
@@ -33,9 +33,17 @@ def _logits(rows: int, vocab: int, seed: int, ties: bool = False) -> torch.Tenso
 # -- greedy and candidates --------------------------------------------------------------------
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def block_ops(request, monkeypatch):
+    """Both forms of what follows the block maxima on the CPU: engine.sampling_cpu's compiled
+    loops (the default) and the torch ops (ENGINE_SAMPLING_JIT=0)."""
+    monkeypatch.setenv(JIT_ENV, "1" if request.param == "compiled" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("vocab", [BLOCK - 5, BLOCK, 3 * BLOCK + 7, 1000, 4099])
 @pytest.mark.parametrize("ties", [False, True])
-def test_block_greedy_is_the_first_maximum(vocab, ties):
+def test_block_greedy_is_the_first_maximum(vocab, ties, block_ops):
     for seed in range(5):
         x = _logits(40, vocab, seed, ties)
         x[0] = 1.0  # every id tied: the first
@@ -56,7 +64,7 @@ def test_block_greedy_is_the_first_maximum(vocab, ties):
 @pytest.mark.parametrize("vocab", [3 * BLOCK + 7, 1000, 4099, 4096])
 @pytest.mark.parametrize("n", [2, 6, 51])
 @pytest.mark.parametrize("cut", [0, 3])
-def test_block_top_values_are_topk_values(vocab, n, cut):
+def test_block_top_values_are_topk_values(vocab, n, cut, block_ops):
     for seed, ties in ((0, False), (1, True), (2, True)):
         x = _logits(24, vocab, seed, ties)
         if seed == 2:
@@ -67,6 +75,35 @@ def test_block_top_values_are_topk_values(vocab, n, cut):
         assert bool((ids < limit).all())
         assert torch.equal(x.gather(1, ids), values)  # each id holds its value
         assert all(len(set(row)) == n for row in ids.tolist())  # distinct ids
+
+
+def _by_value_then_id(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest values of each row, ties broken by the lower id (a stable sort)."""
+    ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :n]
+    return x.gather(1, ids), ids
+
+
+@pytest.mark.parametrize("n", [2, 51, 100, 129])
+def test_compiled_top_orders_by_value_then_id(n, monkeypatch):
+    """engine.sampling_cpu's top n: exactly the values topk gives, ties broken by the lower id;
+    over rows with many ties (more candidates than the in-place ordering takes), banned blocks,
+    +inf, and a row view of a larger tensor."""
+    monkeypatch.setenv(JIT_ENV, "1")
+    vocab = 130 * BLOCK + 11
+    for seed in range(3):
+        x = _logits(20, vocab, seed, ties=seed > 0)
+        x[0, : 120 * BLOCK] = -torch.inf  # most blocks banned
+        x[1, 7] = torch.inf
+        x[2, :] = 1.0  # all tied: ids 0..n-1
+        x[3, 5 * BLOCK : 9 * BLOCK] = 50.0  # 4 * BLOCK ties at the top
+        x[4, -5:] = 60.0  # the largest values in the tail
+        x[5] = x[5].round()  # few distinct values: many tied at the n-th
+        for limit in (vocab, vocab - 11, vocab - 3):
+            view = x[1:, :] if seed == 2 else x
+            values, ids = Blocks.of(view, limit).top(n)
+            expected_values, expected_ids = _by_value_then_id(view[:, :limit], n)
+            assert torch.equal(values, expected_values), (seed, limit)
+            assert torch.equal(ids, expected_ids), (seed, limit)
 
 
 # -- penalties ---------------------------------------------------------------------------------
@@ -246,6 +283,18 @@ def test_top_k_beyond_the_vocabulary_and_edge_rows_go_to_the_reference():
     _check_same(nan, SamplerSettings(top_k=10), state=state)
     _check_same(nan, SamplerSettings.greedy(), state=state)
     assert state.fast_calls == 0 and state.reference_calls == 5
+
+
+@pytest.mark.parametrize("settings", SETTINGS[:4] + SETTINGS[5:7], ids=lambda s: repr(s)[15:60])
+def test_ties_at_the_kth_past_the_candidates_widen_them(settings):
+    """Rounded logits: hundreds of ids tie with a row's k-th value. The reference keeps them
+    all; the candidates are widened until they hold every tie (no hand-over to the
+    reference), and the tokens are the reference's."""
+    state = SamplerState()
+    for seed in range(4):
+        logits = _logits(MIN_BLOCK_ROWS + 4, 4000, seed).div(2).round()
+        _check_same(logits, settings, 3990, seed, state)
+    assert state.reference_calls == 0 and state.fast_calls == 4
 
 
 def test_row_with_every_token_banned_comes_back_as_the_reference_marks_it():
