@@ -14,9 +14,10 @@ propagated), what is left is small per row but costs torch several calls: ``topk
   blocks hold ``n`` values >= ``t``, so each of the row's ``n`` largest values is >= ``t`` too,
   and lies in a block whose maximum is >= ``t``, or in the tail: those are scanned for values
   >= ``t``. The candidates, ordered by value (descending) then id, give the ``n`` largest: the
-  values ``topk`` returns, ties at the ``n``-th broken by the lower id. (The scan reads ~n
-  blocks per row at scattered places, which a CPU's caches mostly no longer hold after the
-  maxima pass: about half of its time is memory latency.)
+  values ``topk`` returns, ties at the ``n``-th broken by the lower id. The scan reads ~n
+  blocks per row at scattered places, which the caches no longer hold after the maxima pass
+  (a miss per cache line, one after another, was half its time): each block's lines are read
+  once first, all together, so that the misses overlap.
 
 Rows holding a NaN have no defined candidates (``Blocks.top``'s callers check ``row_max``):
 their values here are NaN, their ids 0.
@@ -39,6 +40,7 @@ from engine.sampling_candidates import BLOCK
 logger = logging.getLogger(__name__)
 
 SORT_IN_PLACE = 96  # candidates ordered by insertion up to this many (usually ~n + a few)
+LINE = 16  # float32 values per 64-byte cache line
 
 
 def _jit(fn):
@@ -167,16 +169,23 @@ def _top_rows(x, limit, maxima, n, out_values, out_ids):
     size = (n + n // 8 + 3) * BLOCK + (limit - tail) + BLOCK
     values = np.empty(size, np.float32)
     ids = np.empty(size, np.int64)
+    touched = 0.0
     for r in range(x.shape[0]):
         t = _threshold(maxima[r], n)
+        row = x[r]
         need = limit - tail + BLOCK
         for b in range(full):
             if maxima[r, b] >= t:
                 need += BLOCK
+                # one read per cache line of the block: independent loads the CPU overlaps,
+                # so the scan below finds the block cached (the maxima pass has streamed the
+                # whole batch through since; the scan alone waits out a miss per line)
+                base = b * BLOCK
+                for j in range(base, base + BLOCK, LINE):
+                    touched += row[j]
         if need > values.shape[0]:
             values = np.empty(need, np.float32)
             ids = np.empty(need, np.int64)
-        row = x[r]
         m = 0
         for b in range(full):
             if maxima[r, b] >= t:
@@ -194,3 +203,4 @@ def _top_rows(x, limit, maxima, n, out_values, out_ids):
             else:  # a row holding a NaN: nothing defined
                 out_values[r, k] = np.nan
                 out_ids[r, k] = 0
+    return touched  # (returned: the reads must not be optimised away)
