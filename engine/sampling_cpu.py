@@ -169,27 +169,28 @@ def _top_rows(x, limit, maxima, n, out_values, out_ids):
     size = (n + n // 8 + 3) * BLOCK + (limit - tail) + BLOCK
     values = np.empty(size, np.float32)
     ids = np.empty(size, np.int64)
+    chosen = np.empty(full, np.int64)  # this row's blocks whose maximum reaches t
     touched = 0.0
     for r in range(x.shape[0]):
         t = _threshold(maxima[r], n)
         row = x[r]
-        need = limit - tail + BLOCK
+        count = 0
         for b in range(full):
             if maxima[r, b] >= t:
-                need += BLOCK
+                chosen[count] = b
+                count += 1
                 # one read per cache line of the block: independent loads the CPU overlaps,
                 # so the scan below finds the block cached (the maxima pass has streamed the
                 # whole batch through since; the scan alone waits out a miss per line)
-                base = b * BLOCK
-                for j in range(base, base + BLOCK, LINE):
+                for j in range(b * BLOCK, (b + 1) * BLOCK, LINE):
                     touched += row[j]
+        need = (count + 1) * BLOCK + limit - tail
         if need > values.shape[0]:
             values = np.empty(need, np.float32)
             ids = np.empty(need, np.int64)
         m = 0
-        for b in range(full):
-            if maxima[r, b] >= t:
-                m = _scan_block(row, b * BLOCK, t, values, ids, m)
+        for c in range(count):
+            m = _scan_block(row, chosen[c] * BLOCK, t, values, ids, m)
         for j in range(tail, limit):
             v = row[j]
             values[m] = v
