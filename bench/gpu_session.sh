@@ -5,7 +5,9 @@
 #   2. the kernel tests on the real device (no simulator) and the CUDA-graph test;
 #   3. bench/kernel_launch.py (host cost per kernel launch, Numba's path vs the fast path);
 #   4. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
-#   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth);
+#   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth), then
+#      bench/attention_keys_per_step.py (decode attention per cache mode vs keys per step) and
+#      prefill through SDPA vs the kernel (1B shape, prefill rows only);
 #   6. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
 #      modes at batch 32 x 4k: issue "Quantized KV cache"), then its baselines: prefill
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
@@ -60,6 +62,18 @@ if [ -z "$DRY" ]; then  # (no dry run: it writes bench/results/attention_kernel.
   step attention-kernel "${ATTENTION_CAP:-60}" bash -c "$PY bench/attention_kernel.py --iters 20 \
     && cp bench/results/attention_kernel.json $OUT/attention_kernel.json"
 fi
+
+if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per step
+  step keys-per-step "${KEYS_CAP:-180}" $PY bench/attention_keys_per_step.py --iters 20 \
+    --output "$OUT/attention_keys_per_step.json"
+fi
+
+# prefill through SDPA (as shipped) and through the kernel, side by side, prefill rows only
+step prefill-routing "${ROUTING_CAP:-120}" bash -c "$PY bench/gpu_decode.py $dry --models $small \
+  --ops default --decode-batches 1 --prefill-batches 1,8 --skip-transformers \
+  --output $OUT/prefill_sdpa.json && ENGINE_PREFILL_ATTENTION=kernel $PY bench/gpu_decode.py $dry \
+  --models $small --ops default --decode-batches 1 --prefill-batches 1,8 --skip-transformers \
+  --output $OUT/prefill_kernel.json"
 
 # the 1B shape as shipped, then with prefill attention in the kernel (the baseline of the
 # SDPA routing) and with Numba's own launches (the baseline of the fast launch path)

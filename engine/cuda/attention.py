@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
-from engine.cuda.kv_load import kv_step_loader, reads_words, word_dtype
+from engine.cuda.kv_load import kv_step_reader, reads_words, word_dtype
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 
@@ -252,6 +252,11 @@ _MIN_SPLIT_KEYS = 256  # a split never gets fewer keys than this (unless asked e
 _MAX_SPLITS = 32
 _BLOCKS_PER_SM = 2  # automatic splitting stops once the grid has this many blocks per SM
 _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
+# Keys per group per step for decode tiles, by (K bits, V bits) (1 for anything not listed and
+# for prefill tiles): more keys in flight per warp where one key's bytes are few.
+_DECODE_KEYS_PER_STEP: dict[tuple[int, int], int] = {}
+_FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_kernel.py's sweep
+_FORCE_MIN_BLOCKS: int | None = None  # bench/attention_kernel.py's sweep (launch_bounds)
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
 _MAX_HEAD_DIM = 256
 _MERGE_SMEM_BYTES = 16384  # shared memory for the end-of-block merge of the group outputs
@@ -292,12 +297,22 @@ def _row_sum_impl(rows: int, lanes: int, threads: int):
 
 @functools.cache
 def _attention_kernel(  # noqa: C901, PLR0915
-    head_dim: int, page_size: int, group: int, q_tile: int, lanes: int, k_bits: int, v_bits: int
+    head_dim: int,
+    page_size: int,
+    group: int,
+    q_tile: int,
+    lanes: int,
+    k_bits: int,
+    v_bits: int,
+    keys_per_step: int = 1,
+    min_blocks: int = 4,
 ):
     """The attention kernel specialised on its compile-time constants. ``k_bits``/``v_bits``:
     the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
-    ``kv_step_loader``; the scale arrays are not read for unquantized pages."""
-    D, PS, G, QT, LT = head_dim, page_size, group, q_tile, lanes
+    ``kv_step_reader``; the scale arrays are not read for unquantized pages. Each key group
+    takes ``keys_per_step`` keys per step (their loads are all issued before any is used);
+    ``min_blocks``: the resident blocks per SM the register cap is set for (0: no cap)."""
+    D, PS, G, QT, LT, KU = head_dim, page_size, group, q_tile, lanes, keys_per_step
     DPL = D // LT
     NT = _NUM_WARPS * 32
     NG = NT // LT
@@ -307,21 +322,23 @@ def _attention_kernel(  # noqa: C901, PLR0915
     # Rows merged per round: the largest divisor of R whose NG partial outputs fit the budget.
     RB = max(d for d in range(1, R + 1) if R % d == 0 and d * NG * D * 4 <= _MERGE_SMEM_BYTES)
     SM_ACC = RB * NG * D
-    SM_RED = 2 * R * NT if SIMULATOR else 1
+    SM_RED = 2 * R * KU * NT if SIMULATOR else 1
     NEG = _NEG
-    row_sum = _row_sum_impl(R, LT, NT)
-    load_kv = kv_step_loader(k_bits, v_bits, DPL, LT)
+    row_sum = _row_sum_impl(R * KU, LT, NT)
+    RAW_T, RAW_W, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, DPL, LT)
+    RAW = KU * RAW_W
+    SR = R * KU  # scores, then weights, of a step: [u * R + r]
     # Quantized pages: each lane owns DPL consecutive dims and reads them as one word (kv_load)
     words = reads_words(k_bits, v_bits, DPL)
     DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
     LSTRIDE = DPL if words else 1
     options = {}
-    if not SIMULATOR and QV <= 32:
+    if not SIMULATOR and QV <= 32 and min_blocks > 0:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
         # for D=128 with G=4/QT=1/LT=16, G=8/LT=32 and G=1/QT=8/LT=32; 133-167 without).
         # Quantized pages too since they are read as words (element loads spilled 292 bytes
         # for 8-bit K/V and 480 for 8/4 under this cap).
-        options["launch_bounds"] = (NT, 4)
+        options["launch_bounds"] = (NT, min_blocks)
 
     @cuda.jit(fastmath=True, **options)
     def attention(  # noqa: C901, PLR0915
@@ -336,9 +353,13 @@ def _attention_kernel(  # noqa: C901, PLR0915
         acc = cuda.local.array(QV, float32)
         m = cuda.local.array(R, float32)
         l = cuda.local.array(R, float32)  # noqa: E741
-        s = cuda.local.array(R, float32)
+        s = cuda.local.array(SR, float32)
         kf = cuda.local.array(DPL, float32)
         vf = cuda.local.array(DPL, float32)
+        kr = cuda.local.array(RAW, RAW_T)
+        vr = cuda.local.array(RAW, RAW_T)
+        ks = cuda.local.array(KU, float32)
+        vs = cuda.local.array(KU, float32)
 
         item = cuda.blockIdx.x
         h = cuda.blockIdx.y
@@ -378,36 +399,57 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     x *= scale
                 qv[r * DPL + i] = x
 
+        # Step: keys base + u * NG + grp for u < KU (group grp takes every NG-th key). All KU
+        # keys' K and V are read before any is used, so their loads are in flight together.
         n_steps = 0
         if hi > lo:
-            n_steps = (hi - lo + NG - 1) // NG
+            n_steps = (hi - lo + NG * KU - 1) // (NG * KU)
         for step in range(n_steps):
-            # Every lane runs every step (the shuffles need the whole warp): a group past the
-            # end loads the chunk's last key and masks the result.
-            j = lo + step * NG + grp
-            jc = min(j, hi - 1)
-            page = block_tables[b, jc // PS]
-            slot = jc % PS
-            load_kv(k_pages, k_scales, v_pages, v_scales, page, slot, h, lane, kf, vf)
-            for r in range(R):
-                dot = float32(0.0)
-                if r // G < n_q:
-                    for i in range(DPL):
-                        dot += qv[r * DPL + i] * kf[i]
-                s[r] = dot
+            base = lo + step * NG * KU + grp
+            for u in range(KU):
+                # Every lane runs every step (the shuffles need the whole warp): a key past the
+                # end reads the chunk's last key and is masked below.
+                jc = min(base + u * NG, hi - 1)
+                page = block_tables[b, jc // PS]
+                slot = jc % PS
+                read_kv(
+                    k_pages, k_scales, v_pages, v_scales, page, slot, h, lane, u, kr, ks, vr, vs
+                )
+            for u in range(KU):
+                unpack_k(kr, ks, u, lane, kf)
+                for r in range(R):
+                    dot = float32(0.0)
+                    if r // G < n_q:
+                        for i in range(DPL):
+                            dot += qv[r * DPL + i] * kf[i]
+                    s[u * R + r] = dot
             row_sum(s, sm_red, tid, step & 1)
+            # Online softmax over the step's keys: one rescale per row, then s holds the weights
+            # (0 for a masked key).
             for r in range(R):
                 p = pos0 + r // G
-                if r // G < n_q and j < hi and j <= p and (window == 0 or j > p - window):
-                    sc = s[r]
-                    if sc > m[r]:
-                        c = math.exp(m[r] - sc)
-                        l[r] *= c
-                        for i in range(DPL):
-                            acc[r * DPL + i] *= c
-                        m[r] = sc
-                    e = math.exp(sc - m[r])
+                live = r // G < n_q
+                mx = m[r]
+                for u in range(KU):
+                    j = base + u * NG
+                    if live and j < hi and j <= p and (window == 0 or j > p - window):
+                        mx = max(mx, s[u * R + r])
+                c = math.exp(m[r] - mx)
+                l[r] *= c
+                for i in range(DPL):
+                    acc[r * DPL + i] *= c
+                m[r] = mx
+                for u in range(KU):
+                    j = base + u * NG
+                    e = float32(0.0)
+                    if live and j < hi and j <= p and (window == 0 or j > p - window):
+                        e = math.exp(s[u * R + r] - mx)
+                    s[u * R + r] = e
                     l[r] += e
+            for u in range(KU):
+                unpack_v(vr, vs, u, lane, vf)
+                for r in range(R):
+                    e = s[u * R + r]
                     for i in range(DPL):
                         acc[r * DPL + i] += e * vf[i]
 
@@ -513,6 +555,12 @@ def _tile_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, in
     if _FORCE_LANES is not None:
         lanes = _FORCE_LANES
     return q_tile, lanes
+
+
+def _keys_per_step(q_tile: int, k_bits: int, v_bits: int) -> int:
+    if _FORCE_KEYS_PER_STEP is not None:
+        return _FORCE_KEYS_PER_STEP
+    return _DECODE_KEYS_PER_STEP.get((k_bits, v_bits), 1) if q_tile == 1 else 1
 
 
 @functools.lru_cache(maxsize=8)
@@ -700,6 +748,8 @@ def launch_attention(
         plan.lanes,
         pages.k_bits,
         pages.v_bits,
+        _keys_per_step(plan.q_tile, pages.k_bits, pages.v_bits),
+        4 if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():

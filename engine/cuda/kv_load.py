@@ -12,7 +12,7 @@ torch reference's ``dequantize`` takes it, so both see the same values. A lane t
 lane, lane + LT, ... (LT = 16 or 32) reads, for each i, one byte of the group's 16: the lanes
 of a key group read contiguous bytes.
 
-``kv_word_loader(bits, dpl)`` is the vector form for quantized pages: a lane owns the ``dpl``
+``kv_word_parts(bits, dpl)`` is the vector form for quantized pages: a lane owns the ``dpl``
 (4 or 8) CONSECUTIVE dims ``lane * dpl ...``, which lie in one scale group and, in both
 formats, in ``dpl`` consecutive bytes (8-bit: one byte each; 4-bit: the low or the high
 nibbles of ``dpl`` bytes). So the pages are read as words of ``dpl`` bytes (``word_dtype``:
@@ -30,12 +30,13 @@ from engine.cuda._launch import cuda
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 int32 = cuda.int32
+int64 = cuda.int64
 GROUP = 32
 HALF = GROUP // 2
 
 
 def vector_dims(bits: int, dpl: int) -> bool:
-    """Whether ``kv_word_loader`` serves this page format and dims per lane."""
+    """Whether ``kv_word_parts`` serves this page format and dims per lane."""
     return bits in (8, 4) and dpl in (4, 8)
 
 
@@ -45,60 +46,95 @@ def reads_words(k_bits: int, v_bits: int, dpl: int) -> bool:
 
 
 @functools.cache
-def kv_step_loader(k_bits: int, v_bits: int, dpl: int, lanes: int):
-    """``load(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, kf, vf)``: one
-    key's K and V dims of this lane into ``kf``/``vf``. As words when ``reads_words`` (the
-    lane's dims are ``lane * dpl + i``), else element by element (``lane + lanes * i``)."""
+def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
+    """``(raw_dtype, raw_width, read, unpack_k, unpack_v)``: how the attention kernel brings
+    several keys' K and V into registers before it uses any of them (their loads overlap).
+
+    ``read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs)``
+    stores key ``u``'s raw K and V of this lane in ``kr``/``vr`` (``raw_width`` entries of
+    ``raw_dtype`` per key) and, for words, their scales in ``ks``/``vs``;
+    ``unpack_k(kr, ks, u, lane, out)`` (and ``unpack_v``) then write the lane's ``dpl`` float32
+    values of key ``u``. As words when ``reads_words`` (the lane's dims are ``lane * dpl + i``:
+    one load and one scale per key and side), else element by element (``lane + lanes * i``,
+    dequantized as they are read).
+    """
     if reads_words(k_bits, v_bits, dpl):
-        load_k, load_v = kv_word_loader(k_bits, dpl), kv_word_loader(v_bits, dpl)
+        k_col, k_unpack = kv_word_parts(k_bits, dpl)
+        v_col, v_unpack = kv_word_parts(v_bits, dpl)
+        lanes_per_group = GROUP // dpl
 
-        def load(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, kf, vf):
-            load_k(k_pages, k_scales, page, slot, head, lane, kf)
-            load_v(v_pages, v_scales, page, slot, head, lane, vf)
+        def read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs):
+            g = lane // lanes_per_group
+            kr[u] = k_pages[page, slot, head, k_col(lane)]
+            ks[u] = float32(k_scales[page, slot, head, g])
+            vr[u] = v_pages[page, slot, head, v_col(lane)]
+            vs[u] = float32(v_scales[page, slot, head, g])
 
+        def unpack_k(kr, ks, u, lane, out):
+            k_unpack(kr[u], ks[u], lane, out)
+
+        def unpack_v(vr, vs, u, lane, out):
+            v_unpack(vr[u], vs[u], lane, out)
+
+        raw_dtype = {4: int32, 8: int64}[dpl]
+        width = 1
     else:
         load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
 
-        def load(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, kf, vf):
+        def read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs):
             for i in range(dpl):
-                kf[i] = load_k(k_pages, k_scales, page, slot, head, lane + lanes * i)
-                vf[i] = load_v(v_pages, v_scales, page, slot, head, lane + lanes * i)
+                kr[u * dpl + i] = load_k(k_pages, k_scales, page, slot, head, lane + lanes * i)
+                vr[u * dpl + i] = load_v(v_pages, v_scales, page, slot, head, lane + lanes * i)
 
-    return cuda.jit(device=True)(load)
+        def unpack_k(kr, ks, u, lane, out):
+            for i in range(dpl):
+                out[i] = kr[u * dpl + i]
 
-
-def word_dtype(dpl: int) -> torch.dtype:
-    return {4: torch.int32, 8: torch.int64}[dpl]
+        unpack_v = unpack_k
+        raw_dtype = float32
+        width = dpl
+    jit = cuda.jit(device=True)
+    return raw_dtype, width, jit(read), jit(unpack_k), jit(unpack_v)
 
 
 @functools.cache
-def kv_word_loader(bits: int, dpl: int):
-    """``load(words, scales, page, slot, head, lane, out)``: ``out[i]`` = element
+def kv_word_parts(bits: int, dpl: int):
+    """``(column, unpack)`` for word reads: ``column(lane)`` is the word holding the lane's
+    ``dpl`` dims; ``unpack(word, scale, lane, out)`` writes ``out[i]`` = element
     ``lane * dpl + i`` (see the module docstring)."""
     if not vector_dims(bits, dpl):
         raise ValueError(f"no word loader for {bits}-bit pages with {dpl} dims per lane")
     lanes_per_group = GROUP // dpl
     if bits == 8:
 
-        def load(words, scales, page, slot, head, lane, out):
-            w = words[page, slot, head, lane]
-            sc = float32(scales[page, slot, head, lane // lanes_per_group])
+        def column(lane):
+            return lane
+
+        def unpack(w, sc, lane, out):
             for i in range(dpl):
                 b = (w >> (8 * i)) & 255
                 out[i] = float32(b - 256 if b >= 128 else b) * sc
 
     else:
 
-        def load(words, scales, page, slot, head, lane, out):
+        def column(lane):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl  # first dim's index in its group
+            return (g * HALF + j0 % HALF) // dpl
+
+        def unpack(w, sc, lane, out):
+            g = lane // lanes_per_group
+            j0 = (lane - g * lanes_per_group) * dpl
             shift = 4 if j0 >= HALF else 0
-            w = words[page, slot, head, (g * HALF + j0 % HALF) // dpl]
-            sc = float32(scales[page, slot, head, g])
             for i in range(dpl):
                 out[i] = float32(((w >> (8 * i + shift)) & 15) - 8) * sc
 
-    return cuda.jit(device=True)(load)
+    jit = cuda.jit(device=True)
+    return jit(column), jit(unpack)
+
+
+def word_dtype(dpl: int) -> torch.dtype:
+    return {4: torch.int32, 8: torch.int64}[dpl]
 
 
 @functools.cache

@@ -125,6 +125,22 @@ def test_decode_whole_warp_lanes(monkeypatch):
     check([(5, 1), (9, 1)], heads=2, kv_heads=1, head_dim=32, dtype=torch.float32, seed=3)
 
 
+@pytest.mark.parametrize(
+    ("specs", "window", "num_splits"),
+    [
+        ([(0, 1), (8, 1), (21, 1)], None, None),  # contexts shorter than one step's keys
+        ([(13, 1), (30, 1)], 5, None),  # sliding window inside a step
+        ([(29, 1), (2, 1)], None, 2),  # split chunks of 16 keys: the second step is partial
+        ([(0, 5), (9, 3), (6, 1)], None, 2),  # prefill tiles: causal masks inside a step
+    ],
+)
+def test_several_keys_per_step(monkeypatch, specs, window, num_splits):
+    # Each key group reads 3 keys per step before using them (keys_per_step): the keys past
+    # the chunk's end, outside the window or after the query are masked within a step.
+    monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", 3)
+    check(specs, 4, 2, 16, torch.float32, window=window, num_splits=num_splits, seed=4)
+
+
 # --- prefill-only and mixed batches --------------------------------------------------------
 
 

@@ -167,6 +167,20 @@ def test_attention_reads_quantized_pages_as_words(monkeypatch, head_dim, lanes, 
     assert rel_error(out, ref) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize(("lanes", "quant"), [(16, "q4"), (16, "q6"), (32, "q8")])
+def test_attention_several_keys_per_step_from_words(monkeypatch, lanes, quant):
+    """3 keys per step per key group, read as words before any is dequantized (kv_load)."""
+    monkeypatch.setattr(attention, "_FORCE_LANES", lanes)
+    monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", 3)
+    q, k_pages, v_pages, batch = _quantized_case(
+        [(0, 1), (10, 1), (19, 3)], quant, True, head_dim=128, seed=5
+    )
+    scale = 128**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=2)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+
+
 def test_attention_fp16_gqa_window():
     q, k_pages, v_pages, batch = _quantized_case(
         [(6, 1), (1, 2)], "q4", True, heads=4, kv_heads=2, dtype=torch.float16, seed=1

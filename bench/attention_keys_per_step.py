@@ -1,0 +1,197 @@
+"""Decode attention per KV-cache mode vs keys per step and register cap (GPU only).
+
+The attention kernel's key groups take ``keys_per_step`` keys per step, reading all of them
+before using any, so more loads are in flight per warp; ``min_blocks`` is the launch bound the
+register cap is set for (4 resident 128-thread blocks per SM: 128 registers; 2: 255); ``lanes``
+per key group: 16 or 32. This sweeps the three at Llama-3-8B's attention shape, decode at
+batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode attention vs fp16's),
+and checks each output against the torch reference of its mode.
+
+    time   one paged-attention op per call (quantized: with the q/out rotation it launches),
+           a CUDA graph of --iters calls, CUDA events
+    GB/s   K/V bytes of the mode read (values + scales) / time
+    error  max |out - reference| / max |reference|
+
+Prints a table and writes JSON to bench/results/attention_keys_per_step.json (--output).
+
+    python bench/attention_keys_per_step.py [--iters 50] [--configs 1:4,2:4,4:2:32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_kernel import (
+    HEAD_DIM,
+    KV_HEADS,
+    PAGE,
+    copy_bandwidth_gbs,
+    make_decode_case,
+    require_gpu,
+    time_ms,
+    versions,
+)
+
+RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
+MODES = ("fp16", "q8", "q6", "q4")
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    mode: str
+    keys_per_step: int
+    min_blocks: int
+    lanes: int
+    time_ms: float
+    kv_bytes: int
+    achieved_gbs: float
+    fraction_of_copy_bw: float
+    vs_fp16_default: float | None
+    max_rel_error: float
+
+
+def quantized_case(mode: str, batch: int, context: int):
+    """The fp16 case's q and batch, its K/V written into ``mode``'s pages (default rotation)."""
+    from engine.cache.quant import QUANT_BITS, allocate_quant_pages, check_quant, write_slots
+
+    q, k, v, fb = make_decode_case(batch, context)
+    if QUANT_BITS[mode] is None:
+        return q, k, v, fb
+    rotate = check_quant(mode, None)
+    pool = k.shape[0]
+    slots = torch.arange(pool * PAGE, device=k.device)
+    pages = []
+    for bits, x in zip(QUANT_BITS[mode], (k, v), strict=True):
+        p = allocate_quant_pages(pool, PAGE, KV_HEADS, HEAD_DIM, bits, rotate, k.device)
+        write_slots(p, x.reshape(-1, KV_HEADS, HEAD_DIM), slots)
+        pages.append(p)
+    return q, pages[0], pages[1], fb
+
+
+def kv_bytes(k, v, fb) -> int:
+    """K/V bytes the op reads: every context token's values and scales, both sides."""
+    tokens = sum(fb.seq_lens_host)
+    total = 0
+    for p in (k, v):
+        if isinstance(p, torch.Tensor):
+            total += tokens * p[0, 0].numel() * p.element_size()
+        else:
+            total += tokens * p.bytes_per_slot()
+    return total
+
+
+def attention_op(mode: str, q, k, v, fb):
+    from engine.cuda.attention import paged_attention_cuda
+    from engine.cuda.quant_kernels import paged_attention_quant_cuda
+
+    scale = HEAD_DIM**-0.5
+    op = paged_attention_cuda if mode == "fp16" else paged_attention_quant_cuda
+    return lambda: op(q, k, v, fb, scale)
+
+
+def reference(mode: str, q, k, v, fb) -> torch.Tensor:
+    from engine.cuda.attention import paged_attention_reference
+    from engine.cuda.quant_reference import quant_paged_attention_reference
+
+    scale = HEAD_DIM**-0.5
+    if mode == "fp16":
+        return paged_attention_reference(q.float(), k.float(), v.float(), fb, scale)
+    return quant_paged_attention_reference(q.float(), k, v, fb, scale)
+
+
+def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]:
+    from engine.cuda import attention
+
+    torch.cuda.empty_cache()
+    q, k, v, fb = quantized_case(mode, batch, context)
+    ref = reference(mode, q, k, v, fb).float()
+    nbytes = kv_bytes(k, v, fb)
+    rows = []
+    for keys, blocks, lanes in configs:
+        attention._FORCE_KEYS_PER_STEP, attention._FORCE_MIN_BLOCKS = keys, blocks
+        attention._FORCE_LANES = lanes
+        fb.attention.kernel.clear()  # the plan holds the lanes
+        try:
+            fn = attention_op(mode, q, k, v, fb)
+            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            ms, _ = time_ms(fn, iters)
+        finally:
+            attention._FORCE_KEYS_PER_STEP = attention._FORCE_MIN_BLOCKS = None
+            attention._FORCE_LANES = None
+        gbs = nbytes / (ms / 1e3) / 1e9
+        row = SweepRow(mode, keys, blocks, lanes, round(ms, 4), nbytes, round(gbs, 1),
+                       round(gbs / copy_gbs, 3), None, float(f"{err:.3g}"))  # fmt: skip
+        print(f"  {mode:<5} keys/step {keys:>2} min_blocks {blocks} lanes {lanes}: {ms:8.3f} ms "
+              f"{gbs:7.0f} GB/s  err {err:.1e}", flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int]]:
+    """``keys:min_blocks:lanes`` items (min_blocks 4 and lanes 16 when left out)."""
+    out = []
+    for item in text.split(","):
+        keys, blocks, lanes = ([*item.split(":"), "", ""])[:3]
+        out.append((int(keys), int(blocks or 4), int(lanes or 16)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--configs",
+        default="1:4,2:4,2:3,4:2,8:2,16:1,1:4:32,2:4:32,4:3:32,4:2:32,8:2:32",
+        help="keys_per_step:min_blocks:lanes items; the first is the baseline",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    require_gpu()
+    configs = parse_configs(args.configs)
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{props.name}: copy bandwidth {copy_gbs:.0f} GB/s; batch {args.batch} x {args.context}")
+    rows: list[SweepRow] = []
+    for mode in args.modes.split(","):
+        rows += sweep_mode(mode, configs, args.batch, args.context, args.iters, copy_gbs)
+    base = [r.time_ms for r in rows if r.mode == "fp16" and (r.keys_per_step, r.min_blocks,
+            r.lanes) == configs[0]]  # fmt: skip
+    if base:
+        rows = [SweepRow(**{**asdict(r), "vs_fp16_default": round(base[0] / r.time_ms, 3)})
+                for r in rows]  # fmt: skip
+    print(f"{'mode':<5} {'keys':>4} {'blocks':>6} {'lanes':>5} {'ms':>8} {'GB/s':>7} "
+          f"{'vs fp16':>8} {'err':>8}")  # fmt: skip
+    for r in rows:
+        vs = f"{r.vs_fp16_default:.2f}x" if r.vs_fp16_default else "-"
+        print(f"{r.mode:<5} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.time_ms:>8.3f} "
+              f"{r.achieved_gbs:>7.0f} {vs:>8} {r.max_rel_error:>8.1e}")  # fmt: skip
+    result = {
+        "benchmark": "attention keys per step",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": props.name,
+        "versions": versions(),
+        "shape": {"heads": 32, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE},
+        "batch": args.batch,
+        "context": args.context,
+        "copy_bandwidth_gbs": round(copy_gbs, 1),
+        "baseline": dict(zip(("keys_per_step", "min_blocks", "lanes"), configs[0], strict=True)),
+        "rows": [asdict(r) for r in rows],
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
