@@ -64,7 +64,7 @@ if [ -z "$DRY" ]; then  # (no dry run: it writes bench/results/attention_kernel.
 fi
 
 if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per step
-  step keys-per-step "${KEYS_CAP:-180}" $PY bench/attention_keys_per_step.py --iters 20 \
+  step keys-per-step "${KEYS_CAP:-180}" $PY bench/attention_keys_per_step.py --iters 20 ${KEYS_ARGS:-} \
     --output "$OUT/attention_keys_per_step.json"
 fi
 
