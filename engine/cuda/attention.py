@@ -255,17 +255,19 @@ _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
 # Keys per group per step for decode tiles, by (K bits, V bits) (1 for anything not listed and
 # for prefill tiles): more keys in flight per warp where one key's bytes are few.
 _DECODE_KEYS_PER_STEP: dict[tuple[int, int], int] = {}
-_FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_kernel.py's sweep
-_FORCE_MIN_BLOCKS: int | None = None  # bench/attention_kernel.py's sweep (launch_bounds)
+_FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
+_FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py (launch_bounds)
+_SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in the simulator)
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
 _MAX_HEAD_DIM = 256
 _MERGE_SMEM_BYTES = 16384  # shared memory for the end-of-block merge of the group outputs
 
 
-def _row_sum_impl(rows: int, lanes: int, threads: int):
+def _row_sum_impl(rows: int, lanes: int, threads: int, shuffles: bool):
     """Device function summing ``part[r]`` over the ``lanes`` lanes of each key group, for
-    every row r, in place (every lane gets the sum)."""
-    if SIMULATOR:
+    every row r, in place (every lane gets the sum): warp shuffles when ``shuffles``, else
+    through shared memory (the simulator has no shuffles)."""
+    if not shuffles:
 
         def row_sum(part, sm_red, tid, parity):
             # Two buffers alternating per step: one barrier per call. A thread can only come
@@ -281,18 +283,110 @@ def _row_sum_impl(rows: int, lanes: int, threads: int):
                     total += sm_red[base + r * threads + k]
                 part[r] = total
 
-    else:
+        return cuda.jit(device=True)(row_sum)
+    if rows & (rows - 1) == 0 and rows <= lanes:
+        return _transposed_row_sum(rows, lanes)
 
-        def row_sum(part, sm_red, tid, parity):
-            for r in range(rows):
-                v = part[r]
-                offset = lanes // 2
-                while offset > 0:
-                    v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
-                    offset //= 2
-                part[r] = v
+    def row_sum(part, sm_red, tid, parity):
+        for r in range(rows):
+            v = part[r]
+            offset = lanes // 2
+            while offset > 0:
+                v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                offset //= 2
+            part[r] = v
 
     return cuda.jit(device=True)(row_sum)
+
+
+def _transposed_row_sum(rows: int, lanes: int):
+    """The row sums in ``rows - 1 + log2(lanes / rows) + rows`` shuffles instead of
+    ``rows * log2(lanes)`` (rows a power of two, at most ``lanes``).
+
+    Halving levels: at offset o = lanes / 2, lanes / 4, ... (log2(rows) of them) a lane keeps
+    one half of its values (the upper half if its bit o is set), sends the other half to its
+    partner and adds what it receives: each level halves the values a lane holds and doubles
+    the lanes each is summed over. Then plain butterflies over the remaining offsets: every
+    lane holds the whole sum of one row, the row whose index is the lane's bits at the halving
+    offsets. Last, each row's sum is fetched from a lane that holds it.
+    """
+    levels = rows.bit_length() - 1
+    halving = [lanes >> (t + 1) for t in range(levels)]
+    plain = []
+    o = lanes >> (levels + 1)
+    while o > 0:
+        plain.append(o)
+        o //= 2
+    held = sum(halving)  # the lane bits that say which row a lane ends up holding
+    full = 0xFFFFFFFF
+    halve_all = _chain_levels([_halving_level(o, rows >> (t + 1)) for t, o in enumerate(halving)])
+    butterflies = _chain_values([_butterfly_level(o) for o in plain])
+
+    def row_sum(part, sm_red, tid, parity):
+        halve_all(part, tid)
+        x = butterflies(part[0])
+        for r in range(rows):
+            # a lane with r's bits at the halving offsets (and this lane's other bits)
+            bits = 0
+            for t in range(levels):
+                if (r >> (levels - 1 - t)) & 1:
+                    bits |= lanes >> (t + 1)
+            part[r] = cuda.shfl_xor_sync(full, x, (tid & held) ^ bits)
+
+    return cuda.jit(device=True)(row_sum)
+
+
+def _halving_level(offset: int, keep: int):
+    def level(part, tid):
+        upper = (tid & offset) != 0
+        for i in range(keep):
+            a = part[i]
+            b = part[i + keep]
+            send = a if upper else b
+            part[i] = (b if upper else a) + cuda.shfl_xor_sync(0xFFFFFFFF, send, offset)
+
+    return cuda.jit(device=True)(level)
+
+
+def _butterfly_level(offset: int):
+    def level(x):
+        return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, offset)
+
+    return cuda.jit(device=True)(level)
+
+
+def _chain_levels(fns):
+    """Device function ``(part, tid)`` running the halving levels ``fns`` in order. Built
+    from closures so that every level's offset and count are compile-time constants."""
+    if not fns:
+
+        def none(part, tid):
+            pass
+
+        return cuda.jit(device=True)(none)
+    head, rest = fns[0], _chain_levels(fns[1:])
+
+    def both(part, tid):
+        head(part, tid)
+        rest(part, tid)
+
+    return cuda.jit(device=True)(both)
+
+
+def _chain_values(fns):
+    """Device function ``x -> fns[-1](... fns[0](x))`` (the identity for none)."""
+    if not fns:
+
+        def identity(x):
+            return x
+
+        return cuda.jit(device=True)(identity)
+    head, rest = fns[0], _chain_values(fns[1:])
+
+    def both(x):
+        return rest(head(x))
+
+    return cuda.jit(device=True)(both)
 
 
 @functools.cache
@@ -306,12 +400,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
     v_bits: int,
     keys_per_step: int = 1,
     min_blocks: int = 4,
+    shuffles: bool = not SIMULATOR,
 ):
     """The attention kernel specialised on its compile-time constants. ``k_bits``/``v_bits``:
     the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
     ``kv_step_reader``; the scale arrays are not read for unquantized pages. Each key group
     takes ``keys_per_step`` keys per step (their loads are all issued before any is used);
-    ``min_blocks``: the resident blocks per SM the register cap is set for (0: no cap)."""
+    ``min_blocks``: the resident blocks per SM the register cap is set for (0: no cap);
+    ``shuffles``: row sums by warp shuffles (a GPU; the simulator only with emulated ones)."""
     D, PS, G, QT, LT, KU = head_dim, page_size, group, q_tile, lanes, keys_per_step
     DPL = D // LT
     NT = _NUM_WARPS * 32
@@ -322,10 +418,10 @@ def _attention_kernel(  # noqa: C901, PLR0915
     # Rows merged per round: the largest divisor of R whose NG partial outputs fit the budget.
     RB = max(d for d in range(1, R + 1) if R % d == 0 and d * NG * D * 4 <= _MERGE_SMEM_BYTES)
     SM_ACC = RB * NG * D
-    SM_RED = 2 * R * KU * NT if SIMULATOR else 1
+    SM_RED = 1 if shuffles else 2 * R * KU * NT
     NEG = _NEG
-    row_sum = _row_sum_impl(R * KU, LT, NT)
-    RAW_T, RAW_W, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, DPL, LT)
+    row_sum = _row_sum_impl(R * KU, LT, NT, shuffles)
+    RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, DPL, LT)
     RAW = KU * RAW_W
     SR = R * KU  # scores, then weights, of a step: [u * R + r]
     # Quantized pages: each lane owns DPL consecutive dims and reads them as one word (kv_load)
@@ -416,12 +512,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     k_pages, k_scales, v_pages, v_scales, page, slot, h, lane, u, kr, ks, vr, vs
                 )
             for u in range(KU):
-                unpack_k(kr, ks, u, lane, kf)
+                unpack_k(kr, u, lane, kf)  # codes times ks[u] when SCALED, else values
                 for r in range(R):
                     dot = float32(0.0)
                     if r // G < n_q:
                         for i in range(DPL):
                             dot += qv[r * DPL + i] * kf[i]
+                    if SCALED:
+                        dot *= ks[u]
                     s[u * R + r] = dot
             row_sum(s, sm_red, tid, step & 1)
             # Online softmax over the step's keys: one rescale per row, then s holds the weights
@@ -447,9 +545,11 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     s[u * R + r] = e
                     l[r] += e
             for u in range(KU):
-                unpack_v(vr, vs, u, lane, vf)
+                unpack_v(vr, u, lane, vf)
                 for r in range(R):
                     e = s[u * R + r]
+                    if SCALED:
+                        e *= vs[u]
                     for i in range(DPL):
                         acc[r * DPL + i] += e * vf[i]
 
@@ -750,6 +850,7 @@ def launch_attention(
         pages.v_bits,
         _keys_per_step(plan.q_tile, pages.k_bits, pages.v_bits),
         4 if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
+        _SHUFFLES,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():

@@ -27,6 +27,7 @@ import functools
 import torch
 
 from engine.cuda._launch import cuda
+from engine.cuda.bits import bits_float
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 int32 = cuda.int32
@@ -47,16 +48,21 @@ def reads_words(k_bits: int, v_bits: int, dpl: int) -> bool:
 
 @functools.cache
 def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
-    """``(raw_dtype, raw_width, read, unpack_k, unpack_v)``: how the attention kernel brings
-    several keys' K and V into registers before it uses any of them (their loads overlap).
+    """``(raw_dtype, raw_width, scaled, read, unpack_k, unpack_v)``: how the attention kernel
+    brings several keys' K and V into registers before it uses any of them (their loads
+    overlap), then turns them into numbers.
 
     ``read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs)``
     stores key ``u``'s raw K and V of this lane in ``kr``/``vr`` (``raw_width`` entries of
-    ``raw_dtype`` per key) and, for words, their scales in ``ks``/``vs``;
-    ``unpack_k(kr, ks, u, lane, out)`` (and ``unpack_v``) then write the lane's ``dpl`` float32
-    values of key ``u``. As words when ``reads_words`` (the lane's dims are ``lane * dpl + i``:
-    one load and one scale per key and side), else element by element (``lane + lanes * i``,
-    dequantized as they are read).
+    ``raw_dtype`` per key) and, when ``scaled``, their group scales in ``ks``/``vs``;
+    ``unpack_k(kr, u, lane, out)`` (and ``unpack_v``) then write the lane's ``dpl`` float32
+    numbers of key ``u``.
+
+    - Words (``reads_words``; ``scaled``): the lane's dims are ``lane * dpl + i``, one load and
+      one scale per key and side; ``out`` gets the integer codes, exact in float32, and the
+      kernel applies the scale once per row (to a dot product, or to a softmax weight) instead
+      of once per element: value = code * scale, the same product in another order.
+    - Elements (not ``scaled``): dims ``lane + lanes * i``, dequantized as they are read.
     """
     if reads_words(k_bits, v_bits, dpl):
         k_col, k_unpack = kv_word_parts(k_bits, dpl)
@@ -70,14 +76,15 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
             vr[u] = v_pages[page, slot, head, v_col(lane)]
             vs[u] = float32(v_scales[page, slot, head, g])
 
-        def unpack_k(kr, ks, u, lane, out):
-            k_unpack(kr[u], ks[u], lane, out)
+        def unpack_k(kr, u, lane, out):
+            k_unpack(kr[u], lane, out)
 
-        def unpack_v(vr, vs, u, lane, out):
-            v_unpack(vr[u], vs[u], lane, out)
+        def unpack_v(vr, u, lane, out):
+            v_unpack(vr[u], lane, out)
 
         raw_dtype = {4: int32, 8: int64}[dpl]
         width = 1
+        scaled = True
     else:
         load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
 
@@ -86,48 +93,59 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
                 kr[u * dpl + i] = load_k(k_pages, k_scales, page, slot, head, lane + lanes * i)
                 vr[u * dpl + i] = load_v(v_pages, v_scales, page, slot, head, lane + lanes * i)
 
-        def unpack_k(kr, ks, u, lane, out):
+        def unpack_k(kr, u, lane, out):
             for i in range(dpl):
                 out[i] = kr[u * dpl + i]
 
         unpack_v = unpack_k
         raw_dtype = float32
         width = dpl
+        scaled = False
     jit = cuda.jit(device=True)
-    return raw_dtype, width, jit(read), jit(unpack_k), jit(unpack_v)
+    return raw_dtype, width, scaled, jit(read), jit(unpack_k), jit(unpack_v)
+
+
+# Integer codes to float32 without an int-to-float conversion (a quarter-rate instruction):
+# the bits 0x4B000000 | c (c < 2^23) are the float 2^23 + c, so subtracting 2^23 + bias gives
+# c - bias exactly.
+_MAGIC_BITS = 0x4B000000
+_MAGIC = 8388608.0  # 2^23
 
 
 @functools.cache
 def kv_word_parts(bits: int, dpl: int):
     """``(column, unpack)`` for word reads: ``column(lane)`` is the word holding the lane's
-    ``dpl`` dims; ``unpack(word, scale, lane, out)`` writes ``out[i]`` = element
-    ``lane * dpl + i`` (see the module docstring)."""
+    ``dpl`` dims; ``unpack(word, lane, out)`` writes ``out[i]`` = the code of element
+    ``lane * dpl + i`` (see the module docstring), as a float32."""
     if not vector_dims(bits, dpl):
         raise ValueError(f"no word loader for {bits}-bit pages with {dpl} dims per lane")
     lanes_per_group = GROUP // dpl
     if bits == 8:
+        offset = _MAGIC + 128.0
 
         def column(lane):
             return lane
 
-        def unpack(w, sc, lane, out):
+        def unpack(w, lane, out):
+            # byte ^ 0x80 is the int8 code + 128 (0..255) for either sign
             for i in range(dpl):
-                b = (w >> (8 * i)) & 255
-                out[i] = float32(b - 256 if b >= 128 else b) * sc
+                b = ((w >> (8 * i)) & 255) ^ 128
+                out[i] = bits_float(_MAGIC_BITS | b) - offset
 
     else:
+        offset = _MAGIC + 8.0
 
         def column(lane):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl  # first dim's index in its group
             return (g * HALF + j0 % HALF) // dpl
 
-        def unpack(w, sc, lane, out):
+        def unpack(w, lane, out):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl
             shift = 4 if j0 >= HALF else 0
             for i in range(dpl):
-                out[i] = float32(((w >> (8 * i + shift)) & 15) - 8) * sc
+                out[i] = bits_float(_MAGIC_BITS | ((w >> (8 * i + shift)) & 15)) - offset
 
     jit = cuda.jit(device=True)
     return jit(column), jit(unpack)

@@ -77,10 +77,10 @@ import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.cuda import _launch
+from engine.cuda.bits import bits_float, float_bits
 
 cuda = _launch.cuda
 nbt = cuda.types
@@ -98,42 +98,16 @@ _ONE_BITS = 0x3F800000  # float32 1.0
 _CANDIDATES = 2048
 
 
-# -- bit casts: libdevice on a GPU, numpy in the simulator (where libdevice returns None) ----
-
-
-def _float_bits_sim(f):
-    return int(np.array(f, dtype=np.float32).view(np.int32)[()])
-
-
-def _bits_float_sim(b):
-    return np.array(b, dtype=np.int32).view(np.float32)[()]
-
-
-if _launch.SIMULATOR:
-    _float_bits = cuda.jit(device=True)(_float_bits_sim)
-    _bits_float = cuda.jit(device=True)(_bits_float_sim)
-else:  # pragma: no cover - needs a GPU
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True)
-    def _float_bits(f):
-        return libdevice.float_as_int(f)
-
-    @cuda.jit(device=True)
-    def _bits_float(b):
-        return libdevice.int_as_float(int32(b))
-
-
 @cuda.jit(device=True)
 def _key(f):
     """float32 -> int64 whose order is the floats' (-inf lowest, NaN patterns past +inf)."""
-    b = int64(_float_bits(f))
+    b = int64(float_bits(f))
     return b if b >= 0 else b ^ 0x7FFFFFFF
 
 
 @cuda.jit(device=True)
 def _unkey(k):
-    return _bits_float(k if k >= 0 else k ^ 0x7FFFFFFF)
+    return bits_float(k if k >= 0 else k ^ 0x7FFFFFFF)
 
 
 @cuda.jit(device=True)
@@ -336,16 +310,16 @@ def _mass_above(vals, n, temp, scaled_max, kth, level, fbuf):
 @cuda.jit(device=True)
 def _top_p_level(vals, n, temp, scaled_max, kth, cap, fbuf):
     """The smallest probability level whose kept mass above it, in float32, is < cap."""
-    lo = int64(_float_bits(kth)) - 1 if kth > 0 else int64(-1)  # mass above: all, >= cap
+    lo = int64(float_bits(kth)) - 1 if kth > 0 else int64(-1)  # mass above: all, >= cap
     hi = int64(_ONE_BITS)  # nothing is above 1: mass 0 < cap (cap > 0)
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
-        above = _mass_above(vals, n, temp, scaled_max, kth, _bits_float(mid), fbuf)
+        above = _mass_above(vals, n, temp, scaled_max, kth, bits_float(mid), fbuf)
         if float32(above) < cap:
             hi = mid
         else:
             lo = mid
-    return _bits_float(hi)
+    return bits_float(hi)
 
 
 @cuda.jit(device=True)

@@ -59,3 +59,25 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out64, ref64 = out.double(), ref.double()
     return ((out64 - ref64).abs() / ref64.abs().clamp_min(1e-3)).max().item()
+
+
+def _fake_shfl_xor_sync(self, mask, value, lane_mask):
+    """A butterfly shuffle for the simulator, built on block barriers: valid when every thread
+    of the block makes the same sequence of shuffle calls (the lane mask may differ per thread:
+    each gets the value of thread ``tid ^ lane_mask``)."""
+    import numpy as np
+
+    buf = self.shared.array(1024, np.float32)
+    tid = self.threadIdx.x
+    buf[tid] = value
+    self.syncthreads()
+    out = buf[tid ^ lane_mask]
+    self.syncthreads()
+    return np.float32(out)
+
+
+def emulate_warp_shuffles(monkeypatch) -> None:
+    """Give the simulator's fake ``cuda`` module ``shfl_xor_sync`` (``_fake_shfl_xor_sync``)."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+    monkeypatch.setattr(FakeCUDAModule, "shfl_xor_sync", _fake_shfl_xor_sync, raising=False)

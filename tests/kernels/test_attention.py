@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.batch import SequenceInput, build_forward_batch
-from engine.cuda import attention
+from engine.cuda import _launch, attention
 from engine.cuda.attention import paged_attention_cuda, paged_attention_reference
-from tests.kernels.common import DEVICE, TOL, run_without_simulator
+from tests.kernels.common import DEVICE, TOL, emulate_warp_shuffles, run_without_simulator
 
 
 def make_case(specs, heads, kv_heads, head_dim, dtype, page_size=4, seed=0, device=DEVICE):
@@ -139,6 +139,27 @@ def test_several_keys_per_step(monkeypatch, specs, window, num_splits):
     # the chunk's end, outside the window or after the query are masked within a step.
     monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", 3)
     check(specs, 4, 2, 16, torch.float32, window=window, num_splits=num_splits, seed=4)
+
+
+@pytest.mark.skipif(not _launch.SIMULATOR, reason="emulates warp shuffles in the simulator")
+@pytest.mark.parametrize(
+    ("heads", "keys", "lanes", "specs"),
+    [
+        (4, 1, 16, [(6, 1), (12, 1)]),  # 4 rows: transposed sum, 2 halving levels
+        (4, 2, 16, [(6, 1), (21, 1)]),  # 8 rows
+        (2, 1, 32, [(5, 1), (9, 1)]),  # 2 rows over 32 lanes: 1 halving level, 4 butterflies
+        (4, 3, 16, [(6, 1), (21, 1)]),  # 12 rows: one butterfly per row
+        (2, 1, 16, [(0, 6), (3, 4)]),  # prefill tiles: 8 rows of 4 tokens x 2 heads
+    ],
+)
+def test_warp_shuffle_row_sums_in_simulator(monkeypatch, heads, keys, lanes, specs):
+    """The GPU's row sums (``_row_sum_impl`` with shuffles) in the simulator with emulated
+    shuffles, so the code path real GPUs take is checked here too."""
+    emulate_warp_shuffles(monkeypatch)
+    monkeypatch.setattr(attention, "_SHUFFLES", True)
+    monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", keys)
+    monkeypatch.setattr(attention, "_FORCE_LANES", lanes)
+    check(specs, heads, 1, 32, torch.float32, seed=6)
 
 
 # --- prefill-only and mixed batches --------------------------------------------------------

@@ -6,7 +6,6 @@ on); the ``gpu`` tests run the same checks at model sizes on a real device.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,7 +17,14 @@ from engine.cuda.norm import (
     rms_norm_cuda,
     rms_norm_reference,
 )
-from tests.kernels.common import DEVICE, DTYPES, TOL, assert_warmed_up, max_rel_err
+from tests.kernels.common import (
+    DEVICE,
+    DTYPES,
+    TOL,
+    assert_warmed_up,
+    emulate_warp_shuffles,
+    max_rel_err,
+)
 
 EPS = 1e-6
 
@@ -111,26 +117,12 @@ def test_decoder_layer_residual_chain_matches_reference():
     assert max_rel_err(res, ref_res) <= TOL[dtype]
 
 
-def _fake_shfl_xor_sync(self, mask, value, lane_mask):
-    """A butterfly shuffle for the simulator, built on block barriers: valid when every thread
-    of the block makes the same sequence of shuffle calls, as the norm kernels' do."""
-    buf = self.shared.array(1024, np.float32)
-    tid = self.threadIdx.x
-    buf[tid] = value
-    self.syncthreads()
-    out = buf[tid ^ lane_mask]
-    self.syncthreads()
-    return np.float32(out)
-
-
 @pytest.mark.skipif(not _launch.SIMULATOR, reason="emulates warp shuffles in the simulator")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_warp_shuffle_reduction_in_simulator(monkeypatch, dtype):
     """Runs the GPU reduction (``_block_sum_warp_shuffle``) in the simulator with emulated
     shuffles and a 2-warp block, so the code path real GPUs take is checked here too."""
-    from numba.cuda.simulator.kernelapi import FakeCUDAModule
-
-    monkeypatch.setattr(FakeCUDAModule, "shfl_xor_sync", _fake_shfl_xor_sync, raising=False)
+    emulate_warp_shuffles(monkeypatch)
     monkeypatch.setattr(norm_mod, "_block_sum", norm_mod._block_sum_warp_shuffle)
     monkeypatch.setattr(norm_mod, "_row_threads", lambda d: 64)
     torch.manual_seed(5)
