@@ -252,9 +252,11 @@ _MIN_SPLIT_KEYS = 256  # a split never gets fewer keys than this (unless asked e
 _MAX_SPLITS = 32
 _BLOCKS_PER_SM = 2  # automatic splitting stops once the grid has this many blocks per SM
 _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
-# Keys per group per step for decode tiles, by (K bits, V bits) (1 for anything not listed and
-# for prefill tiles): more keys in flight per warp where one key's bytes are few.
-_DECODE_KEYS_PER_STEP: dict[tuple[int, int], int] = {}
+# Keys per group per step for decode tiles (prefill tiles take 1): two keys' loads in flight
+# per group. H200, Llama-3-8B shape, batch 32 x 4k (bench/results/attention_keys_per_step*):
+# 0.56 -> 0.49 ms fp16, 0.51 -> 0.37 ms q8, 0.47 -> 0.41 ms q4; 4 keys under a 255-register
+# cap (2 blocks per SM) was no faster, and 32 lanes per key slower for every mode.
+_DECODE_KEYS_PER_STEP = 2
 _FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
 _FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py (launch_bounds)
 _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in the simulator)
@@ -532,11 +534,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     j = base + u * NG
                     if live and j < hi and j <= p and (window == 0 or j > p - window):
                         mx = max(mx, s[u * R + r])
-                c = math.exp(m[r] - mx)
-                l[r] *= c
-                for i in range(DPL):
-                    acc[r * DPL + i] *= c
-                m[r] = mx
+                # Decode tiles skip the rescale when the max holds (most steps once a row has
+                # seen its largest scores); prefill tiles always take it (no registers spare).
+                if QT > 1 or mx > m[r]:
+                    c = math.exp(m[r] - mx)
+                    l[r] *= c
+                    for i in range(DPL):
+                        acc[r * DPL + i] *= c
+                    m[r] = mx
                 for u in range(KU):
                     j = base + u * NG
                     e = float32(0.0)
@@ -657,10 +662,10 @@ def _tile_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, in
     return q_tile, lanes
 
 
-def _keys_per_step(q_tile: int, k_bits: int, v_bits: int) -> int:
+def _keys_per_step(q_tile: int) -> int:
     if _FORCE_KEYS_PER_STEP is not None:
         return _FORCE_KEYS_PER_STEP
-    return _DECODE_KEYS_PER_STEP.get((k_bits, v_bits), 1) if q_tile == 1 else 1
+    return _DECODE_KEYS_PER_STEP if q_tile == 1 else 1
 
 
 @functools.lru_cache(maxsize=8)
@@ -848,7 +853,7 @@ def launch_attention(
         plan.lanes,
         pages.k_bits,
         pages.v_bits,
-        _keys_per_step(plan.q_tile, pages.k_bits, pages.v_bits),
+        _keys_per_step(plan.q_tile),
         4 if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
         _SHUFFLES,
     )

@@ -143,9 +143,9 @@ def kv_word_parts(bits: int, dpl: int):
         def unpack(w, lane, out):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl
-            shift = 4 if j0 >= HALF else 0
+            w >>= 4 if j0 >= HALF else 0  # once: the shifts below are constants
             for i in range(dpl):
-                out[i] = bits_float(_MAGIC_BITS | ((w >> (8 * i + shift)) & 15)) - offset
+                out[i] = bits_float(_MAGIC_BITS | ((w >> (8 * i)) & 15)) - offset
 
     jit = cuda.jit(device=True)
     return jit(column), jit(unpack)
