@@ -3,7 +3,8 @@
 The attention kernel's key groups take ``keys_per_step`` keys per step, reading all of them
 before using any, so more loads are in flight per warp; ``min_blocks`` is the launch bound the
 register cap is set for (4 resident 128-thread blocks per SM: 128 registers; 2: 255); ``lanes``
-per key group: 16 or 32. This sweeps the three at Llama-3-8B's attention shape, decode at
+per key group: 16 or 32; ``sums``: the row sums (transposed or a butterfly per row; ``auto``:
+the kernel's rule). This sweeps them at Llama-3-8B's attention shape, decode at
 batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode attention vs fp16's),
 and checks each output against the torch reference of its mode.
 
@@ -42,6 +43,8 @@ from attention_kernel import (
 
 RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
 MODES = ("fp16", "q8", "q6", "q4")
+# row sums: the kernel's rule (transposed for quantized word pages), or forced either way
+SUMS = {"auto": None, "transposed": True, "butterfly": False}
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class SweepRow:
     keys_per_step: int
     min_blocks: int
     lanes: int
+    sums: str
     time_ms: float
     kv_bytes: int
     achieved_gbs: float
@@ -115,9 +119,10 @@ def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]
     ref = reference(mode, q, k, v, fb).float()
     nbytes = kv_bytes(k, v, fb)
     rows = []
-    for keys, blocks, lanes in configs:
+    for keys, blocks, lanes, sums in configs:
         attention._FORCE_KEYS_PER_STEP, attention._FORCE_MIN_BLOCKS = keys, blocks
         attention._FORCE_LANES = lanes
+        attention._FORCE_TRANSPOSED_SUMS = SUMS[sums]
         fb.attention.kernel.clear()  # the plan holds the lanes
         try:
             fn = attention_op(mode, q, k, v, fb)
@@ -125,22 +130,26 @@ def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]
             ms, _ = time_ms(fn, iters)
         finally:
             attention._FORCE_KEYS_PER_STEP = attention._FORCE_MIN_BLOCKS = None
-            attention._FORCE_LANES = None
+            attention._FORCE_LANES = attention._FORCE_TRANSPOSED_SUMS = None
         gbs = nbytes / (ms / 1e3) / 1e9
-        row = SweepRow(mode, keys, blocks, lanes, round(ms, 4), nbytes, round(gbs, 1),
+        row = SweepRow(mode, keys, blocks, lanes, sums, round(ms, 4), nbytes, round(gbs, 1),
                        round(gbs / copy_gbs, 3), None, float(f"{err:.3g}"))  # fmt: skip
-        print(f"  {mode:<5} keys/step {keys:>2} min_blocks {blocks} lanes {lanes}: {ms:8.3f} ms "
+        print(f"  {mode:<5} keys/step {keys:>2} min_blocks {blocks} lanes {lanes} sums {sums}: "
+              f"{ms:8.3f} ms "
               f"{gbs:7.0f} GB/s  err {err:.1e}", flush=True)  # fmt: skip
         rows.append(row)
     return rows
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int]]:
-    """``keys:min_blocks:lanes`` items (min_blocks 4 and lanes 16 when left out)."""
+def parse_configs(text: str) -> list[tuple[int, int, int, str]]:
+    """``keys:min_blocks:lanes:sums`` items (left out: 4 blocks, 16 lanes, sums ``auto``)."""
     out = []
     for item in text.split(","):
-        keys, blocks, lanes = ([*item.split(":"), "", ""])[:3]
-        out.append((int(keys), int(blocks or 4), int(lanes or 16)))
+        keys, blocks, lanes, sums = ([*item.split(":"), "", "", ""])[:4]
+        sums = sums or "auto"
+        if sums not in SUMS:
+            raise SystemExit(f"sums must be one of {', '.join(SUMS)}, got {sums!r}")
+        out.append((int(keys), int(blocks or 4), int(lanes or 16), sums))
     return out
 
 
@@ -152,8 +161,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
         "--configs",
-        default="1:4,2:4,4:2,2:3,2:4:32,4:4:32",
-        help="keys_per_step:min_blocks:lanes items; the first is the baseline",
+        default="1:4,2:4,4:2,2:4:16:transposed,2:4:16:butterfly,2:4:32",
+        help="keys_per_step:min_blocks:lanes:sums items; the first is the baseline",
     )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -166,15 +175,16 @@ def main() -> None:
     for mode in args.modes.split(","):
         rows += sweep_mode(mode, configs, args.batch, args.context, args.iters, copy_gbs)
     base = [r.time_ms for r in rows if r.mode == "fp16" and (r.keys_per_step, r.min_blocks,
-            r.lanes) == configs[0]]  # fmt: skip
+            r.lanes, r.sums) == configs[0]]  # fmt: skip
     if base:
         rows = [SweepRow(**{**asdict(r), "vs_fp16_default": round(base[0] / r.time_ms, 3)})
                 for r in rows]  # fmt: skip
-    print(f"{'mode':<5} {'keys':>4} {'blocks':>6} {'lanes':>5} {'ms':>8} {'GB/s':>7} "
-          f"{'vs fp16':>8} {'err':>8}")  # fmt: skip
+    print(f"{'mode':<5} {'keys':>4} {'blocks':>6} {'lanes':>5} {'sums':>10} {'ms':>8} "
+          f"{'GB/s':>7} {'vs fp16':>8} {'err':>8}")  # fmt: skip
     for r in rows:
         vs = f"{r.vs_fp16_default:.2f}x" if r.vs_fp16_default else "-"
-        print(f"{r.mode:<5} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.time_ms:>8.3f} "
+        print(f"{r.mode:<5} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.sums:>10} "
+              f"{r.time_ms:>8.3f} "
               f"{r.achieved_gbs:>7.0f} {vs:>8} {r.max_rel_error:>8.1e}")  # fmt: skip
     result = {
         "benchmark": "attention keys per step",
@@ -185,7 +195,9 @@ def main() -> None:
         "batch": args.batch,
         "context": args.context,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
-        "baseline": dict(zip(("keys_per_step", "min_blocks", "lanes"), configs[0], strict=True)),
+        "baseline": dict(
+            zip(("keys_per_step", "min_blocks", "lanes", "sums"), configs[0], strict=True)
+        ),
         "rows": [asdict(r) for r in rows],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

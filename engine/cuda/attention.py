@@ -260,15 +260,22 @@ _DECODE_KEYS_PER_STEP = 2
 _FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
 _FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py (launch_bounds)
 _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in the simulator)
+# Transposed row sums (``_transposed_row_sum``) for quantized word pages only: with them and the
+# code unpack, q4/q8 decode went 0.41/0.43 -> 0.38/0.38 ms on the H200 (8B shape, batch 32 x
+# 4k, 2 keys per step), while fp16 pages went 0.46 -> 0.49 ms (run 1 vs run 3 of
+# bench/results/attention_keys_per_step_h200_2026-11-26_*: other machines, and the sum and the
+# unpack changed together). None: that rule; True/False forces it (tests, the sweep).
+_FORCE_TRANSPOSED_SUMS: bool | None = None
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
 _MAX_HEAD_DIM = 256
 _MERGE_SMEM_BYTES = 16384  # shared memory for the end-of-block merge of the group outputs
 
 
-def _row_sum_impl(rows: int, lanes: int, threads: int, shuffles: bool):
+def _row_sum_impl(rows: int, lanes: int, threads: int, shuffles: bool, transposed: bool):
     """Device function summing ``part[r]`` over the ``lanes`` lanes of each key group, for
-    every row r, in place (every lane gets the sum): warp shuffles when ``shuffles``, else
-    through shared memory (the simulator has no shuffles)."""
+    every row r, in place (every lane gets the sum): warp shuffles when ``shuffles`` (a
+    transposed reduction when ``transposed`` and rows is a power of two up to ``lanes``, else
+    a butterfly per row), else through shared memory (the simulator has no shuffles)."""
     if not shuffles:
 
         def row_sum(part, sm_red, tid, parity):
@@ -286,7 +293,7 @@ def _row_sum_impl(rows: int, lanes: int, threads: int, shuffles: bool):
                 part[r] = total
 
         return cuda.jit(device=True)(row_sum)
-    if rows & (rows - 1) == 0 and rows <= lanes:
+    if transposed and rows & (rows - 1) == 0 and rows <= lanes:
         return _transposed_row_sum(rows, lanes)
 
     def row_sum(part, sm_red, tid, parity):
@@ -403,13 +410,15 @@ def _attention_kernel(  # noqa: C901, PLR0915
     keys_per_step: int = 1,
     min_blocks: int = 4,
     shuffles: bool = not SIMULATOR,
+    transposed_sums: bool = False,
 ):
     """The attention kernel specialised on its compile-time constants. ``k_bits``/``v_bits``:
     the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
     ``kv_step_reader``; the scale arrays are not read for unquantized pages. Each key group
     takes ``keys_per_step`` keys per step (their loads are all issued before any is used);
     ``min_blocks``: the resident blocks per SM the register cap is set for (0: no cap);
-    ``shuffles``: row sums by warp shuffles (a GPU; the simulator only with emulated ones)."""
+    ``shuffles``: row sums by warp shuffles (a GPU; the simulator only with emulated ones),
+    ``transposed_sums``: by ``_transposed_row_sum`` where it applies."""
     D, PS, G, QT, LT, KU = head_dim, page_size, group, q_tile, lanes, keys_per_step
     DPL = D // LT
     NT = _NUM_WARPS * 32
@@ -422,7 +431,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     SM_ACC = RB * NG * D
     SM_RED = 1 if shuffles else 2 * R * KU * NT
     NEG = _NEG
-    row_sum = _row_sum_impl(R * KU, LT, NT, shuffles)
+    row_sum = _row_sum_impl(R * KU, LT, NT, shuffles, transposed_sums)
     RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, DPL, LT)
     RAW = KU * RAW_W
     SR = R * KU  # scores, then weights, of a step: [u * R + r]
@@ -662,6 +671,12 @@ def _tile_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, in
     return q_tile, lanes
 
 
+def _transposed_sums(k_bits: int, v_bits: int, dims_per_lane: int) -> bool:
+    if _FORCE_TRANSPOSED_SUMS is not None:
+        return _FORCE_TRANSPOSED_SUMS
+    return reads_words(k_bits, v_bits, dims_per_lane)
+
+
 def _keys_per_step(q_tile: int) -> int:
     if _FORCE_KEYS_PER_STEP is not None:
         return _FORCE_KEYS_PER_STEP
@@ -856,6 +871,7 @@ def launch_attention(
         _keys_per_step(plan.q_tile),
         4 if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
         _SHUFFLES,
+        _transposed_sums(pages.k_bits, pages.v_bits, head_dim // plan.lanes),
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():

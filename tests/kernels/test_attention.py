@@ -152,11 +152,13 @@ def test_several_keys_per_step(monkeypatch, specs, window, num_splits):
         (2, 1, 16, [(0, 6), (3, 4)]),  # prefill tiles: 8 rows of 4 tokens x 2 heads
     ],
 )
-def test_warp_shuffle_row_sums_in_simulator(monkeypatch, heads, keys, lanes, specs):
+@pytest.mark.parametrize("transposed", [True, False])
+def test_warp_shuffle_row_sums_in_simulator(monkeypatch, heads, keys, lanes, specs, transposed):
     """The GPU's row sums (``_row_sum_impl`` with shuffles) in the simulator with emulated
     shuffles, so the code path real GPUs take is checked here too."""
     emulate_warp_shuffles(monkeypatch)
     monkeypatch.setattr(attention, "_SHUFFLES", True)
+    monkeypatch.setattr(attention, "_FORCE_TRANSPOSED_SUMS", transposed)
     monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", keys)
     monkeypatch.setattr(attention, "_FORCE_LANES", lanes)
     check(specs, heads, 1, 32, torch.float32, seed=6)
@@ -316,7 +318,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ("float16", (128, 16, 4, 1, 16), (4, 4), False),
         ("float16", (128, 16, 4, 2, 32), (4, 4), False),
     ]:
-        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt))
+        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt), 4, True,
+                                     A._transposed_sums(kb, vb, d // lt))
         scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
         words = {4: "int32", 8: "int64"}[d // lt] if kb and vb else None  # kv_load words
         ARGS_NOW = ARGS.replace("{kt}", words or PAGES[kb]).replace("{vt}", words or PAGES[vb])
