@@ -253,9 +253,10 @@ _MAX_SPLITS = 32
 _BLOCKS_PER_SM = 2  # automatic splitting stops once the grid has this many blocks per SM
 _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
 # Keys per group per step for decode tiles (prefill tiles take 1): two keys' loads in flight
-# per group. H200, Llama-3-8B shape, batch 32 x 4k (bench/results/attention_keys_per_step*):
-# 0.56 -> 0.49 ms fp16, 0.51 -> 0.37 ms q8, 0.47 -> 0.41 ms q4; 4 keys under a 255-register
-# cap (2 blocks per SM) was no faster, and 32 lanes per key slower for every mode.
+# per group. H200, Llama-3-8B shape, batch 32 x 4k, one key -> two, per layer (run 3 of
+# bench/results/attention_keys_per_step_h200_2026-11-26_*): fp16 0.55 -> 0.49 ms, q8 0.49 ->
+# 0.38, q4 0.44 -> 0.38. 4 or 8 keys under a 255-register cap (2 blocks per SM) were no faster,
+# 16 keys or 32 lanes per key slower for every mode (runs 1 and 2).
 _DECODE_KEYS_PER_STEP = 2
 _FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
 _FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py (launch_bounds)

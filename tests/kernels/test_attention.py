@@ -145,10 +145,10 @@ def test_several_keys_per_step(monkeypatch, specs, window, num_splits):
 @pytest.mark.parametrize(
     ("heads", "keys", "lanes", "specs"),
     [
-        (4, 1, 16, [(6, 1), (12, 1)]),  # 4 rows: transposed sum, 2 halving levels
+        (4, 1, 16, [(6, 1), (12, 1)]),  # 4 rows (transposed: 2 halving levels, 2 butterflies)
         (4, 2, 16, [(6, 1), (21, 1)]),  # 8 rows
-        (2, 1, 32, [(5, 1), (9, 1)]),  # 2 rows over 32 lanes: 1 halving level, 4 butterflies
-        (4, 3, 16, [(6, 1), (21, 1)]),  # 12 rows: one butterfly per row
+        (2, 1, 32, [(5, 1), (9, 1)]),  # 2 rows over 32 lanes (transposed: 1 level, 4 butterflies)
+        (4, 3, 16, [(6, 1), (21, 1)]),  # 12 rows: a butterfly per row either way
         (2, 1, 16, [(0, 6), (3, 4)]),  # prefill tiles: 8 rows of 4 tokens x 2 heads
     ],
 )
