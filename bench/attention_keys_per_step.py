@@ -9,7 +9,7 @@ batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode attention
 and checks each output against the torch reference of its mode.
 
     time   one paged-attention op per call (quantized: with the q/out rotation it launches),
-           a CUDA graph of --iters calls, CUDA events
+           a CUDA graph of --iters calls, CUDA events; kernel_ms: the attention launches alone
     GB/s   K/V bytes of the mode read (values + scales) / time
     error  max |out - reference| / max |reference|
 
@@ -55,6 +55,7 @@ class SweepRow:
     lanes: int
     sums: str
     time_ms: float
+    kernel_ms: float  # the attention (+ merge) launches alone: no q/out rotation
     kv_bytes: int
     achieved_gbs: float
     fraction_of_copy_bw: float
@@ -101,6 +102,20 @@ def attention_op(mode: str, q, k, v, fb):
     return lambda: op(q, k, v, fb, scale)
 
 
+def kernel_op(mode: str, q, k, v, fb):
+    """The attention launches alone, on a pre-rotated q for rotated pages: ``time_ms`` minus
+    this is what rotating q and the output costs per call."""
+    from engine.cache.quant import rotate_groups
+    from engine.cuda.attention import KVArgs, launch_attention
+
+    if mode == "fp16":
+        return attention_op(mode, q, k, v, fb)
+    scale = HEAD_DIM**-0.5
+    args = KVArgs(k.data, v.data, k.scales, v.scales, k.bits, v.bits, k.shape[2])
+    q_in = rotate_groups(q) if k.rotate else q
+    return lambda: launch_attention(q_in, args, fb, scale, None, None)
+
+
 def reference(mode: str, q, k, v, fb) -> torch.Tensor:
     from engine.cuda.attention import paged_attention_reference
     from engine.cuda.quant_reference import quant_paged_attention_reference
@@ -128,15 +143,17 @@ def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]
             fn = attention_op(mode, q, k, v, fb)
             err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
             ms, _ = time_ms(fn, iters)
+            kernel_ms = ms if mode == "fp16" else time_ms(kernel_op(mode, q, k, v, fb), iters)[0]
         finally:
             attention._FORCE_KEYS_PER_STEP = attention._FORCE_MIN_BLOCKS = None
             attention._FORCE_LANES = attention._FORCE_TRANSPOSED_SUMS = None
         gbs = nbytes / (ms / 1e3) / 1e9
-        row = SweepRow(mode, keys, blocks, lanes, sums, round(ms, 4), nbytes, round(gbs, 1),
+        row = SweepRow(mode, keys, blocks, lanes, sums, round(ms, 4), round(kernel_ms, 4),
+                       nbytes, round(gbs, 1),
                        round(gbs / copy_gbs, 3), None, float(f"{err:.3g}"))  # fmt: skip
         print(f"  {mode:<5} keys/step {keys:>2} min_blocks {blocks} lanes {lanes} sums {sums}: "
-              f"{ms:8.3f} ms "
-              f"{gbs:7.0f} GB/s  err {err:.1e}", flush=True)  # fmt: skip
+              f"{ms:8.3f} ms (kernel {kernel_ms:.3f}) {gbs:7.0f} GB/s  err {err:.1e}",
+              flush=True)  # fmt: skip
         rows.append(row)
     return rows
 
@@ -180,11 +197,11 @@ def main() -> None:
         rows = [SweepRow(**{**asdict(r), "vs_fp16_default": round(base[0] / r.time_ms, 3)})
                 for r in rows]  # fmt: skip
     print(f"{'mode':<5} {'keys':>4} {'blocks':>6} {'lanes':>5} {'sums':>10} {'ms':>8} "
-          f"{'GB/s':>7} {'vs fp16':>8} {'err':>8}")  # fmt: skip
+          f"{'kernel':>8} {'GB/s':>7} {'vs fp16':>8} {'err':>8}")  # fmt: skip
     for r in rows:
         vs = f"{r.vs_fp16_default:.2f}x" if r.vs_fp16_default else "-"
         print(f"{r.mode:<5} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.sums:>10} "
-              f"{r.time_ms:>8.3f} "
+              f"{r.time_ms:>8.3f} {r.kernel_ms:>8.3f} "
               f"{r.achieved_gbs:>7.0f} {vs:>8} {r.max_rel_error:>8.1e}")  # fmt: skip
     result = {
         "benchmark": "attention keys per step",
