@@ -48,7 +48,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
 print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
 
 if [ -z "$DRY" ]; then
-  step kernel-tests "${KERNEL_CAP:-120}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
+  step kernel-tests "${KERNEL_CAP:-240}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
     --durations=15 --continue-on-collection-errors \
     ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py} 2>&1 | tee $OUT/pytest.log"
 fi
