@@ -1,4 +1,4 @@
-"""Device functions the attention kernel reads one K or V element through, per page format.
+"""Device functions the attention kernel reads K and V through, per page format.
 
 ``kv_loader(bits)`` returns ``load(pages, scales, page, slot, head, d) -> float32``:
 
@@ -17,7 +17,13 @@ of a key group read contiguous bytes.
 formats, in ``dpl`` consecutive bytes (8-bit: one byte each; 4-bit: the low or the high
 nibbles of ``dpl`` bytes). So the pages are read as words of ``dpl`` bytes (``word_dtype``:
 the kernel gets ``pages.view(word_dtype(dpl))``): one load and one scale per lane per key,
-where the element loader issues ``dpl`` byte loads and ``dpl`` scale loads. Same values.
+where the element loader issues ``dpl`` byte loads and ``dpl`` scale loads. The words unpack
+to the integer codes (exact floats) and the kernel multiplies by the scale once per row, so
+its products round differently from the reference's code * scale per element (within the
+float32 tolerance the tests hold).
+
+``kv_step_reader`` puts both forms behind one interface for the kernel's steps of several keys:
+read every key's raw words (or elements) first, unpack each when it is used.
 """
 
 from __future__ import annotations
