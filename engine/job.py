@@ -132,6 +132,9 @@ class DynamicJob:
         self.constraint = None  # JobConstraint (the filters' matchers), built at bind
         self._banned = BannedStrings(self.banned_strings) if self.banned_strings else None
         self._bans: dict[int, set[int]] = {}  # position -> tokens banned there (rollbacks)
+        # the last request with nothing banned: every step's request is this one until a ban
+        # or a rollback (``sample_request``), so it is built once, not once per step
+        self._steady_request: SampleRequest | None = None
         # banned-string jobs hold token data with their text: [data, end of its text in held]
         self._held_tokens: list[list[Any]] = []
         self.rewind_to: int | None = None  # set by a rollback; the generator truncates seq
@@ -217,11 +220,20 @@ class DynamicJob:
         """The request for the next token; ``ahead``: draft tokens assumed to come first (the
         request then is for the position after them: its penalties and bans see them)."""
         new_tokens = len(self.new_token_ids) + len(ahead)
+        steady = not ahead and not self._bans and new_tokens >= self.min_new_tokens
+        cached = self._steady_request
+        # (a penalised request's context is the sequence's own list, grown in place: the same
+        # object each step unless the sequence was rebuilt)
+        same_context = cached is not None and (
+            not self.gen_settings.has_penalties or cached.context is self.seq.tokens
+        )
+        if steady and same_context:
+            return cached
         banned = self.stop_tokens if new_tokens < self.min_new_tokens else ()
         context = self.seq.tokens + list(ahead) if ahead else self.seq.tokens
         if self._bans:
             banned = (*banned, *self._bans.get(new_tokens, ()))
-        return SampleRequest(
+        request = SampleRequest(
             settings=self.gen_settings,
             rng=self.rng,
             context=context if self.gen_settings.has_penalties else (),
@@ -231,6 +243,9 @@ class DynamicJob:
             logprobs=self.return_logprobs,
             key=None if ahead else self.serial,  # drafts ahead: a context of this call only
         )
+        if steady:
+            self._steady_request = request
+        return request
 
     # -- results -------------------------------------------------------------------------------
 

@@ -190,3 +190,36 @@ def test_cache_salt_field() -> None:
         with pytest.raises(OpenAIError) as raised:
             parse_fields({"cache_salt": bad}, chat=False, vocab_size=100)
         assert raised.value.param == "cache_salt"
+
+
+def test_the_steady_sample_request_is_built_once_and_follows_the_job() -> None:
+    """Past min_new_tokens with nothing banned a job's request is the same object each step
+    (built once); stop tokens before min_new_tokens, a rollback's bans, drafts ahead and a
+    rebuilt sequence each give a fresh, correct request."""
+    job = DynamicJob([1, 2, 3], 20, stop_conditions=[9], min_new_tokens=2)
+    first = job.sample_request()
+    assert tuple(first.banned_tokens) == (9,)  # before min_new_tokens: the stop token banned
+    job.new_token_ids.extend([4, 5])
+    steady = job.sample_request()
+    assert steady.banned_tokens == () and steady is not first
+    job.new_token_ids.append(6)
+    assert job.sample_request() is steady
+    ahead = job.sample_request(ahead=(7,))
+    assert ahead is not steady and ahead.key is None
+    job._bans[3] = {8}  # a rollback banned token 8 at the next position
+    banned = job.sample_request()
+    assert banned is not steady and 8 in banned.banned_tokens
+    job._bans.clear()
+    assert job.sample_request() is steady
+
+
+def test_a_penalised_steady_request_sees_the_sequence_it_was_built_for() -> None:
+    settings = SamplerSettings(temperature=0.7, repetition_penalty=1.2)
+    job = DynamicJob([1, 2, 3], 20, gen_settings=settings)
+    steady = job.sample_request()
+    assert steady.context is job.seq.tokens
+    job.seq.tokens.append(4)  # the sequence grows in place: the request sees it
+    assert job.sample_request() is steady and list(steady.context) == [1, 2, 3, 4]
+    job.seq.tokens = [1, 2]  # a rebuilt sequence: a new request on the new list
+    rebuilt = job.sample_request()
+    assert rebuilt is not steady and rebuilt.context is job.seq.tokens
