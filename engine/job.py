@@ -222,12 +222,7 @@ class DynamicJob:
         new_tokens = len(self.new_token_ids) + len(ahead)
         steady = not ahead and not self._bans and new_tokens >= self.min_new_tokens
         cached = self._steady_request
-        # (a penalised request's context is the sequence's own list, grown in place: the same
-        # object each step unless the sequence was rebuilt)
-        same_context = cached is not None and (
-            not self.gen_settings.has_penalties or cached.context is self.seq.tokens
-        )
-        if steady and same_context:
+        if steady and cached is not None and self._still(cached):
             return cached
         banned = self.stop_tokens if new_tokens < self.min_new_tokens else ()
         context = self.seq.tokens + list(ahead) if ahead else self.seq.tokens
@@ -246,6 +241,20 @@ class DynamicJob:
         if steady:
             self._steady_request = request
         return request
+
+    def _still(self, request: SampleRequest) -> bool:
+        """Whether ``request`` is still what ``sample_request`` would build (nothing banned, no
+        drafts): the job's fields it was built from are the same objects and values. A
+        penalised request's context is the sequence's own list, grown in place."""
+        settings = self.gen_settings
+        return (
+            request.settings is settings
+            and request.rng is self.rng
+            and (not settings.has_penalties or request.context is self.seq.tokens)
+            and request.top_k_return == self.return_top_tokens
+            and request.return_probs == self.return_probs
+            and request.logprobs == self.return_logprobs
+        )
 
     # -- results -------------------------------------------------------------------------------
 

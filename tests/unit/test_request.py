@@ -211,6 +211,11 @@ def test_the_steady_sample_request_is_built_once_and_follows_the_job() -> None:
     assert banned is not steady and 8 in banned.banned_tokens
     job._bans.clear()
     assert job.sample_request() is steady
+    job.gen_settings = SamplerSettings(temperature=0.5)  # replaced settings: a new request
+    replaced = job.sample_request()
+    assert replaced is not steady and replaced.settings is job.gen_settings
+    job.return_probs = True
+    assert job.sample_request().return_probs
 
 
 def test_a_penalised_steady_request_sees_the_sequence_it_was_built_for() -> None:
