@@ -3,6 +3,7 @@ free loopback port, the app built from a preset; all stopped when the fixture's 
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -12,11 +13,24 @@ from ray import serve
 
 from deployments.app import build_app
 
+# Below the kernel's ephemeral range (32768-60999 by default) and above Ray's worker ports
+# (10002-19999): a port handed out by binding port 0 here could be taken by one of Ray's own
+# processes (they bind port 0 too) before Serve's proxy binds it ("Failed to bind").
+PORTS = range(20000, 32000)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, from ``PORTS``."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {PORTS}")
 
 
 def start_app(

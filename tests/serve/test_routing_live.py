@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
+from tests.serve.live import free_port  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -70,12 +70,6 @@ def ideal_cached_tokens(prompts: list[list[int]]) -> int:
     return total
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _complete(base_url: str, prompt: list[int]) -> dict[str, Any]:
     body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     req = urllib.request.Request(
@@ -96,7 +90,7 @@ def run_workload(router: str, tmp_path: Path) -> dict[str, Any]:
     """Deploy the app with ``router``, send the workload, report cache hits and balance."""
     config = tmp_path / f"{router}.yaml"
     config.write_text(yaml.safe_dump(preset(router)))
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
