@@ -259,7 +259,8 @@ _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
 # 16 keys or 32 lanes per key slower for every mode (runs 1 and 2).
 _DECODE_KEYS_PER_STEP = 2
 _FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
-_FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py (launch_bounds)
+_MIN_BLOCKS = 4  # resident blocks per SM the register cap is set for (launch_bounds)
+_FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py
 _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in the simulator)
 # Transposed row sums (``_transposed_row_sum``) for quantized word pages only: with them and the
 # code unpack, q4/q8 decode went 0.41/0.43 -> 0.38/0.38 ms on the H200 (8B shape, batch 32 x
@@ -399,6 +400,13 @@ def _chain_values(fns):
     return cuda.jit(device=True)(both)
 
 
+@cuda.jit(device=True)
+def _visible(j, hi, p, window):
+    """Whether key ``j`` counts for the query at position ``p``: inside this split's chunk
+    (``j < hi``), causal, and inside the sliding window (0: none)."""
+    return j < hi and j <= p and (window == 0 or j > p - window)
+
+
 @functools.cache
 def _attention_kernel(  # noqa: C901, PLR0915
     head_dim: int,
@@ -409,7 +417,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     k_bits: int,
     v_bits: int,
     keys_per_step: int = 1,
-    min_blocks: int = 4,
+    min_blocks: int = _MIN_BLOCKS,
     shuffles: bool = not SIMULATOR,
     transposed_sums: bool = False,
 ):
@@ -541,8 +549,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 live = r // G < n_q
                 mx = m[r]
                 for u in range(KU):
-                    j = base + u * NG
-                    if live and j < hi and j <= p and (window == 0 or j > p - window):
+                    if live and _visible(base + u * NG, hi, p, window):
                         mx = max(mx, s[u * R + r])
                 # Decode tiles skip the rescale when the max holds (most steps once a row has
                 # seen its largest scores); prefill tiles always take it (no registers spare).
@@ -553,9 +560,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
                         acc[r * DPL + i] *= c
                     m[r] = mx
                 for u in range(KU):
-                    j = base + u * NG
                     e = float32(0.0)
-                    if live and j < hi and j <= p and (window == 0 or j > p - window):
+                    if live and _visible(base + u * NG, hi, p, window):
                         e = math.exp(s[u * R + r] - mx)
                     s[u * R + r] = e
                     l[r] += e
@@ -870,7 +876,7 @@ def launch_attention(
         pages.k_bits,
         pages.v_bits,
         _keys_per_step(plan.q_tile),
-        4 if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
+        _MIN_BLOCKS if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
         _SHUFFLES,
         _transposed_sums(pages.k_bits, pages.v_bits, head_dim // plan.lanes),
     )

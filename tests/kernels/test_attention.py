@@ -318,8 +318,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ("float16", (128, 16, 4, 1, 16), (4, 4), False),
         ("float16", (128, 16, 4, 2, 32), (4, 4), False),
     ]:
-        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt), 4, True,
-                                     A._transposed_sums(kb, vb, d // lt))
+        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt),
+                                     A._MIN_BLOCKS, True, A._transposed_sums(kb, vb, d // lt))
         scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
         words = {4: "int32", 8: "int64"}[d // lt] if kb and vb else None  # kv_load words
         ARGS_NOW = ARGS.replace("{kt}", words or PAGES[kb]).replace("{vt}", words or PAGES[vb])
