@@ -25,6 +25,12 @@ ratios to bare and whether its greedy texts equal the bare engine's. JSON under
     flock /work/ray.lock python bench/serving_overhead.py --config configs/smollm2.yaml \\
         --served main=/work/main --served branch=.
     python bench/serving_overhead.py --no-served --bare-also main=/work/main  # engines only
+    # the engine on core 1 (bare and served), the rest of the app and the clients on core 0
+    flock /work/ray.lock python bench/serving_overhead.py --set serving.engine_cpus=[1] \
+        --host-cpus 0
+
+On a 2-core machine the served app's proxy, ingress and Ray processes otherwise run on the
+replica's core whenever they wake, which the bare engine never pays (deployments/cpu_affinity.py).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,6 +58,8 @@ from loadgen.app_process import AppProcess, cpu_used
 from loadgen.client import RequestResult, run_load, run_request
 from loadgen.stats import percentile, tpot
 from loadgen.workload import LoadRequest, WorkloadSpec, make_workload
+
+from deployments.cpu_affinity import parse_cpu_list
 
 logger = logging.getLogger("bench.serving_overhead")
 
@@ -138,6 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", help="result file stem (default serving-overhead-<UTC time>)")
     p.add_argument("--output-dir", type=Path, default=RESULTS)
     p.add_argument("--note", default="", help="free text kept in the JSON (e.g. the machine)")
+    p.add_argument(
+        "--host-cpus",
+        type=_cpu_list,
+        help="Linux cores (cpulist, e.g. 0) for the served app's processes and the HTTP "
+        "clients; the LLM replica moves to serving.engine_cpus (give those with --set "
+        "serving.engine_cpus=[1]; the bare engine runs there too)",
+    )
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--bare-child", type=Path, help=argparse.SUPPRESS)  # internal: see run_bare
     args = p.parse_args(argv)
@@ -155,8 +172,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--served/--bare-also names must be distinct and not 'bare', got {names}")
     if args.bare_also and args.no_bare:
         p.error("--bare-also compares with this checkout's bare run: drop --no-bare")
+    engine_set = any((section, key) == ("serving", "engine_cpus") for section, key, _ in args.set)
+    if args.host_cpus is not None and not engine_set:
+        p.error(
+            "--host-cpus keeps the app off the engine's cores: give them with --set "
+            "serving.engine_cpus=[...]"
+        )
     args.name = args.name or "serving-overhead-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return args
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text, "--host-cpus")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+@contextmanager
+def cpus_of_this_thread(cpus: tuple[int, ...] | None) -> Iterator[None]:
+    """Run the block on ``cpus`` (this thread, and the processes and threads it starts:
+    they inherit it); None: unchanged."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def workload(args: argparse.Namespace) -> list[LoadRequest]:
@@ -395,7 +440,12 @@ def run_bare(config: Path, requests: list[LoadRequest], clients: int, warm_up: L
 
 
 def run_served(
-    config: Path, root: Path, requests: list[LoadRequest], clients: int, timeout_s: float
+    config: Path,
+    root: Path,
+    requests: list[LoadRequest],
+    clients: int,
+    timeout_s: float,
+    host_cpus: tuple[int, ...] | None = None,
 ):
     async def go(url: str):
         import aiohttp
@@ -410,7 +460,7 @@ def run_served(
         return PathRun(run.results, run.seconds, cpu_used(before, app.cpu()))
 
     app = AppProcess(config, root)
-    with app as url:
+    with cpus_of_this_thread(host_cpus), app as url:  # (the app's processes inherit it)
         waited = app.settle()
         logger.info("served %s: the app went idle after %.1f s", root, waited)
         return asyncio.run(go(url))
@@ -464,6 +514,7 @@ def build_report(
         "machine": machine_info,
         "config": args.config,
         "overrides": {f"{section}.{key}": value for section, key, value in args.set},
+        "host_cpus": list(args.host_cpus) if args.host_cpus is not None else None,
         "workload": {
             "streams": args.streams,
             "requests": args.requests,
@@ -548,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, root in args.bare_also:
             runs[name] = bare_in_child(args, config, Path(folder), root)
         for name, root in args.served:
-            runs[name] = run_served(config, root, requests, args.streams, args.request_timeout)
+            runs[name] = run_served(
+                config, root, requests, args.streams, args.request_timeout, args.host_cpus
+            )
         if not args.no_bare and args.bare_last:
             runs["bare"] = bare_in_child(args, config, Path(folder))
     report = build_report(args, runs, machine(args.note))

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from deployments import routing_audit
 from deployments.chat_embeds import ChatEmbeds, check_tools_text
 from deployments.choices import ChoiceState, OutputOptions, full_body
+from deployments.cpu_affinity import pin_ingress
 from deployments.guidance import NEGATIVE_FIELD
 from deployments.preset import Preset
 from deployments.protocol import (
@@ -253,6 +254,7 @@ class Ingress:
     """OpenAI HTTP surface; tokenizes and forwards token ids to ``LLMServer``."""
 
     def __init__(self, llm: DeploymentHandle, preset: Preset) -> None:
+        pin_ingress(preset.serving.ingress_cpus)
         self.prompts = PromptBuilder(preset)
         self.model_id = self.prompts.model_id
         self.created = int(time.time())

@@ -26,6 +26,7 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
+from deployments.cpu_affinity import pin_engine
 from deployments.prefix_index import REPORTED_HASH_LIMIT
 from deployments.preset import Preset
 from engine import (
@@ -86,11 +87,14 @@ def _build_cache(model: Model, preset: Preset) -> PagedCache:
 
 def build_generator(preset: Preset) -> DynamicGeneratorAsync:
     """The preset's model, cache and async generator, as one replica runs them (torch threads
-    capped first): also what ``bench/serving_overhead.py`` measures bare, so both paths run the
-    same engine."""
+    capped and the process moved to its ``serving.engine_cpus`` first): also what
+    ``bench/serving_overhead.py`` measures bare, so both paths run the same engine."""
     path = preset.model.resolve_path()
     device = resolve_device(preset.model.device)
     configure_torch_threads(preset.serving.torch_threads, device)
+    cores = pin_engine(preset.serving.engine_cpus, preset.serving.torch_threads or 1)
+    if cores is not None and torch.get_num_threads() > len(cores):
+        torch.set_num_threads(len(cores))  # more threads than cores would only take turns
     model = Model.from_pretrained(path, device=device, dtype=preset.model.dtype)
     tokenizer = Tokenizer.from_pretrained(path)
     engine = preset.engine

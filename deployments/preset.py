@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from deployments.byte_size import parse_byte_size
+from deployments.cpu_affinity import parse_cpu_list
 from deployments.router_settings import RouterSettings
 from engine.cache.page_table import budget_pages, whole_pages
 
@@ -372,6 +373,10 @@ class ServingPreset:
     router_kwargs: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None  # None: 1 on CPU (replicas share small machines)
     stream_interval_s: float = 0.05  # a replica sends at most one delta per interval
+    # Linux cores (deployments/cpu_affinity.py): each LLM replica claims torch_threads (at
+    # least one) of engine_cpus for itself; the ingress replicas share ingress_cpus
+    engine_cpus: tuple[int, ...] | None = None
+    ingress_cpus: tuple[int, ...] | None = None
     # Parse special-token text inside chat message contents too (the old behaviour): only for
     # deployments whose callers are trusted, since it lets a message forge turns.
     trust_message_special_tokens: bool = False
@@ -394,6 +399,14 @@ class ServingPreset:
             autoscaling = AutoscalingPreset.parse(
                 _mapping(raw["autoscaling"], "serving.autoscaling")
             )
+        engine_cpus = parse_cpu_list(raw.get("engine_cpus"), "serving.engine_cpus")
+        ingress_cpus = parse_cpu_list(raw.get("ingress_cpus"), "serving.ingress_cpus")
+        shared = sorted(set(engine_cpus or ()) & set(ingress_cpus or ()))
+        if shared:
+            raise ValueError(
+                f"serving.engine_cpus and serving.ingress_cpus share cores {shared}: the point "
+                "of engine_cpus is cores the engine has to itself"
+            )
         return cls(
             model_id=_str(raw, "model_id", "serving"),
             num_replicas=_int(raw, "num_replicas", "serving", cls.num_replicas, 1),
@@ -402,6 +415,8 @@ class ServingPreset:
             router_kwargs=kwargs,
             torch_threads=_int(raw, "torch_threads", "serving", None, 1),
             stream_interval_s=_number(raw, "stream_interval_s", "serving", cls.stream_interval_s),
+            engine_cpus=engine_cpus,
+            ingress_cpus=ingress_cpus,
             trust_message_special_tokens=bool(
                 _bool(raw, "trust_message_special_tokens", "serving")
             ),

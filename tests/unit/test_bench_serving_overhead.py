@@ -94,12 +94,31 @@ def test_served_variants_and_ranges_parse() -> None:
         ["--set", "stream_interval_s=0.2"],
         ["--set", "serving.x"],
         ["--set", "serving.router=[unclosed"],
+        ["--host-cpus", "0"],  # without serving.engine_cpus
+        ["--host-cpus", "1-0", "--set", "serving.engine_cpus=[2]"],
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         so.parse_args(argv)
     assert "error" in capsys.readouterr().err
+
+
+def test_host_cpus_come_with_the_engine_cores() -> None:
+    args = so.parse_args(["--host-cpus", "0", "--set", "serving.engine_cpus=[1]"])
+    assert args.host_cpus == (0,) and args.set == [("serving", "engine_cpus", [1])]
+    assert so.parse_args([]).host_cpus is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="core affinity is Linux-only")
+def test_the_served_block_runs_on_the_host_cpus_and_restores_them() -> None:
+    before = os.sched_getaffinity(0)
+    one = (min(before),)
+    with so.cpus_of_this_thread(one):
+        assert os.sched_getaffinity(0) == set(one)
+    assert os.sched_getaffinity(0) == before
+    with so.cpus_of_this_thread(None):
+        assert os.sched_getaffinity(0) == before
 
 
 def test_workload_is_greedy_unique_and_fixed_length() -> None:

@@ -91,6 +91,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("serving", "torch_threads", 0, "serving.torch_threads must be >= 1, got 0"),
         ("serving", "stream_interval_s", -1, "serving.stream_interval_s must be a number >= 0"),
         ("serving", "model_id", 7, "serving.model_id must be a non-empty string, got 7"),
+        ("serving", "engine_cpus", [], r"serving.engine_cpus must name at least one core"),
+        ("serving", "ingress_cpus", "0-", "serving.ingress_cpus '0-' is not a cpulist"),
         ("model", "dtype", "float8", "model.dtype 'float8' is not one of"),
         ("model", "device", "tpu", "model.device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
         ("model", "demo", {"colour": "red"}, "unknown model.demo keys: colour"),
@@ -116,6 +118,16 @@ def test_bad_values_name_key_and_value(section: str, key: str, value: Any, messa
 )
 def test_bad_shapes(raw: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
+        Preset.parse(raw)
+
+
+def test_engine_and_ingress_cores() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["serving"].update(engine_cpus="1-2", ingress_cpus=[0])
+    serving = Preset.parse(raw).serving
+    assert serving.engine_cpus == (1, 2) and serving.ingress_cpus == (0,)
+    raw["serving"]["ingress_cpus"] = [0, 2]
+    with pytest.raises(ValueError, match=r"engine_cpus and serving.ingress_cpus share cores \[2\]"):
         Preset.parse(raw)
 
 
