@@ -1,22 +1,21 @@
-"""CPU cores for the serving processes (Linux): the engine on cores of its own.
+"""CPU cores for the serving processes (Linux): the engine's step thread on cores of its own.
 
 Why: a replica's step thread is on the critical path of every token, and on a small machine
 the HTTP proxy, the ingress and Ray's own processes are scheduled onto its core whenever they
-wake (the kernel tends to wake a message's receiver where its sender ran). On the 2-core CI
-box that cost the served app ~20% of the bare engine's throughput at 64 streams; with the
-replica on one core and the rest of the app on the other, served throughput equalled bare
-(``bench/serving_overhead.py --host-cpus``).
+wake (the kernel tends to wake a message's receiver where its sender ran).
 
-- ``serving.engine_cpus``: the cores the LLM replicas may run on. Each replica claims
+- ``serving.engine_cpus``: the cores the LLM replicas' engines may run on. Each replica claims
   ``cores_per_replica`` of them (its torch threads, at least one) for itself, so replicas on
   one node never share a core; the claim is an exclusive ``flock`` on a file per core under
   ``claim_dir()`` (released by the kernel when the process ends, however it ends). A replica
   that finds too few free cores shares the whole set and says so (WARNING): it still runs.
+  The step thread (and the torch threads it starts) runs on the claimed cores; every other
+  thread of the replica (its event loop, Ray's) moves off them, onto the rest of the cores
+  the process may use.
 - ``serving.ingress_cpus``: the cores the ingress replicas run on (shared, nothing claimed).
 
-Pinning moves every thread of the process (threads started later inherit it). Keeping
-*other* processes off the engine's cores is the operator's part: start the app under
-``taskset -c <the other cores> serve run ...``; replicas then move themselves to their cores.
+Keeping *other* processes off the engine's cores is the operator's part: start the app under
+``taskset -c <the other cores> serve run ...``; the step threads then move to their cores.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,7 @@ def claim_cores(cores: Iterable[int], count: int) -> tuple[int, ...] | None:
     for core in cores:
         if len(taken) == count:
             break
-        fd = os.open(folder / f"cpu{core}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(folder / f"cpu{core}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another process holds this core
@@ -106,6 +106,15 @@ def claim_cores(cores: Iterable[int], count: int) -> tuple[int, ...] | None:
 def pin_process(cores: Iterable[int], key: str) -> None:
     """Move every thread of this process onto ``cores`` (threads started later inherit it).
     ``ValueError`` (naming ``key``) where the cores do not exist here or may not be used."""
+    cores = _checked(cores, key)
+    for tid in _thread_ids():
+        try:
+            _set_affinity(tid, cores, key)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
+def _checked(cores: Iterable[int], key: str) -> set[int]:
     cores = set(cores)
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{key} needs Linux (os.sched_setaffinity); remove it on this platform")
@@ -113,13 +122,16 @@ def pin_process(cores: Iterable[int], key: str) -> None:
     missing = sorted(c for c in cores if c >= count)
     if missing:
         raise ValueError(f"{key}: this machine has cores 0-{count - 1}, not {missing}")
-    for tid in _thread_ids():
-        try:
-            os.sched_setaffinity(tid, cores)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        except OSError as e:  # EINVAL: none of them is in this container's cpuset
-            raise ValueError(f"{key} {sorted(cores)} cannot be used here: {e.strerror}") from None
+    return cores
+
+
+def _set_affinity(tid: int, cores: set[int], key: str) -> None:
+    try:
+        os.sched_setaffinity(tid, cores)
+    except ProcessLookupError:
+        raise
+    except OSError as e:  # EINVAL: none of them is in this container's cpuset
+        raise ValueError(f"{key} {sorted(cores)} cannot be used here: {e.strerror}") from None
 
 
 def _thread_ids() -> list[int]:
@@ -130,9 +142,15 @@ def _thread_ids() -> list[int]:
 
 
 def pin_engine(cores: tuple[int, ...] | None, cores_per_replica: int) -> tuple[int, ...] | None:
-    """Pin this replica (the whole process) to ``cores_per_replica`` cores of ``cores`` that it
-    claims for itself, or to all of ``cores`` when too few are free; returns the cores it
-    runs on (None: ``cores`` is None, nothing changed)."""
+    """Claim ``cores_per_replica`` of ``cores`` for this replica's engine (all of ``cores``,
+    shared, when too few are free) and move the process's threads off them, onto the rest of
+    the cores it may use (where there is any); returns the engine's cores, for ``on_cores``
+    around the start of the step thread (None: ``cores`` is None, nothing changed).
+
+    Only the step thread (and the torch threads it starts) belongs on the engine's cores: the
+    replica's event loop and Ray's threads do their work while a forward runs, so they go
+    elsewhere (on the 2-core box, the whole replica on one core cost SmolLM2 ~10% of its
+    served throughput)."""
     if cores is None:
         return None
     key = "serving.engine_cpus"
@@ -146,9 +164,29 @@ def pin_engine(cores: tuple[int, ...] | None, cores_per_replica: int) -> tuple[i
             list(cores),
         )
         claimed = cores
-    pin_process(claimed, key)
-    logger.info("engine pinned to cores %s", list(claimed))
+    _checked(claimed, key)
+    others = os.sched_getaffinity(0) - set(claimed)
+    if others:
+        pin_process(others, key)
+    logger.info(
+        "engine on cores %s, the replica's other threads on %s", list(claimed), sorted(others)
+    )
     return claimed
+
+
+@contextmanager
+def on_cores(cores: tuple[int, ...] | None, key: str = "serving.engine_cpus") -> Iterator[None]:
+    """The calling thread on ``cores`` while the block runs, so that the threads it starts
+    there inherit them (None: unchanged)."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    _set_affinity(0, _checked(cores, key), key)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def pin_ingress(cores: tuple[int, ...] | None) -> None:

@@ -74,7 +74,7 @@ from engine.sampling_penalties import (
     ContextCounts,
     LogitEdits,
     PenaltyRows,
-    apply_sparse_penalties,
+    penalise,
 )
 
 MAX_FAST_TOP_K = 1024  # larger top_k go to the reference (the candidate set stops paying)
@@ -313,11 +313,10 @@ class SamplerState:
         if rows:
             windows = [self._window(requests[i], vocab) for i, _ in rows]
             pairs = PenaltyRows.gather([i for i, _ in rows], windows, vocab, raw.device)
-            values = edits.save(pairs.keys)
             penalties = params.penalties
             if len(rows) < len(params.penalised):
                 penalties = penalties[[j for _, j in rows]]
-            apply_sparse_penalties(edits.flat, pairs, penalties, values)
+            penalise(edits, pairs, penalties)
         touched = [
             i * vocab + t % vocab
             for i, r in enumerate(requests)

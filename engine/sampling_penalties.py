@@ -14,6 +14,7 @@ every position it touches and puts them back (the caller's tensor is left as it 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.device_copy import upload
+from engine.sampling_candidates import JIT_ENV
 
 
 class ContextCounts:
@@ -119,6 +121,30 @@ class PenaltyRows:
         )
 
 
+def penalise(edits: LogitEdits, pairs: PenaltyRows, params: torch.Tensor) -> None:
+    """Save the logits at ``pairs.keys`` in ``edits``, then penalise them in place
+    (``apply_sparse_penalties``). Float32 logits on the CPU take one compiled loop for both
+    (``engine.sampling_cpu.penalise``: ~1 ms less at 256 rows x ~200 ids than the torch ops)."""
+    if _compiled_flat(edits.flat):
+        from engine import sampling_cpu
+
+        values = sampling_cpu.penalise(edits.flat, pairs.keys, pairs.counts, pairs.slot, params)
+        edits.record(pairs.keys, values)
+        return
+    values = edits.save(pairs.keys)
+    apply_sparse_penalties(edits.flat, pairs, params, values)
+
+
+def _compiled_flat(flat: torch.Tensor) -> bool:
+    """Whether ``flat`` (logits viewed flat) takes ``engine.sampling_cpu``'s loops."""
+    return (
+        flat.device.type == "cpu"
+        and flat.dtype == torch.float32
+        and flat.stride(0) == 1
+        and os.environ.get(JIT_ENV, "1").strip() != "0"
+    )
+
+
 def apply_sparse_penalties(
     flat: torch.Tensor, pairs: PenaltyRows, params: torch.Tensor, values: torch.Tensor
 ) -> None:
@@ -147,12 +173,22 @@ class LogitEdits:
     def save(self, keys: torch.Tensor) -> torch.Tensor:
         """Remember (and return) the values at ``keys``."""
         values = self.flat.index_select(0, keys)
-        self._saved.append((keys, values))
+        self.record(keys, values)
         return values
+
+    def record(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Remember ``values``, read at ``keys`` before they were edited."""
+        self._saved.append((keys, values))
 
     def restore(self) -> None:
         # last saved first: an earlier save holds the value before every later edit
         # (a key twice in one save holds the same value twice: which write wins is moot)
+        compiled = _compiled_flat(self.flat)
         for keys, values in reversed(self._saved):
-            self.flat.index_copy_(0, keys, values)
+            if compiled and values.dtype == torch.float32:
+                from engine import sampling_cpu
+
+                sampling_cpu.put(self.flat, keys, values)
+            else:
+                self.flat.index_copy_(0, keys, values)
         self._saved.clear()

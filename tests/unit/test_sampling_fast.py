@@ -20,7 +20,7 @@ from engine.sampling_penalties import (
     ContextCounts,
     LogitEdits,
     PenaltyRows,
-    apply_sparse_penalties,
+    penalise,
 )
 
 
@@ -125,8 +125,12 @@ def _penalty_requests(rows: int, vocab: int, rng: random.Random) -> list[SampleR
     return requests
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["loops", "torch"])
 @pytest.mark.parametrize("seed", range(6))
-def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed):
+def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed, compiled, monkeypatch):
+    """Both forms of ``penalise``: the compiled loops (float32 on the CPU) and the torch ops
+    (every other device; ENGINE_SAMPLING_JIT=0 here)."""
+    monkeypatch.setenv(JIT_ENV, "1" if compiled else "0")
     rng = random.Random(seed)
     vocab = rng.choice([10, 100, 777])
     requests = _penalty_requests(12, vocab, rng)
@@ -153,11 +157,24 @@ def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed):
     ).reshape(-1, 3)
     edited = logits.clone()
     edits = LogitEdits(edited.view(-1))
-    values = edits.save(pairs.keys)
-    apply_sparse_penalties(edited.view(-1), pairs, params, values)
+    penalise(edits, pairs, params)
     assert torch.equal(edited, expected)
     edits.restore()
     assert torch.equal(edited, logits)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["loops", "torch"])
+def test_logit_edits_restore_overlapping_saves_last_first(compiled, monkeypatch):
+    monkeypatch.setenv(JIT_ENV, "1" if compiled else "0")
+    original = torch.arange(6, dtype=torch.float32)
+    flat = original.clone()
+    edits = LogitEdits(flat)
+    edits.save(torch.tensor([0, 1, 1]))  # (a key twice, as a bias and a ban may give)
+    flat[:2] = 5.0
+    edits.save(torch.tensor([1, 2]))  # holds the edited 5.0 at 1: must not win
+    flat[1:3] = 7.0
+    edits.restore()
+    assert torch.equal(flat, original)
 
 
 def _window_counts(context, vocab, window) -> dict[int, int]:
