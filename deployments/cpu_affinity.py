@@ -1,21 +1,24 @@
-"""CPU cores for the serving processes (Linux): the engine's step thread on cores of its own.
+"""CPU cores for the serving processes (Linux): the engine on cores of its own.
 
 Why: a replica's step thread is on the critical path of every token, and on a small machine
 the HTTP proxy, the ingress and Ray's own processes are scheduled onto its core whenever they
-wake (the kernel tends to wake a message's receiver where its sender ran).
+wake (the kernel tends to wake a message's receiver where its sender ran). On the 2-core CI
+box (demo model, 64 streams, ``bench/serving_overhead.py``) the served app made 0.72-1.01 of
+the bare engine's tokens/s with default placement (mean 0.84 over 3 runs) and 0.86-1.09 with
+the replica on one core and the rest of the app on the other (mean 0.97 over 5). Pinning only
+the step thread, the replica's event loop and Ray threads on the other core, was no better
+(0.79-0.88): the GIL passes between the replica's threads, which costs less on one core.
 
-- ``serving.engine_cpus``: the cores the LLM replicas' engines may run on. Each replica claims
+- ``serving.engine_cpus``: the cores the LLM replicas may run on. Each replica claims
   ``cores_per_replica`` of them (its torch threads, at least one) for itself, so replicas on
   one node never share a core; the claim is an exclusive ``flock`` on a file per core under
   ``claim_dir()`` (released by the kernel when the process ends, however it ends). A replica
   that finds too few free cores shares the whole set and says so (WARNING): it still runs.
-  The step thread (and the torch threads it starts) runs on the claimed cores; every other
-  thread of the replica (its event loop, Ray's) moves off them, onto the rest of the cores
-  the process may use.
 - ``serving.ingress_cpus``: the cores the ingress replicas run on (shared, nothing claimed).
 
-Keeping *other* processes off the engine's cores is the operator's part: start the app under
-``taskset -c <the other cores> serve run ...``; the step threads then move to their cores.
+Pinning moves every thread of the process (threads started later inherit it). Keeping
+*other* processes off the engine's cores is the operator's part: start the app under
+``taskset -c <the other cores> serve run ...``; replicas then move themselves to their cores.
 """
 
 from __future__ import annotations
@@ -24,8 +27,7 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -106,15 +108,6 @@ def claim_cores(cores: Iterable[int], count: int) -> tuple[int, ...] | None:
 def pin_process(cores: Iterable[int], key: str) -> None:
     """Move every thread of this process onto ``cores`` (threads started later inherit it).
     ``ValueError`` (naming ``key``) where the cores do not exist here or may not be used."""
-    cores = _checked(cores, key)
-    for tid in _thread_ids():
-        try:
-            _set_affinity(tid, cores, key)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-
-
-def _checked(cores: Iterable[int], key: str) -> set[int]:
     cores = set(cores)
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{key} needs Linux (os.sched_setaffinity); remove it on this platform")
@@ -122,16 +115,13 @@ def _checked(cores: Iterable[int], key: str) -> set[int]:
     missing = sorted(c for c in cores if c >= count)
     if missing:
         raise ValueError(f"{key}: this machine has cores 0-{count - 1}, not {missing}")
-    return cores
-
-
-def _set_affinity(tid: int, cores: set[int], key: str) -> None:
-    try:
-        os.sched_setaffinity(tid, cores)
-    except ProcessLookupError:
-        raise
-    except OSError as e:  # EINVAL: none of them is in this container's cpuset
-        raise ValueError(f"{key} {sorted(cores)} cannot be used here: {e.strerror}") from None
+    for tid in _thread_ids():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as e:  # EINVAL: none of them is in this container's cpuset
+            raise ValueError(f"{key} {sorted(cores)} cannot be used here: {e.strerror}") from None
 
 
 def _thread_ids() -> list[int]:
@@ -142,15 +132,9 @@ def _thread_ids() -> list[int]:
 
 
 def pin_engine(cores: tuple[int, ...] | None, cores_per_replica: int) -> tuple[int, ...] | None:
-    """Claim ``cores_per_replica`` of ``cores`` for this replica's engine (all of ``cores``,
-    shared, when too few are free) and move the process's threads off them, onto the rest of
-    the cores it may use (where there is any); returns the engine's cores, for ``on_cores``
-    around the start of the step thread (None: ``cores`` is None, nothing changed).
-
-    Only the step thread (and the torch threads it starts) belongs on the engine's cores: the
-    replica's event loop and Ray's threads do their work while a forward runs, so they go
-    elsewhere (on the 2-core box, the whole replica on one core cost SmolLM2 ~10% of its
-    served throughput)."""
+    """Pin this replica (the whole process) to ``cores_per_replica`` cores of ``cores`` that it
+    claims for itself, or to all of ``cores`` when too few are free; returns the cores it
+    runs on (None: ``cores`` is None, nothing changed)."""
     if cores is None:
         return None
     key = "serving.engine_cpus"
@@ -164,29 +148,9 @@ def pin_engine(cores: tuple[int, ...] | None, cores_per_replica: int) -> tuple[i
             list(cores),
         )
         claimed = cores
-    _checked(claimed, key)
-    others = os.sched_getaffinity(0) - set(claimed)
-    if others:
-        pin_process(others, key)
-    logger.info(
-        "engine on cores %s, the replica's other threads on %s", list(claimed), sorted(others)
-    )
+    pin_process(claimed, key)
+    logger.info("engine pinned to cores %s", list(claimed))
     return claimed
-
-
-@contextmanager
-def on_cores(cores: tuple[int, ...] | None, key: str = "serving.engine_cpus") -> Iterator[None]:
-    """The calling thread on ``cores`` while the block runs, so that the threads it starts
-    there inherit them (None: unchanged)."""
-    if cores is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    _set_affinity(0, _checked(cores, key), key)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def pin_ingress(cores: tuple[int, ...] | None) -> None:

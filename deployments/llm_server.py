@@ -26,7 +26,7 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
-from deployments.cpu_affinity import on_cores, pin_engine
+from deployments.cpu_affinity import pin_engine
 from deployments.prefix_index import REPORTED_HASH_LIMIT
 from deployments.preset import Preset
 from engine import (
@@ -87,7 +87,7 @@ def _build_cache(model: Model, preset: Preset) -> PagedCache:
 
 def build_generator(preset: Preset) -> DynamicGeneratorAsync:
     """The preset's model, cache and async generator, as one replica runs them (torch threads
-    capped, the step thread on its ``serving.engine_cpus`` and the rest off them): also what
+    capped and the process moved to its ``serving.engine_cpus`` first): also what
     ``bench/serving_overhead.py`` measures bare, so both paths run the same engine."""
     path = preset.model.resolve_path()
     device = resolve_device(preset.model.device)
@@ -99,18 +99,17 @@ def build_generator(preset: Preset) -> DynamicGeneratorAsync:
     tokenizer = Tokenizer.from_pretrained(path)
     engine = preset.engine
     cache = _build_cache(model, preset)
-    with on_cores(cores):  # the step thread starts here: the engine's cores are its own
-        return DynamicGeneratorAsync(
-            model,
-            cache,
-            tokenizer,
-            max_batch_size=engine.max_batch_size,
-            max_seq_len=preset.context_length(model.config.max_position_embeddings),
-            max_chunk_size=engine.max_chunk_size,
-            cuda_graphs=engine.cuda_graphs,
-            async_scheduling=engine.async_scheduling,
-            **(engine.speculative.generator_kwargs() if engine.speculative else {}),
-        )
+    return DynamicGeneratorAsync(
+        model,
+        cache,
+        tokenizer,
+        max_batch_size=engine.max_batch_size,
+        max_seq_len=preset.context_length(model.config.max_position_embeddings),
+        max_chunk_size=engine.max_chunk_size,
+        cuda_graphs=engine.cuda_graphs,
+        async_scheduling=engine.async_scheduling,
+        **(engine.speculative.generator_kwargs() if engine.speculative else {}),
+    )
 
 
 @dataclass

@@ -50,14 +50,20 @@ class ContextCounts:
             or (self._length and context[self._length - 1] != self._last)
         ):
             self._reset(context, vocab, window)
+        slid = False
         for pos in range(self._length, n):
             self._add(context[pos], 1.0)
             if window and pos >= window:
                 self._add(context[pos - window], -1.0)  # slid out of the window
+                slid = True
         self._length = n
         self._last = context[-1] if n else None
-        if self._used > 64 and 2 * int(np.count_nonzero(self._counts[: self._used])) < self._used:
+        # (only a token sliding out makes a count 0: without a window there is nothing to find)
+        if slid and self._used > 64 and 2 * self._nonzero() < self._used:
             self._reset(context, vocab, window)  # mostly ids that left the window: compact
+
+    def _nonzero(self) -> int:
+        return int(np.count_nonzero(self._counts[: self._used]))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids int64, counts float32) of the window; a count may be 0 (an id that left)."""
