@@ -18,6 +18,8 @@ from deployments import cpu_affinity
 from deployments.cpu_affinity import parse_cpu_list, pin_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# the first core this process may use (a container's cpuset need not hold core 0)
+CORE = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
 linux_only = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="core affinity is Linux-only"
 )
@@ -92,7 +94,7 @@ def test_pin_engine_moves_every_thread_to_its_claimed_cores(tmp_path: Path, monk
         worker = threading.Thread(target=lambda: (started.set(), stop.wait()))
         worker.start()  # a thread that exists before pinning moves too
         started.wait()
-        cores = cpu_affinity.pin_engine((0,), 1)
+        cores = cpu_affinity.pin_engine((__CORE__,), 1)
         tids = [int(t) for t in os.listdir("/proc/self/task")]
         masks = sorted({tuple(sorted(os.sched_getaffinity(t))) for t in tids})
         stop.set()
@@ -100,7 +102,7 @@ def test_pin_engine_moves_every_thread_to_its_claimed_cores(tmp_path: Path, monk
         print(json.dumps([cores, len(tids), masks]))
     """
     cores, threads, masks = _run_child(code)
-    assert cores == [0] and threads >= 2 and masks == [[0]]
+    assert cores == [CORE] and threads >= 2 and masks == [[CORE]]
 
 
 @linux_only
@@ -109,13 +111,13 @@ def test_pin_engine_shares_the_set_when_no_core_is_free(tmp_path: Path, monkeypa
     code = """
         import logging
         logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-        taken = cpu_affinity.claim_cores([0], 1)  # as another replica would hold it
-        cores = cpu_affinity.pin_engine((0,), 1)
+        taken = cpu_affinity.claim_cores([__CORE__], 1)  # as another replica would hold it
+        cores = cpu_affinity.pin_engine((__CORE__,), 1)
         print(json.dumps([taken, cores, sorted(os.sched_getaffinity(0))]))
     """
     out = _child(code).stdout.splitlines()
-    assert "fewer than 1 of [0] are free of other replicas" in out[0]
-    assert json.loads(out[-1]) == [[0], [0], [0]]
+    assert f"fewer than 1 of [{CORE}] are free of other replicas" in out[0]
+    assert json.loads(out[-1]) == [[CORE], [CORE], [CORE]]
 
 
 @linux_only
@@ -143,12 +145,12 @@ def test_build_generator_runs_the_engine_on_its_core(tmp_path: Path, monkeypatch
         preset = Preset.parse({
             "model": {"demo": {"seed": 1, **spec}, "dtype": "float32", "device": "cpu"},
             "engine": {"max_num_tokens": 256, "page_size": 16, "max_chunk_size": 64},
-            "serving": {"torch_threads": 1, "engine_cpus": [0]},
+            "serving": {"torch_threads": 1, "engine_cpus": [__CORE__]},
         })
         build_generator(preset)
         print(json.dumps(sorted(os.sched_getaffinity(0))))
     """
-    assert _run_child(code) == [0]
+    assert _run_child(code) == [CORE]
 
 
 def test_claim_dir_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
@@ -159,9 +161,11 @@ def test_claim_dir_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
 
 
 def _child(code: str, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (json, os, sys and cpu_affinity imported)."""
+    """Run ``code`` in a fresh interpreter (json, os, sys and cpu_affinity imported;
+    ``__CORE__`` replaced by ``CORE``)."""
     prelude = "import json, os, sys\nfrom deployments import cpu_affinity\n"
-    argv = [sys.executable, "-c", prelude + textwrap.dedent(code)]
+    code = textwrap.dedent(code).replace("__CORE__", str(CORE))
+    argv = [sys.executable, "-c", prelude + code]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     if not wait:
         return subprocess.Popen(
@@ -190,10 +194,10 @@ def test_the_ingress_runs_on_its_cores(tmp_path: Path, monkeypatch) -> None:
                 return self
 
         raw = yaml.safe_load(open("configs/demo.yaml"))
-        raw["serving"]["ingress_cpus"] = [0]
+        raw["serving"]["ingress_cpus"] = [__CORE__]
         wrapped = ingress_module.Ingress.func_or_class  # without Serve's ASGI wrapper
         cls = next(c for c in wrapped.__mro__[1:] if c.__name__ == "Ingress")
         cls(UnusedLLM(), Preset.parse(raw))
         print(json.dumps(sorted(os.sched_getaffinity(0))))
     """
-    assert _run_child(code) == [0]
+    assert _run_child(code) == [CORE]
