@@ -70,7 +70,7 @@ class Blocks:
         width = self.full * BLOCK
         if not self.full:
             return _first_hit(self.tail, self.row_max)
-        if _compiled(self.x):
+        if compiled_rows(self.x):
             from engine import sampling_cpu
 
             return sampling_cpu.greedy(self.x, self.limit, self.maxima, self.row_max)
@@ -93,7 +93,7 @@ class Blocks:
         down); the final ``topk`` sees ``n * SUB`` values and the tail."""
         if self.full <= n:  # blocks would not narrow anything
             return self.x[:, : self.limit].topk(n, dim=-1)
-        if _compiled(self.x):
+        if compiled_rows(self.x):
             from engine import sampling_cpu
 
             return sampling_cpu.top(self.x, self.limit, self.maxima, n)
@@ -118,7 +118,7 @@ class Blocks:
         return top, ids
 
 
-def _compiled(x: torch.Tensor) -> bool:
+def compiled_rows(x: torch.Tensor) -> bool:
     """Whether ``x``'s rows take ``engine.sampling_cpu``'s loops: float32 on the CPU with unit
     stride along the vocabulary (rows may be a view of a larger tensor)."""
     return (

@@ -84,7 +84,7 @@ def penalise(
 
 
 def put(flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[keys] = values`` (float32, distinct keys)."""
+    """``flat[keys] = values`` (float32; a key given twice must come with one value twice)."""
     _put(_array(flat), _array(keys), _array(values))
 
 
