@@ -250,8 +250,13 @@ class PrefixPolicy:
     ``routed``): concurrent routing decisions would otherwise all see the same idle replica.
     It is exact and fresh for this router's traffic; the report (up to ~1 s stale) also covers
     other routers (other ingress replicas, job drivers). The max never counts our requests
-    twice and never ignores others'; its one error is a stale-high value for at most one
-    report period after a burst ends.
+    twice and never ignores others'. A request of ours that ends after the replica's last
+    report was received, having been dispatched before it, was counted by that report: the
+    reported load drops by one then, so the replica that just served a short prompt does not
+    look busy to the follow-up turn until the next report (CI saw a second request on a
+    2-page prompt go to the other replica: load weighs 4 pages). The report could have been
+    taken just before the request arrived there, so the drop may undercount other routers'
+    requests by one until the next report; this router's own count still holds.
     """
 
     def __init__(
@@ -272,6 +277,7 @@ class PrefixPolicy:
         self._in_flight: dict[tuple[Hashable, Hashable], list[_Placement]] = {}
         self._local_load: Counter[Hashable] = Counter()
         self._reported_load: dict[Hashable, float] = {}
+        self._reported_at: dict[Hashable, float] = {}  # when the last load report came
         self._recent: dict[Hashable, _Decayed] = {}
         self._next_expiry = clock() + EXPIRY_PERIOD_S
 
@@ -373,6 +379,9 @@ class PrefixPolicy:
             self._in_flight.pop((replica, request_id), None)
         self._unplace(placement)
         self.index.record_routed(replica, placement.hashes)  # fresh until the next reports
+        reported = self._reported_load.get(replica)
+        if reported and placement.at <= self._reported_at[replica]:  # that report counted it
+            self._reported_load[replica] = reported - 1.0
 
     def _maybe_expire(self, now: float) -> None:
         """Drop placements whose end never came: tentative ones whose request was cancelled
@@ -397,11 +406,13 @@ class PrefixPolicy:
         load = stats.get("load")
         if isinstance(load, int | float) and not isinstance(load, bool):
             self._reported_load[replica] = float(load)
+            self._reported_at[replica] = self._clock()
 
     def forget(self, replica: Hashable) -> None:
         """The replica is gone: drop its pages and loads (placements end on completion)."""
         self.index.forget(replica)
         self._reported_load.pop(replica, None)
+        self._reported_at.pop(replica, None)
         self._recent.pop(replica, None)
 
     def retain(self, replicas: Iterable[Hashable]) -> None:

@@ -162,6 +162,30 @@ def test_spill_over_when_the_best_replica_is_saturated() -> None:
     assert [c.replica for c in rank_candidates(both, settings)] == ["y", "x"]
 
 
+def test_a_report_that_counted_a_finished_request_stops_counting_it() -> None:
+    """A short request ends before the replica's next report: the report taken while it ran
+    must not keep that replica busy for the follow-up, which shares its 2 pages (load weighs
+    4 pages, so a stale load of 1 sent it to the other replica)."""
+    clock = FakeClock()
+    policy = PrefixPolicy(clock=clock, rng=random.Random(0))
+    prompt = pages(7, 2)
+    first = policy.rank(["a", "b"], prompt)[0]
+    other = "b" if first == "a" else "a"
+    policy.routed(first, "r1", prompt)
+    clock.now += 0.1
+    policy.report(first, {"load": 1})  # taken while r1 ran
+    clock.now += 0.1
+    policy.completed(first, "r1")
+    assert policy.load(first) == 0.0
+    assert policy.rank([other, first], prompt)[0] == first
+    # a report received before a request was dispatched never counted it: nothing drops
+    policy.report(first, {"load": 2})  # another router's two requests
+    clock.now += 0.1
+    policy.routed(first, "r2", prompt)
+    policy.completed(first, "r2")
+    assert policy.load(first) == 2.0
+
+
 def test_ties_break_by_load_then_recent_then_randomly() -> None:
     settings = RouterSettings(prefix_weight=1.0, load_weight=1.0)
     # Equal scores (uncached + load): the less loaded one wins.
