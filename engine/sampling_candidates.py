@@ -50,7 +50,7 @@ class Blocks:
     @classmethod
     def of(cls, x: torch.Tensor, limit: int) -> Blocks:
         full = limit // BLOCK
-        maxima = x[:, : full * BLOCK].unflatten(1, (full, BLOCK)).amax(-1)
+        maxima = _block_maxima(x, full)
         row_max = maxima.amax(-1, keepdim=True) if full else None
         if full * BLOCK < limit:
             tail = x[:, full * BLOCK : limit].amax(-1, keepdim=True)
@@ -116,6 +116,19 @@ class Blocks:
             in_tail = where >= n * SUB
             ids = torch.where(in_tail, where - n * SUB + self.full * BLOCK, ids)
         return top, ids
+
+
+def _block_maxima(x: torch.Tensor, full: int) -> torch.Tensor:
+    """[B, full]: the maxima of ``x``'s first ``full`` blocks. Over every block of the row
+    when its width is a few whole blocks more (a padded vocabulary): torch's reduction of a
+    contiguous tensor took 1.27 ms at 256 x 32768 on the 2-core CPU, that of the
+    ``[:, :32000]`` view 1.54 ms; the blocks past ``full`` are dropped (each block's maximum
+    is its own, whatever the padded ids hold)."""
+    width = x.shape[1]
+    extra = width - full * BLOCK
+    if 0 < extra <= width // 16 and width % BLOCK == 0 and x.is_contiguous():
+        return x.unflatten(1, (width // BLOCK, BLOCK)).amax(-1)[:, :full]
+    return x[:, : full * BLOCK].unflatten(1, (full, BLOCK)).amax(-1)
 
 
 def compiled_rows(x: torch.Tensor) -> bool:

@@ -77,6 +77,20 @@ def test_block_top_values_are_topk_values(vocab, n, cut, block_ops):
         assert all(len(set(row)) == n for row in ids.tolist())  # distinct ids
 
 
+@pytest.mark.parametrize("limit", [64 * BLOCK - 3, 62 * BLOCK, 62 * BLOCK + 5, 40 * BLOCK])
+def test_padded_vocabulary_ids_past_the_limit_never_count(limit, block_ops):
+    """A row a few blocks wider than the limit (a padded vocabulary) takes its block maxima
+    over the whole contiguous row; whatever the padding holds (NaN, +inf) changes nothing."""
+    x = _logits(12, 64 * BLOCK, 5, ties=True)
+    x[:, limit:] = torch.inf
+    x[::2, -1] = torch.nan
+    greedy = Blocks.of(x, limit).greedy()
+    assert torch.equal(greedy, x[:, :limit].max(-1).indices)
+    values, ids = Blocks.of(x, limit).top(51)
+    assert torch.equal(values, x[:, :limit].topk(51).values)
+    assert bool((ids < limit).all())
+
+
 def _by_value_then_id(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n largest values of each row, ties broken by the lower id (a stable sort)."""
     ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :n]
