@@ -127,7 +127,8 @@ def _block_maxima(x: torch.Tensor, full: int) -> torch.Tensor:
     width = x.shape[1]
     extra = width - full * BLOCK
     if 0 < extra <= width // 16 and width % BLOCK == 0 and x.is_contiguous():
-        return x.unflatten(1, (width // BLOCK, BLOCK)).amax(-1)[:, :full]
+        # (contiguous again: the compiled loops over a row's maxima vectorise only then)
+        return x.unflatten(1, (width // BLOCK, BLOCK)).amax(-1)[:, :full].contiguous()
     return x[:, : full * BLOCK].unflatten(1, (full, BLOCK)).amax(-1)
 
 
