@@ -4,8 +4,8 @@ Why: a replica's step thread is on the critical path of every token, and on a sm
 the HTTP proxy, the ingress and Ray's own processes are scheduled onto its core whenever they
 wake (the kernel tends to wake a message's receiver where its sender ran). On the 2-core CI
 box (demo model, 64 streams, ``bench/serving_overhead.py``) the served app made 0.72-1.01 of
-the bare engine's tokens/s with default placement (mean 0.84 over 3 runs) and 0.86-1.09 with
-the replica on one core and the rest of the app on the other (mean 0.97 over 5). Pinning only
+the bare engine's tokens/s with default placement (mean 0.82 over 4 runs) and 0.86-1.09 with
+the replica on one core and the rest of the app on the other (mean 0.95 over 6). Pinning only
 the step thread, the replica's event loop and Ray threads on the other core, was no better
 (0.79-0.88): the GIL passes between the replica's threads, which costs less on one core.
 
