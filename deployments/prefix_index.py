@@ -276,13 +276,14 @@ class PrefixPolicy:
         # serving one HTTP request the same internal id (the ingress sends n choices as n calls).
         self._in_flight: dict[tuple[Hashable, Hashable], list[_Placement]] = {}
         self._local_load: Counter[Hashable] = Counter()
-        self._reported_load: dict[Hashable, float] = {}
-        self._reported_at: dict[Hashable, float] = {}  # when the last load report came
+        # each replica's last reported load and when that report came
+        self._reported: dict[Hashable, tuple[float, float]] = {}
         self._recent: dict[Hashable, _Decayed] = {}
         self._next_expiry = clock() + EXPIRY_PERIOD_S
 
     def load(self, replica: Hashable) -> float:
-        return max(float(self._local_load[replica]), self._reported_load.get(replica, 0.0))
+        reported = self._reported.get(replica)
+        return max(float(self._local_load[replica]), reported[0] if reported else 0.0)
 
     def candidate(self, replica: Hashable, hashes: Sequence[int], full: bool) -> Candidate:
         recent = self._recent.get(replica)
@@ -379,9 +380,9 @@ class PrefixPolicy:
             self._in_flight.pop((replica, request_id), None)
         self._unplace(placement)
         self.index.record_routed(replica, placement.hashes)  # fresh until the next reports
-        reported = self._reported_load.get(replica)
-        if reported and placement.at <= self._reported_at[replica]:  # that report counted it
-            self._reported_load[replica] = reported - 1.0
+        load, at = self._reported.get(replica, (0.0, 0.0))
+        if load and placement.at <= at:  # that report counted it
+            self._reported[replica] = (load - 1.0, at)
 
     def _maybe_expire(self, now: float) -> None:
         """Drop placements whose end never came: tentative ones whose request was cancelled
@@ -405,18 +406,16 @@ class PrefixPolicy:
             self.index.update_reported(replica, hashes, truncated=bool(truncated))
         load = stats.get("load")
         if isinstance(load, int | float) and not isinstance(load, bool):
-            self._reported_load[replica] = float(load)
-            self._reported_at[replica] = self._clock()
+            self._reported[replica] = (float(load), self._clock())
 
     def forget(self, replica: Hashable) -> None:
         """The replica is gone: drop its pages and loads (placements end on completion)."""
         self.index.forget(replica)
-        self._reported_load.pop(replica, None)
-        self._reported_at.pop(replica, None)
+        self._reported.pop(replica, None)
         self._recent.pop(replica, None)
 
     def retain(self, replicas: Iterable[Hashable]) -> None:
         keep = set(replicas)
-        for replica in set(self.index.replicas()) | set(self._reported_load) | set(self._recent):
+        for replica in set(self.index.replicas()) | set(self._reported) | set(self._recent):
             if replica not in keep:
                 self.forget(replica)

@@ -185,10 +185,10 @@ class LogitEdits:
         # last saved first: an earlier save holds the value before every later edit
         # (a key twice in one save holds the same value twice: which write wins is moot)
         compiled = _compiled_flat(self.flat)
+        if compiled:
+            from engine import sampling_cpu
         for keys, values in reversed(self._saved):
             if compiled and values.dtype == torch.float32:
-                from engine import sampling_cpu
-
                 sampling_cpu.put(self.flat, keys, values)
             else:
                 self.flat.index_copy_(0, keys, values)
