@@ -84,19 +84,24 @@ class Blocks:
             ids = torch.where(in_blocks, ids, width + _first_hit(self.tail, self.row_max))
         return ids
 
-    def top(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top(self, n: int, floors=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, ids) [B, n]: the ``n`` largest values of each row's first ``limit`` ids,
         descending, as ``x[:, :limit].topk(n)`` (ids among equal values may differ).
 
         Two narrowings: the ``n`` blocks with the largest maxima, then, inside them, the
         ``n`` sub-blocks of ``SUB`` ids with the largest maxima (the same argument one level
-        down); the final ``topk`` sees ``n * SUB`` values and the tail."""
-        if self.full <= n:  # blocks would not narrow anything
-            return self.x[:, : self.limit].topk(n, dim=-1)
-        if compiled_rows(self.x):
+        down); the final ``topk`` sees ``n * SUB`` values and the tail.
+
+        ``floors``: per row a value with at least ``n`` values at or above it, or -inf
+        (``engine.sampling_cpu.MassHistogram.floors``): the compiled loops then narrow an
+        ``n`` past the blocks' reach too."""
+        compiled = compiled_rows(self.x)
+        if compiled and (self.full > n or floors is not None):
             from engine import sampling_cpu
 
-            return sampling_cpu.top(self.x, self.limit, self.maxima, n)
+            return sampling_cpu.top(self.x, self.limit, self.maxima, n, floors)
+        if self.full <= n:  # blocks would not narrow anything
+            return self.x[:, : self.limit].topk(n, dim=-1)
         rows = self.x.shape[0]
         # which n: their order does not matter (sorted=False is cheaper)
         chosen = self.maxima.topk(n, dim=-1, sorted=False).indices

@@ -30,6 +30,7 @@ can write its cache.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -59,14 +60,69 @@ def greedy(x: torch.Tensor, limit: int, maxima: torch.Tensor, row_max: torch.Ten
     return torch.from_numpy(out)
 
 
-def top(x: torch.Tensor, limit: int, maxima: torch.Tensor, n: int):
-    """(values [B, n] float32, ids [B, n] long): ``Blocks.top(n)``; ``maxima`` [B, full]
-    with ``full > n``."""
+def top(x: torch.Tensor, limit: int, maxima: torch.Tensor, n: int, floors=None):
+    """(values [B, n] float32, ids [B, n] long): ``Blocks.top(n)``; ``maxima`` [B, full].
+    ``floors`` (float32 [B], optional): per row a value with at least ``n`` of the row's values
+    at or above it (-inf: none known), ``MassHistogram.floors``; without one, a row's ``n``
+    must be below ``full`` or its whole row is scanned and ordered."""
     rows = x.shape[0]
     values = np.empty((rows, n), dtype=np.float32)
     ids = np.empty((rows, n), dtype=np.int64)
-    _top_rows(_array(x), limit, _array(maxima), n, values, ids)
+    if floors is None:
+        floors = np.full(rows, -np.inf, dtype=np.float32)
+    _top_rows(_array(x), limit, _array(maxima), n, floors, values, ids)
     return torch.from_numpy(values), torch.from_numpy(ids)
+
+
+MASS_BINS_PER_UNIT = 8  # histogram bins per unit of scaled logit (a factor e^(1/8) of mass)
+MASS_BINS = 256  # 32 units below the maximum: each value past them weighs below e^-32
+MASS_MARGIN = 1e-3  # the candidates' mass exceeds top_p's by this much (float32 cumsums)
+
+
+@dataclass(slots=True)
+class MassHistogram:
+    """For the rows sampled with a top_p and no top_k: each row's whole mass
+    ``sum(exp(l / T - max / T))`` below ``limit`` (``_row_mass``'s, in one compiled pass), and
+    how many of its largest values hold its top-p mass (so the candidates are sized once,
+    not widened by trial), from a histogram of the values by ``max / T - l / T``."""
+
+    total: torch.Tensor  # [B, 1] float32; 0 for the other rows
+    needed: int  # candidates enough for every listed row's top-p cut (0: none listed)
+    cum_counts: np.ndarray  # [B, MASS_BINS] int64: values in bins 0..j (zeros: rows not listed)
+    scaled_max: np.ndarray  # [B] float32: max / T
+    temps: np.ndarray  # [B] float32
+
+    def floors(self, n: int) -> np.ndarray:
+        """float32 [B]: per listed row a value with at least ``n`` of the row's values at or
+        above it (one bin lower than the histogram says: the scan compares logits, not bins);
+        -inf for the other rows and where the bins hold fewer than ``n``."""
+        out = np.empty(self.temps.shape[0], dtype=np.float32)
+        _floors(self.cum_counts, self.scaled_max, self.temps, n, out)
+        return out
+
+
+def mass_histogram(
+    x: torch.Tensor,
+    limit: int,
+    row_max: torch.Tensor,
+    temps: torch.Tensor,
+    top_p: torch.Tensor,
+    rows: list[int],
+) -> MassHistogram:
+    """``MassHistogram`` of ``rows`` of ``x[:, :limit]`` (no NaN there; ``row_max``,
+    ``temps`` and ``top_p``: [B, 1] float32)."""
+    batch = x.shape[0]
+    listed = np.zeros(batch, dtype=np.bool_)
+    listed[rows] = True
+    temps_np = np.ascontiguousarray(_array(temps).reshape(-1), dtype=np.float32)
+    top_p_np = np.ascontiguousarray(_array(top_p).reshape(-1), dtype=np.float32)
+    scaled_max = np.ascontiguousarray(_array(row_max).reshape(-1), dtype=np.float32) / temps_np
+    total = np.zeros(batch, dtype=np.float32)
+    cum_counts = np.zeros((batch, MASS_BINS), dtype=np.int64)
+    needed = _mass_rows(_array(x), limit, listed, temps_np, scaled_max, top_p_np, total, cum_counts)
+    return MassHistogram(
+        torch.from_numpy(total)[:, None], int(needed), cum_counts, scaled_max, temps_np
+    )
 
 
 def penalise(
@@ -184,7 +240,7 @@ def _scan_block(row, base, t, values, ids, m):
 
 @_jit
 def _order_candidates(values, ids, m):
-    """Order the first ``m`` candidates by value (descending), then id (ascending)."""
+    """Order the first ``m`` candidates, given in id order, by value (descending), then id."""
     if m <= SORT_IN_PLACE:
         for i in range(1, m):
             v, d, k = values[i], ids[i], i - 1
@@ -195,47 +251,62 @@ def _order_candidates(values, ids, m):
             values[k + 1] = v
             ids[k + 1] = d
         return
-    by_id = np.argsort(ids[:m])  # ids are distinct: a stable sort by value then keeps ties
-    v, d = values[:m][by_id], ids[:m][by_id]
-    by_value = np.argsort(-v, kind="mergesort")
-    values[:m] = v[by_value]
-    ids[:m] = d[by_value]
+    # a stable sort by value keeps tied values in id order
+    by_value = np.argsort(-values[:m], kind="mergesort")
+    values[:m] = values[:m][by_value]
+    ids[:m] = ids[:m][by_value]
 
 
 @_jit
-def _top_rows(x, limit, maxima, n, out_values, out_ids):
+def _collect(row, maxima, limit, t, values, ids, chosen):
+    """The values ``>= t`` of ``row[:limit]`` and their ids, in id order (blocks whose maximum
+    reaches ``t``, then the tail): (count, values, ids, a sum of the prefetch reads), the
+    buffers grown as needed."""
+    full = maxima.shape[0]
+    tail = full * BLOCK
+    count = 0
+    touched = 0.0
+    for b in range(full):
+        if maxima[b] >= t:
+            chosen[count] = b
+            count += 1
+            # one read per cache line of the block: independent loads the CPU overlaps,
+            # so the scan below finds the block cached (the maxima pass has streamed the
+            # whole batch through since; the scan alone waits out a miss per line)
+            for j in range(b * BLOCK, (b + 1) * BLOCK, LINE):
+                touched += row[j]
+    need = (count + 1) * BLOCK + limit - tail
+    if need > values.shape[0]:
+        values = np.empty(need, np.float32)
+        ids = np.empty(need, np.int64)
+    m = 0
+    for c in range(count):
+        m = _scan_block(row, chosen[c] * BLOCK, t, values, ids, m)
+    for j in range(tail, limit):
+        v = row[j]
+        values[m] = v
+        ids[m] = j
+        m += v >= t
+    return m, values, ids, touched  # (returned: the reads must not be optimised away)
+
+
+@_jit
+def _top_rows(x, limit, maxima, n, floors, out_values, out_ids):
     full = maxima.shape[1]
     tail = full * BLOCK
     size = (n + n // 8 + 3) * BLOCK + (limit - tail) + BLOCK
     values = np.empty(size, np.float32)
     ids = np.empty(size, np.int64)
-    chosen = np.empty(full, np.int64)  # this row's blocks whose maximum reaches t
+    chosen = np.empty(full, np.int64)  # a row's blocks whose maximum reaches t
     touched = 0.0
     for r in range(x.shape[0]):
         t = _threshold(maxima[r], n)
-        row = x[r]
-        count = 0
-        for b in range(full):
-            if maxima[r, b] >= t:
-                chosen[count] = b
-                count += 1
-                # one read per cache line of the block: independent loads the CPU overlaps,
-                # so the scan below finds the block cached (the maxima pass has streamed the
-                # whole batch through since; the scan alone waits out a miss per line)
-                for j in range(b * BLOCK, (b + 1) * BLOCK, LINE):
-                    touched += row[j]
-        need = (count + 1) * BLOCK + limit - tail
-        if need > values.shape[0]:
-            values = np.empty(need, np.float32)
-            ids = np.empty(need, np.int64)
-        m = 0
-        for c in range(count):
-            m = _scan_block(row, chosen[c] * BLOCK, t, values, ids, m)
-        for j in range(tail, limit):
-            v = row[j]
-            values[m] = v
-            ids[m] = j
-            m += v >= t
+        if floors[r] > t:  # the caller's floor is closer (n past the blocks' reach)
+            t = floors[r]
+        m, values, ids, reads = _collect(x[r], maxima[r], limit, t, values, ids, chosen)
+        touched += reads
+        if m < n and t > -np.inf:  # a floor too high after all (rounding): every value
+            m, values, ids, reads = _collect(x[r], maxima[r], limit, -np.inf, values, ids, chosen)
         _order_candidates(values, ids, m)
         for k in range(n):
             if k < m:
@@ -244,4 +315,97 @@ def _top_rows(x, limit, maxima, n, out_values, out_ids):
             else:  # a row holding a NaN: nothing defined
                 out_values[r, k] = np.nan
                 out_ids[r, k] = 0
-    return touched  # (returned: the reads must not be optimised away)
+    return touched
+
+
+@_jit
+def _mass_rows(x, limit, listed, temps, scaled_max, top_p, total, cum_counts):
+    """``MassHistogram``'s pass: per listed row, ``exp(l / T - max / T)`` summed (float64,
+    stored as float32) and binned by ``max / T - l / T``; returns the candidates enough for
+    every row (``limit`` where a row's top-p mass lies past the bins)."""
+    bins = cum_counts.shape[1]
+    mass = np.zeros(bins + 1, np.float64)  # (the last bin: every value past the others)
+    counts = np.zeros(bins + 1, np.int64)
+    weights = np.empty(limit, np.float32)
+    powers = np.empty(limit, np.int32)
+    where = np.empty(limit, np.int32)
+    needed = 0
+    for r in range(x.shape[0]):
+        if not listed[r]:
+            continue
+        _exp_below(x[r], limit, temps[r], scaled_max[r], weights, powers, where)
+        mass[:] = 0.0
+        counts[:] = 0
+        for j in range(limit):
+            k = where[j]
+            counts[k] += 1
+            mass[k] += weights[j]
+        whole = mass.sum()
+        total[r] = whole
+        # top_p's mass as the candidates' cut compares it (float32), with a margin
+        target = np.float64(top_p[r] * total[r]) * (1.0 + MASS_MARGIN)
+        row_needed = limit
+        held, count = 0.0, 0
+        for k in range(bins):
+            held += mass[k]
+            count += counts[k]
+            cum_counts[r, k] = count
+            if held >= target and row_needed == limit:
+                # one bin more: values at a bin's edge may land either side of it
+                row_needed = count + (counts[k + 1] if k + 1 < bins else 0)
+        needed = max(needed, min(row_needed, limit))
+    return needed
+
+
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)  # ln 2 in two parts: k * LN2_HI is exact for |k| < 2^9
+LN2_LO = np.float32(-2.12194440e-4)
+EXP_FLOOR = np.float32(-87.0)  # exp of anything below: 0 here (a normal float32 above it)
+BIN_SCALE = np.float32(MASS_BINS_PER_UNIT)
+
+
+@_jit
+def _exp_below(row, limit, temp, top, weights, powers, where):
+    """``weights[j] = exp(row[j] / temp - top)`` (float32 within ~2 ulp; 0 below e^-87) and
+    ``where[j]``, its ``MassHistogram`` bin (``MASS_BINS``: none), for ``j < limit``.
+
+    A polynomial (Cephes' expf) rather than ``math.exp``: a call per value there, while these
+    loops compile to vector instructions (~4x faster over a row); the power of two goes into
+    the exponent bits in a second pass (no scalar bit casts here)."""
+    bins = MASS_BINS
+    for j in range(limit):
+        below = row[j] / temp - top  # float32, as the candidates' probabilities
+        v = max(below, EXP_FLOOR)
+        k = np.floor(v * LOG2E + np.float32(0.5))
+        f = v - k * LN2_HI - k * LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * f + np.float32(1.3981999507e-3)
+        p = p * f + np.float32(8.3334519073e-3)
+        p = p * f + np.float32(4.1665795894e-2)
+        p = p * f + np.float32(1.6666665459e-1)
+        p = p * f + np.float32(5.0000001201e-1)
+        p = p * f * f + f + np.float32(1.0)
+        live = below > EXP_FLOOR
+        weights[j] = p if live else np.float32(0.0)
+        powers[j] = np.int32(k) << 23 if live else 0
+        b = min(-below * BIN_SCALE, np.float32(bins))  # (-inf: no bin)
+        where[j] = np.int32(b)
+    bits = weights[:limit].view(np.int32)
+    for j in range(limit):
+        bits[j] += powers[j]
+
+
+@_jit
+def _floors(cum_counts, scaled_max, temps, n, out):
+    bins = cum_counts.shape[1]
+    for r in range(cum_counts.shape[0]):
+        out[r] = -np.inf
+        if cum_counts[r, bins - 1] < n:
+            continue
+        k = 0
+        while cum_counts[r, k] < n:
+            k += 1
+        # the values of bins 0..k are > (max / T - (k + 1) / bins_per_unit) * T; one bin
+        # lower still, as margin for the rounding of that product
+        if k + 2 < bins:
+            out[r] = (scaled_max[r] - (k + 2) / MASS_BINS_PER_UNIT) * temps[r]

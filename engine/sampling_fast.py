@@ -12,9 +12,12 @@ the same random draws; the work differs:
   and the inverse-CDF draw over their ``max(top_k) + 1`` largest logits only (found through
   block maxima, no ``topk`` over the vocabulary); the softmax over the whole row is never
   computed, since truncating to those candidates and renormalising makes it cancel out.
-  Rows with a top_p but no top_k start from ``TOP_P_CANDIDATES`` candidates, widened x4
-  while their cut lies past them; their top-p needs the whole row's mass: one dense
-  ``exp`` pass over those rows only.
+  Rows with a top_p but no top_k need the whole row's mass for their top-p: one dense
+  ``exp`` pass over those rows only. On float32 CPU rows that pass is compiled
+  (``engine.sampling_cpu.mass_histogram``) and also bins the mass by value, which sizes
+  the candidates so they hold every such row's cut at once (a nucleus of hundreds of
+  tokens costs one candidate pass, not several); elsewhere they start from
+  ``TOP_P_CANDIDATES`` candidates, widened x4 while a cut lies past them.
 - Per-row parameter tensors (temperature, top-k, top-p, min-p, penalties) are built once
   per batch composition and settings values (``RowParams``), not every step.
 
@@ -26,6 +29,9 @@ the same draws, the same float32 operations per candidate otherwise):
   their own sum. Mathematically the same distribution; in float32 a value may differ in the
   last bits, so a token differs only when a draw (or a top-p / min-p cut) lands within that
   rounding of a boundary: for one draw, a chance of about 1e-7.
+- that whole-row mass, on the compiled path, sums a polynomial ``exp`` (within ~2 ulp of
+  torch's) in float64; the reference sums torch's in float32. A top-p cut moves only when
+  it lies within that rounding of a boundary too.
 - two different logits whose probabilities round to the same float32 count as a tie in the
   reference's top-k and as distinct here (the same holds for min-p's threshold, compared
   with unnormalised values here).
@@ -69,7 +75,7 @@ from engine.sampling import (
     _top_p_cut,
     sample,
 )
-from engine.sampling_candidates import Blocks
+from engine.sampling_candidates import Blocks, compiled_rows
 from engine.sampling_penalties import (
     ContextCounts,
     LogitEdits,
@@ -377,10 +383,20 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
         for r in requests:  # every row draws, so a job's stream ignores its settings
             r.rng.random()
         return greedy_tokens
-    total = _row_mass(x, limit, row_max, params)
-    if params.unbounded_rows:
-        n = max(n, TOP_P_CANDIDATES)
-    found = _widened_candidates(x, limit, n, blocks, params, total)
+    histogram = None
+    if params.unbounded_rows and blocks is not None and compiled_rows(x):
+        from engine import sampling_cpu
+
+        histogram = sampling_cpu.mass_histogram(
+            x, limit, row_max, params.temps, params.top_p, params.unbounded_rows
+        )
+        total = histogram.total
+        n = max(n, min(histogram.needed, limit))
+    else:
+        total = _row_mass(x, limit, row_max, params)
+        if params.unbounded_rows:
+            n = max(n, TOP_P_CANDIDATES)
+    found = _widened_candidates(x, limit, n, blocks, params, total, histogram)
     if found is None:
         return None
     probs, ids = found
@@ -396,13 +412,17 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     return torch.where(params.greedy, greedy_tokens, sampled)
 
 
-def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total):
+def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total, histogram=None):
     """(probs, ids) [B, m] of the ``m >= n`` largest logits: ``n``, widened (x4) while a row's
     top-p cut or the ties at its k-th lie past them; None when ties at a row's k-th reach the
-    end of the vocabulary (the reference's handling)."""
+    end of the vocabulary (the reference's handling). ``histogram``
+    (``engine.sampling_cpu.MassHistogram``): floors for the top-p rows' candidates."""
     while True:
         n = min(n, limit)
-        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
+        if blocks is None:
+            values, ids = x[:, :limit].topk(n, dim=-1)
+        else:
+            values, ids = blocks.top(n, None if histogram is None else histogram.floors(n))
         found = _candidate_probs(values, ids, x.shape[1], params, total)
         if found is not None and (found[1] or n == limit):
             return found[0], ids

@@ -382,3 +382,108 @@ def test_top_p_without_top_k_widens_the_candidates_as_needed(rows):
         logits = _logits(rows, 3000, seed) * 0.05  # nearly uniform: a wide nucleus
         _check_same(logits, SamplerSettings(top_p=[0.3, 0.9, 0.99, 0.5][seed]), state=state)
     assert state.fast_calls == 4 and state.reference_calls == 0
+
+
+@pytest.mark.parametrize("scale", [0.2, 3.0, 40.0])
+def test_top_p_rows_past_the_blocks_reach_match_the_reference(scale):
+    """Rows whose top-p nucleus holds more tokens than the row has blocks (sized by
+    engine.sampling_cpu's mass histogram, no widening), peaked rows whose mass lies past the
+    histogram's bins, and batches mixing them with top-k and greedy rows."""
+    state = SamplerState()
+    settings = [
+        SamplerSettings(top_p=0.95, temperature=1.3),
+        SamplerSettings(top_p=0.999999),
+        SamplerSettings(top_k=7, top_p=0.8),
+        SamplerSettings.greedy(),
+        SamplerSettings(top_p=0.5, min_p=0.01, temperature=0.5),
+    ]
+    for seed in range(3):
+        logits = _logits(MIN_BLOCK_ROWS + 5, 1500, seed) * scale
+        logits[1, ::3] = -torch.inf  # banned ids
+        _check_same(logits, settings[seed % 2 :], 1490, seed, state)
+        _check_same(logits, settings[0], 1490, seed, state)
+    # (at scale 40 the top-k row's k-th probability underflows to 0: that batch goes to the
+    # reference, as it always has)
+    assert state.reference_calls == (1 if scale == 40.0 else 0)
+
+
+def _dense_mass(x: torch.Tensor, limit: int, temps: torch.Tensor) -> torch.Tensor:
+    """sum(exp(l / T - max / T)) with _row_mass's float32 operations, summed in float64."""
+    scaled = x[:, :limit] / temps
+    return (scaled - scaled.amax(-1, keepdim=True)).exp().double().sum(-1)
+
+
+@pytest.mark.parametrize("scale", [0.05, 3.0, 30.0])
+def test_mass_histogram_sizes_the_top_p_candidates(scale):
+    """The compiled pass's mass is the dense one; the ``needed`` largest values of each listed
+    row hold its top-p mass; a row's floor for n has at least n values at or above it."""
+    from engine import sampling_cpu
+
+    rows, vocab, limit = 12, 3 * BLOCK * 7 + 5, 3 * BLOCK * 7
+    x = _logits(rows, vocab, 4) * scale
+    x[2, : limit // 2] = -torch.inf
+    x[3] = 0.25  # every value tied
+    temps = torch.tensor([0.3, 0.8, 1.0, 1.7] * 3)[:, None]
+    top_p = torch.tensor([0.5, 0.9, 0.99, 0.3] * 3)[:, None]
+    listed = [r for r in range(rows) if r != 5]
+    row_max = x[:, :limit].amax(-1, keepdim=True)
+    histogram = sampling_cpu.mass_histogram(x, limit, row_max, temps, top_p, listed)
+    expected = _dense_mass(x, limit, temps)
+    total = histogram.total.squeeze(1).double()
+    assert total[5] == 0  # a row not listed
+    assert torch.allclose(total[listed], expected[listed], rtol=1e-6, atol=0)
+    assert 0 < histogram.needed <= limit
+    ordered = x[:, :limit].double().div(temps.double()).sort(-1, descending=True).values
+    held = (ordered - ordered[:, :1]).exp()[:, : histogram.needed].sum(-1)
+    assert bool((held[listed] >= (top_p.squeeze(1).double() * expected)[listed]).all())
+    for n in (1, 40, histogram.needed, limit // 2):
+        floors = torch.from_numpy(histogram.floors(n))
+        at_least = (x[:, :limit] >= floors[:, None]).sum(-1)
+        assert bool(((at_least >= n) | (floors == -torch.inf)).all()), n
+        assert floors[5] == -torch.inf
+    if scale < 1.0:  # flat rows: floors narrow even an n past the blocks' reach
+        floors = torch.from_numpy(histogram.floors(histogram.needed))
+        assert bool((floors[listed] > -torch.inf).any())
+
+
+@pytest.mark.parametrize("n", [2, 60, 300])
+def test_top_with_floors_orders_by_value_then_id(n, monkeypatch):
+    """``Blocks.top(n, floors)``: the n largest by value then id, whatever the floor (a good
+    one, -inf, or one too high, which falls back to every value), n past the blocks too."""
+    monkeypatch.setenv(JIT_ENV, "1")
+    vocab, limit = 40 * BLOCK + 9, 40 * BLOCK + 3
+    x = _logits(6, vocab, 2, ties=True)
+    expected_values, expected_ids = _by_value_then_id(x[:, :limit], n)
+    kth = expected_values[:, -1]
+    floors = torch.stack([kth, kth - 1, torch.full_like(kth, -torch.inf), kth + 0.5] * 2)[
+        torch.arange(6), torch.arange(6) % 4
+    ]
+    values, ids = Blocks.of(x, limit).top(n, floors.numpy())
+    assert torch.equal(values, expected_values)
+    assert torch.equal(ids, expected_ids)
+
+
+def test_compiled_exp_is_within_a_few_ulp():
+    import numpy as np
+
+    from engine import sampling_cpu
+
+    row = np.concatenate(
+        [
+            np.linspace(-90.0, 0.0, 5001, dtype=np.float32),
+            np.array([-np.inf, -86.99, -87.0, -87.01, -1e-30, 0.0], dtype=np.float32),
+        ]
+    )
+    limit = row.shape[0]
+    weights = np.empty(limit, np.float32)
+    powers = np.empty(limit, np.int32)
+    where = np.empty(limit, np.int32)
+    sampling_cpu._exp_below(row, limit, np.float32(1.0), np.float32(0.0), weights, powers, where)
+    expected = np.exp(row.astype(np.float64))
+    live = row > sampling_cpu.EXP_FLOOR
+    ulp = np.spacing(expected[live].astype(np.float32)).astype(np.float64)
+    assert np.abs(weights[live] - expected[live]).max() <= 3 * ulp.max()
+    assert (np.abs(weights[live] - expected[live]) <= 3 * ulp).all()
+    assert (weights[~live] == 0).all()
+    bins = np.minimum(-row * sampling_cpu.MASS_BINS_PER_UNIT, sampling_cpu.MASS_BINS)
+    assert (where == bins.astype(np.int32)).all()
