@@ -369,7 +369,9 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     n = params.max_top_k + 1
     if n > limit and not params.all_greedy:
         return None
-    if x.shape[0] < MIN_BLOCK_ROWS:  # a few rows: whole-row ops cost less than more calls
+    # a few rows: whole-row ops cost less than more calls, unless a top-p row without a top_k
+    # would sort a whole row for its nucleus (the compiled loops need the block maxima)
+    if x.shape[0] < MIN_BLOCK_ROWS and not (params.unbounded_rows and compiled_rows(x)):
         best = x[:, :limit].max(-1)  # the reference's greedy op
         greedy_tokens, row_max, blocks = best.indices, best.values, None
     else:
