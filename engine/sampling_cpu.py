@@ -251,10 +251,33 @@ def _order_candidates(values, ids, m):
             values[k + 1] = v
             ids[k + 1] = d
         return
-    # a stable sort by value keeps tied values in id order
-    by_value = np.argsort(-values[:m], kind="mergesort")
-    values[:m] = values[:m][by_value]
-    ids[:m] = ids[:m][by_value]
+    # one sort of int64 keys, (descending value, id): half the time of a stable argsort and
+    # its two gathers
+    keys = np.empty(m, np.int64)
+    bits = values[:m].view(np.int32)
+    for i in range(m):
+        values[i] += np.float32(0.0)  # -0.0 -> +0.0: tied with 0.0 as topk ties them
+        keys[i] = (np.int64(_descending(bits[i])) + 2**31) << 31 | ids[i]
+    keys.sort()
+    for i in range(m):
+        ids[i] = keys[i] & (2**31 - 1)
+        bits[i] = _from_descending(np.int32((keys[i] >> 31) - 2**31))
+
+
+@_jit
+def _descending(b):
+    """An int32 that orders float32 bit patterns ``b`` from the largest value down:
+    non-negative floats order as their bits, negative ones reversed (all bits but the sign
+    flipped); then every bit flipped, for descending order."""
+    ordered = b ^ np.int32(0x7FFFFFFF) if b < 0 else b
+    return ~ordered
+
+
+@_jit
+def _from_descending(key):
+    """The float32 bit pattern of a ``_descending`` key."""
+    ordered = ~key
+    return ordered ^ np.int32(0x7FFFFFFF) if ordered < 0 else ordered
 
 
 @_jit
