@@ -44,12 +44,18 @@ SORT_IN_PLACE = 96  # candidates ordered by insertion up to this many (usually ~
 LINE = 16  # float32 values per 64-byte cache line
 
 
-def _jit(fn):
+def _jit(fn, fastmath=False):
     try:
-        return numba.njit(nogil=True, cache=True)(fn)
+        return numba.njit(nogil=True, cache=True, fastmath=fastmath)(fn)
     except RuntimeError:  # no writable cache location: compile in each process
         logger.info("numba cannot cache %s here; compiling it in each process", fn.__name__)
-        return numba.njit(nogil=True)(fn)
+        return numba.njit(nogil=True, fastmath=fastmath)(fn)
+
+
+def _jit_sums(fn):
+    """``_jit`` for loops that only sum: reassociated, so the sums vectorise (their order,
+    and so their last bits, is the compiler's)."""
+    return _jit(fn, fastmath={"reassoc"})
 
 
 def greedy(x: torch.Tensor, limit: int, maxima: torch.Tensor, row_max: torch.Tensor):
@@ -356,7 +362,8 @@ def _mass_rows(x, limit, listed, temps, scaled_max, top_p, total, cum_counts):
     for r in range(x.shape[0]):
         if not listed[r]:
             continue
-        _exp_below(x[r], limit, temps[r], scaled_max[r], weights, powers, where)
+        _exp_row(x[r], limit, temps[r], scaled_max[r], weights, powers)
+        _bins(x[r], limit, temps[r], scaled_max[r], where)
         mass[:] = 0.0
         counts[:] = 0
         for j in range(limit):
@@ -388,16 +395,15 @@ BIN_SCALE = np.float32(MASS_BINS_PER_UNIT)
 
 
 @_jit
-def _exp_below(row, limit, temp, top, weights, powers, where):
-    """``weights[j] = exp(row[j] / temp - top)`` (float32 within ~2 ulp; 0 below e^-87) and
-    ``where[j]``, its ``MassHistogram`` bin (``MASS_BINS``: none), for ``j < limit``.
+def _exp_row(row, limit, temp, top, weights, powers):
+    """``weights[j] = exp(row[j] / temp - top)`` for ``j < limit`` (float32 within ~2 ulp;
+    0 below e^-87; ``row[j] / temp - top`` in float32, as the candidates' probabilities).
 
     A polynomial (Cephes' expf) rather than ``math.exp``: a call per value there, while these
     loops compile to vector instructions (~4x faster over a row); the power of two goes into
     the exponent bits in a second pass (no scalar bit casts here)."""
-    bins = MASS_BINS
     for j in range(limit):
-        below = row[j] / temp - top  # float32, as the candidates' probabilities
+        below = row[j] / temp - top
         v = max(below, EXP_FLOOR)
         k = np.floor(v * LOG2E + np.float32(0.5))
         f = v - k * LN2_HI - k * LN2_LO
@@ -411,11 +417,17 @@ def _exp_below(row, limit, temp, top, weights, powers, where):
         live = below > EXP_FLOOR
         weights[j] = p if live else np.float32(0.0)
         powers[j] = np.int32(k) << 23 if live else 0
-        b = min(-below * BIN_SCALE, np.float32(bins))  # (-inf: no bin)
-        where[j] = np.int32(b)
     bits = weights[:limit].view(np.int32)
     for j in range(limit):
         bits[j] += powers[j]
+
+
+@_jit
+def _bins(row, limit, temp, top, where):
+    """``where[j]``: the ``MassHistogram`` bin of ``row[j]`` (``MASS_BINS``: none)."""
+    for j in range(limit):
+        below = row[j] / temp - top
+        where[j] = np.int32(min(-below * BIN_SCALE, np.float32(MASS_BINS)))  # (-inf: none)
 
 
 @_jit
@@ -432,3 +444,89 @@ def _floors(cum_counts, scaled_max, temps, n, out):
         # lower still, as margin for the rounding of that product
         if k + 2 < bins:
             out[r] = (scaled_max[r] - (k + 2) / MASS_BINS_PER_UNIT) * temps[r]
+
+
+def dense_draw(
+    x: torch.Tensor,
+    limit: int,
+    rows: list[int],
+    temps: torch.Tensor,
+    min_p: torch.Tensor | None,
+    row_max: torch.Tensor,
+    uniforms: list[float],
+) -> torch.Tensor:
+    """[len(rows)] long: the token each of ``rows`` draws from its whole distribution below
+    ``limit`` (temperature, then min-p when given; no top-k or top-p), as the reference's
+    inverse CDF in id order: the first id whose cumulative weight exceeds ``u * total``.
+    ``temps``, ``min_p``, ``row_max``: [B, 1] float32; ``uniforms``: [B] (no NaN rows)."""
+    temps_np = np.ascontiguousarray(_array(temps).reshape(-1), dtype=np.float32)
+    scaled_max = np.ascontiguousarray(_array(row_max).reshape(-1), dtype=np.float32) / temps_np
+    if min_p is None:
+        min_p_np = np.zeros(temps_np.shape[0], dtype=np.float32)
+    else:
+        min_p_np = np.ascontiguousarray(_array(min_p).reshape(-1), dtype=np.float32)
+    out = np.empty(len(rows), dtype=np.int64)
+    _dense_rows(
+        _array(x),
+        limit,
+        np.asarray(rows, dtype=np.int64),
+        temps_np,
+        min_p_np,
+        scaled_max,
+        np.asarray(uniforms, dtype=np.float64),
+        out,
+    )
+    return torch.from_numpy(out)
+
+
+@_jit
+def _dense_rows(x, limit, rows, temps, min_p, scaled_max, uniforms, out):
+    weights = np.empty(limit, np.float32)
+    powers = np.empty(limit, np.int32)
+    sums = np.empty((limit + BLOCK - 1) // BLOCK, np.float64)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        # exp(l / T - max / T): the softmax up to its scale, which the draw divides out
+        _exp_row(x[r], limit, temps[r], scaled_max[r], weights, powers)
+        if min_p[r] > 0:  # the row's largest weight is exp(0) = 1: min-p's threshold is min_p
+            _below_to_zero(weights, limit, min_p[r])
+        _block_sums(weights, limit, sums)
+        out[i] = _crossing(weights, limit, sums, uniforms[r] * sums.sum())
+
+
+@_jit
+def _below_to_zero(weights, limit, threshold):
+    for j in range(limit):
+        w = weights[j]
+        weights[j] = w if w >= threshold else np.float32(0.0)
+
+
+@_jit_sums
+def _block_sums(weights, limit, sums):
+    for b in range(sums.shape[0]):
+        total = 0.0
+        for j in range(b * BLOCK, min(limit, (b + 1) * BLOCK)):
+            total += weights[j]
+        sums[b] = total
+
+
+@_jit
+def _crossing(weights, limit, sums, target):
+    """The first id whose cumulative weight exceeds ``target`` (float64): whole blocks by
+    their sums, then the ids of the block it falls in; the last id with a weight where
+    rounding leaves the target past every step (as ``searchsorted``'s clamp)."""
+    held = 0.0
+    for b in range(sums.shape[0]):
+        if held + sums[b] <= target:
+            held += sums[b]
+            continue
+        for j in range(b * BLOCK, min(limit, (b + 1) * BLOCK)):
+            w = weights[j]
+            if w > 0:
+                held += w
+                if held > target:
+                    return j
+    for j in range(limit - 1, -1, -1):
+        if weights[j] > 0:
+            return j
+    return 0

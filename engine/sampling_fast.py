@@ -75,7 +75,7 @@ from engine.sampling import (
     _top_p_cut,
     sample,
 )
-from engine.sampling_candidates import Blocks, compiled_rows
+from engine.sampling_candidates import JIT_ENV, Blocks, compiled_rows
 from engine.sampling_penalties import (
     ContextCounts,
     LogitEdits,
@@ -103,10 +103,16 @@ _SETTINGS_KEY = attrgetter(
 class RowParams:
     """Per-row sampling parameters of one batch, as tensors on the logits' device."""
 
-    key: tuple  # (device, every row's settings values): a change rebuilds
+    key: tuple  # (device, compiled loops or not, every row's settings values): a change rebuilds
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
-    fast: bool  # every sampled row is one the candidate path handles
+    fast: bool  # every sampled row is one the candidate path (or the dense draw) handles
+    # sampled rows drawn from their whole distribution (no top_k, no top_p; temperature and
+    # min_p only) by engine.sampling_cpu.dense_draw: float32 CPU rows with the compiled loops
+    dense_rows: list[int]
+    # [B] bool: rows whose candidates nobody reads (greedy and dense rows)
+    no_candidates: torch.Tensor
+    candidate_rows: bool  # some row samples from candidates (neither greedy nor dense)
     temps: torch.Tensor  # [B, 1] float32: the temperature, 1.0 for greedy rows
     top_k: torch.Tensor  # [B, 1] long, 1 for greedy rows and rows without a top_k
     max_top_k: int  # over the sampled rows
@@ -119,16 +125,27 @@ class RowParams:
     penalties: torch.Tensor  # [rows with penalties, 3]: repetition, frequency, presence
 
     @classmethod
-    def build(cls, key: tuple, requests: Sequence[SampleRequest], device) -> RowParams:
+    def build(
+        cls, key: tuple, requests: Sequence[SampleRequest], device, compiled: bool = False
+    ) -> RowParams:
+        """``compiled``: the logits will be float32 CPU rows for engine.sampling_cpu (dense
+        rows are then fast too)."""
         settings = [r.settings for r in requests]
         greedy = [s.is_greedy for s in settings]
+        dense = [not g and _is_dense(s) for s, g in zip(settings, greedy, strict=True)]
         sampled = [s for s, g in zip(settings, greedy, strict=True) if not g]
         fast = all(
-            (2 <= s.top_k <= MAX_FAST_TOP_K or (s.top_k == 0 and s.top_p < 1.0))
-            and s.typical >= 1.0
+            (
+                (2 <= s.top_k <= MAX_FAST_TOP_K or (s.top_k == 0 and s.top_p < 1.0))
+                and s.typical >= 1.0
+            )
+            or (compiled and _is_dense(s))
             for s in sampled
         )
-        unbounded = [not g and s.top_k == 0 for s, g in zip(settings, greedy, strict=True)]
+        unbounded = [
+            not g and s.top_k == 0 and not d
+            for s, g, d in zip(settings, greedy, dense, strict=True)
+        ]
         penalised = [i for i, s in enumerate(settings) if s.has_penalties]
         top_p = [s.top_p for s in settings]
         min_p = [s.min_p for s in settings]
@@ -137,6 +154,9 @@ class RowParams:
             greedy=upload(greedy, device),
             all_greedy=all(greedy),
             fast=fast,
+            dense_rows=[i for i, d in enumerate(dense) if d],
+            candidate_rows=not all(g or d for g, d in zip(greedy, dense, strict=True)),
+            no_candidates=upload([g or d for g, d in zip(greedy, dense, strict=True)], device),
             # as the reference: float32 tensors from the Python floats
             temps=upload(
                 [1.0 if g else s.temperature for s, g in zip(settings, greedy, strict=True)],
@@ -146,7 +166,14 @@ class RowParams:
                 [1 if g or not s.top_k else s.top_k for s, g in zip(settings, greedy, strict=True)],
                 device,
             )[:, None],
-            max_top_k=max((s.top_k for s in sampled), default=1),
+            max_top_k=max(
+                (
+                    s.top_k
+                    for s, d in zip(settings, dense, strict=True)
+                    if not d and not s.is_greedy
+                ),
+                default=1,
+            ),
             unbounded=upload(unbounded, device)[:, None],
             unbounded_rows=[i for i, u in enumerate(unbounded) if u],
             top_p=upload(top_p, device)[:, None] if min(top_p) < 1.0 else None,
@@ -197,9 +224,10 @@ class SamplerState:
 
     def params(self, requests: Sequence[SampleRequest], device) -> RowParams:
         # keyed by value: settings objects are mutable, their identity proves nothing
-        key = (str(device), tuple(_SETTINGS_KEY(r.settings) for r in requests))
+        compiled = _dense_draw_available(device)
+        key = (str(device), compiled, tuple(_SETTINGS_KEY(r.settings) for r in requests))
         if self._params is None or self._params.key != key:
-            self._params = RowParams.build(key, requests, device)
+            self._params = RowParams.build(key, requests, device, compiled)
         return self._params
 
     def sample(
@@ -250,7 +278,8 @@ class SamplerState:
             self.fast_calls += 1
             self._forget_others(requests)
             return DeviceSample(tokens, flags)
-        if params.fast and not extras and self._kernels_for(logits):
+        # (dense rows draw in engine.sampling_cpu's loops: never on the kernels)
+        if params.fast and not params.dense_rows and not extras and self._kernels_for(logits):
             with torch.inference_mode():
                 tokens, flags = self._kernels_on_device(logits, requests, vocab_limit, params)
             self.fast_calls += 1
@@ -385,6 +414,9 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
         for r in requests:  # every row draws, so a job's stream ignores its settings
             r.rng.random()
         return greedy_tokens
+    if not params.candidate_rows:
+        draws = [r.rng.random() for r in requests]  # (no candidates: nothing else to wait for)
+        return _with_dense(greedy_tokens, x, limit, params, row_max, draws)
     histogram = None
     if params.unbounded_rows and blocks is not None and compiled_rows(x):
         from engine import sampling_cpu
@@ -402,16 +434,40 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     if found is None:
         return None
     probs, ids = found
+    draws = [r.rng.random() for r in requests]
     # float64: a float32 draw just below 1.0 would round up to 1.0 and fall off the CDF
-    uniforms = torch.tensor(
-        [r.rng.random() for r in requests], dtype=torch.float64, device=x.device
-    )
+    uniforms = torch.tensor(draws, dtype=torch.float64, device=x.device)
     # the CDF in id order, as the reference's over the whole row (zeros add no step)
     order = ids.argsort(-1)
     sorted_ids = ids.gather(1, order)
     picked = _inverse_cdf(probs.gather(1, order), uniforms)
     sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
-    return torch.where(params.greedy, greedy_tokens, sampled)
+    tokens = torch.where(params.greedy, greedy_tokens, sampled)
+    return _with_dense(tokens, x, limit, params, row_max, draws) if params.dense_rows else tokens
+
+
+def _with_dense(tokens, x, limit: int, params: RowParams, row_max, draws) -> torch.Tensor:
+    """``tokens`` with the dense rows' drawn from their whole distribution (compiled)."""
+    from engine import sampling_cpu
+
+    dense = sampling_cpu.dense_draw(
+        x, limit, params.dense_rows, params.temps, params.min_p, row_max, draws
+    )
+    tokens = tokens.clone()
+    tokens[params.dense_rows] = dense
+    return tokens
+
+
+def _is_dense(settings) -> bool:
+    """Sampled from the whole distribution: no top_k, no top_p, no typical (temperature and
+    min_p apply)."""
+    return settings.top_k == 0 and settings.top_p >= 1.0 and settings.typical >= 1.0
+
+
+def _dense_draw_available(device) -> bool:
+    """Whether rows on ``device`` go through engine.sampling_cpu's loops (the sampler makes
+    them float32 and contiguous: only the device and ENGINE_SAMPLING_JIT decide)."""
+    return torch.device(device).type == "cpu" and os.environ.get(JIT_ENV, "1").strip() != "0"
 
 
 def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total, histogram=None):
@@ -520,7 +576,7 @@ def _candidate_probs(
     probs = torch.exp(scaled - scaled[:, :1])  # descending, as the values
     # rows without a top_k keep everything here (a k-th value of 0), as the reference's
     kth = torch.where(params.unbounded, 0.0, probs.gather(1, params.top_k - 1))
-    covered = (probs[:, -1:] < kth) | params.greedy[:, None] | params.unbounded
+    covered = (probs[:, -1:] < kth) | params.no_candidates[:, None] | params.unbounded
     if not bool(covered.all()):
         return None
     probs = probs * (probs >= kth)  # ties with the k-th are kept, as the reference's

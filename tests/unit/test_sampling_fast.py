@@ -8,6 +8,7 @@ and every job's random stream must advance exactly as with the reference.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -307,13 +308,16 @@ def test_top_k_beyond_the_vocabulary_and_edge_rows_go_to_the_reference():
     state = SamplerState()
     logits = _logits(20, 100, 0)
     _check_same(logits, SamplerSettings(top_k=500), state=state)  # top_k > vocabulary
-    _check_same(logits, SamplerSettings(top_k=0, top_p=1.0), state=state)  # no truncation
+    # no truncation: the compiled dense draw where there are compiled loops
+    _check_same(logits, SamplerSettings(top_k=0, top_p=1.0), state=state)
     _check_same(logits, SamplerSettings(top_k=10, typical=0.5), state=state)
     nan = logits.clone()
     nan[4, 7] = torch.nan
     _check_same(nan, SamplerSettings(top_k=10), state=state)
     _check_same(nan, SamplerSettings.greedy(), state=state)
-    assert state.fast_calls == 0 and state.reference_calls == 5
+    _check_same(nan, SamplerSettings(temperature=0.7), state=state)  # a NaN row: the reference
+    dense = 1 if os.environ.get(JIT_ENV, "1").strip() != "0" else 0
+    assert state.fast_calls == dense and state.reference_calls == 6 - dense
 
 
 @pytest.mark.parametrize("settings", SETTINGS[:4] + SETTINGS[5:7], ids=lambda s: repr(s)[15:60])
@@ -478,7 +482,8 @@ def test_compiled_exp_is_within_a_few_ulp():
     weights = np.empty(limit, np.float32)
     powers = np.empty(limit, np.int32)
     where = np.empty(limit, np.int32)
-    sampling_cpu._exp_below(row, limit, np.float32(1.0), np.float32(0.0), weights, powers, where)
+    sampling_cpu._exp_row(row, limit, np.float32(1.0), np.float32(0.0), weights, powers)
+    sampling_cpu._bins(row, limit, np.float32(1.0), np.float32(0.0), where)
     expected = np.exp(row.astype(np.float64))
     live = row > sampling_cpu.EXP_FLOOR
     ulp = np.spacing(expected[live].astype(np.float32)).astype(np.float64)
@@ -487,3 +492,53 @@ def test_compiled_exp_is_within_a_few_ulp():
     assert (weights[~live] == 0).all()
     bins = np.minimum(-row * sampling_cpu.MASS_BINS_PER_UNIT, sampling_cpu.MASS_BINS)
     assert (where == bins.astype(np.int32)).all()
+
+
+DENSE_SETTINGS = [
+    SamplerSettings(),  # temperature 1, nothing else: the whole row
+    SamplerSettings(temperature=0.6),
+    SamplerSettings(temperature=1.4, min_p=0.05),
+    SamplerSettings(temperature=0.9, presence_penalty=0.7, repetition_penalty=1.2),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 5, MIN_BLOCK_ROWS + 3])
+def test_rows_without_top_k_or_top_p_draw_as_the_reference(rows):
+    """Plain temperature (and min-p) rows draw from their whole distribution in one compiled
+    pass: the reference's tokens and random streams, alone and mixed with greedy, top-k and
+    top-p rows, with bans, penalties and a vocabulary limit."""
+    state = SamplerState()
+    mixed = [*DENSE_SETTINGS, SamplerSettings.greedy(), SamplerSettings(top_k=20, top_p=0.8)]
+    for seed in range(6):
+        vocab = [300, 5000, 4096][seed % 3]
+        logits = _logits(rows, vocab, seed, ties=seed % 3 == 1) * (0.5 + seed % 2)
+        _check_same(logits, DENSE_SETTINGS[seed % 4], vocab - 3 * (seed % 2), seed, state)
+        _check_same(logits, mixed, vocab - 3 * (seed % 2), seed, state)
+        _check_same(logits, DENSE_SETTINGS, None, seed, state, logprobs=1)
+    compiled = os.environ.get(JIT_ENV, "1").strip() != "0"  # (else: the reference's)
+    assert state.reference_calls == (0 if compiled else 18)
+
+
+def test_dense_draw_is_the_inverse_cdf_of_the_softmax():
+    """engine.sampling_cpu.dense_draw against the reference's softmax and inverse CDF over
+    many draws: every token is the reference's, including draws at 0 and just below 1."""
+    from engine import sampling_cpu
+
+    rows, vocab, limit = 8, 3000, 2990
+    x = _logits(rows, vocab, 7) * 2
+    x[3, 100:] = -torch.inf  # a short support
+    temps = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.8, 1.0, 3.0, 0.2])[:, None]
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.0, 0.0, 0.05])[:, None]
+    row_max = x[:, :limit].amax(-1, keepdim=True)
+    scaled = x[:, :limit] / temps
+    probs = torch.softmax(scaled, -1)
+    probs = probs * (probs >= min_p * probs.amax(-1, keepdim=True))
+    probs = probs / probs.sum(-1, keepdim=True)
+    cdf = probs.double().cumsum(-1)
+    for u in [0.0, 1e-9, 0.25, 0.5, 0.731, 0.999, 1 - 2**-40]:
+        draws = [u] * rows
+        got = sampling_cpu.dense_draw(x, limit, list(range(rows)), temps, min_p, row_max, draws)
+        targets = torch.tensor(draws, dtype=torch.float64)[:, None] * cdf[:, -1:]
+        expected = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=limit - 1)
+        assert torch.equal(got, expected), u
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
