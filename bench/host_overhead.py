@@ -101,6 +101,8 @@ MODES: dict[str, tuple[SamplerSettings, tuple[str, ...]]] = {
     "greedy": (SamplerSettings.greedy(), ()),
     "topk_topp": (SamplerSettings(**TOP), ()),
     "topp": (SamplerSettings(temperature=0.8, top_p=0.9), ()),  # no top_k: the OpenAI style
+    # temperature alone (top_p 1, no top_k): what an OpenAI client sends by default
+    "temperature": (SamplerSettings(temperature=1.0), ()),
     "penalties": (SamplerSettings(**TOP, repetition_penalty=1.1, presence_penalty=0.5), ()),
     "greedy_stop": (SamplerSettings.greedy(), STOP_STRINGS),
 }

@@ -25,7 +25,7 @@ def test_quick_run_reports_every_mode_and_part(tmp_path: pathlib.Path) -> None:
     assert report["benchmark"] == "host_overhead" and report["quick"] is True
     assert report["model"]["logits_width"] > report["model"]["tokenizer_vocab"]
     results = report["results"]
-    modes = {"greedy", "topk_topp", "topp", "penalties", "greedy_stop"}
+    modes = {"greedy", "topk_topp", "topp", "temperature", "penalties", "greedy_stop"}
     stages = ("inline", "deferred")
     assert {(r["mode"], r["batch"], r["text_stage"]) for r in results} == {
         (m, b, s) for m in modes for b in (1, 4) for s in stages
