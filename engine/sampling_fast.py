@@ -103,12 +103,12 @@ _SETTINGS_KEY = attrgetter(
 class RowParams:
     """Per-row sampling parameters of one batch, as tensors on the logits' device."""
 
-    key: tuple  # (device, compiled loops or not, every row's settings values): a change rebuilds
+    key: tuple  # (device, dense rows fast or not, every row's settings values): a change rebuilds
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     fast: bool  # every sampled row is one the candidate path (or the dense draw) handles
     # sampled rows drawn from their whole distribution (no top_k, no top_p; temperature and
-    # min_p only) by engine.sampling_cpu.dense_draw: float32 CPU rows with the compiled loops
+    # min_p only): by engine.sampling_cpu.dense_draw on the CPU, by the kernels on CUDA
     dense_rows: list[int]
     # [B] bool: rows whose candidates nobody reads (greedy and dense rows)
     no_candidates: torch.Tensor
@@ -126,10 +126,10 @@ class RowParams:
 
     @classmethod
     def build(
-        cls, key: tuple, requests: Sequence[SampleRequest], device, compiled: bool = False
+        cls, key: tuple, requests: Sequence[SampleRequest], device, dense_ok: bool = False
     ) -> RowParams:
-        """``compiled``: the logits will be float32 CPU rows for engine.sampling_cpu (dense
-        rows are then fast too)."""
+        """``dense_ok``: dense rows are drawn without the reference on ``device``
+        (``_dense_draw_available``): they are then fast too."""
         settings = [r.settings for r in requests]
         greedy = [s.is_greedy for s in settings]
         dense = [not g and _is_dense(s) for s, g in zip(settings, greedy, strict=True)]
@@ -139,7 +139,7 @@ class RowParams:
                 (2 <= s.top_k <= MAX_FAST_TOP_K or (s.top_k == 0 and s.top_p < 1.0))
                 and s.typical >= 1.0
             )
-            or (compiled and _is_dense(s))
+            or (dense_ok and _is_dense(s))
             for s in sampled
         )
         unbounded = [
@@ -224,10 +224,10 @@ class SamplerState:
 
     def params(self, requests: Sequence[SampleRequest], device) -> RowParams:
         # keyed by value: settings objects are mutable, their identity proves nothing
-        compiled = _dense_draw_available(device)
-        key = (str(device), compiled, tuple(_SETTINGS_KEY(r.settings) for r in requests))
+        dense_ok = _dense_draw_available(device)
+        key = (str(device), dense_ok, tuple(_SETTINGS_KEY(r.settings) for r in requests))
         if self._params is None or self._params.key != key:
-            self._params = RowParams.build(key, requests, device, compiled)
+            self._params = RowParams.build(key, requests, device, dense_ok)
         return self._params
 
     def sample(
@@ -278,8 +278,7 @@ class SamplerState:
             self.fast_calls += 1
             self._forget_others(requests)
             return DeviceSample(tokens, flags)
-        # (dense rows draw in engine.sampling_cpu's loops: never on the kernels)
-        if params.fast and not params.dense_rows and not extras and self._kernels_for(logits):
+        if params.fast and not extras and self._kernels_for(logits):
             with torch.inference_mode():
                 tokens, flags = self._kernels_on_device(logits, requests, vocab_limit, params)
             self.fast_calls += 1
@@ -465,9 +464,12 @@ def _is_dense(settings) -> bool:
 
 
 def _dense_draw_available(device) -> bool:
-    """Whether rows on ``device`` go through engine.sampling_cpu's loops (the sampler makes
-    them float32 and contiguous: only the device and ENGINE_SAMPLING_JIT decide)."""
-    return torch.device(device).type == "cpu" and os.environ.get(JIT_ENV, "1").strip() != "0"
+    """Whether dense rows on ``device`` are drawn without the reference: by
+    engine.sampling_cpu's loops on the CPU (the sampler makes rows float32 and contiguous:
+    only ENGINE_SAMPLING_JIT decides), by the kernels on CUDA where ``_choose`` takes them."""
+    if torch.device(device).type == "cpu":
+        return os.environ.get(JIT_ENV, "1").strip() != "0"
+    return _kernels_wanted_on(device)
 
 
 def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total, histogram=None):
@@ -490,7 +492,13 @@ def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total,
 
 
 def _kernels_wanted(x: torch.Tensor) -> bool:
-    if not x.is_cuda or os.environ.get(SAMPLING_KERNELS_ENV, "1").strip() == "0":
+    return _kernels_wanted_on(x.device)
+
+
+def _kernels_wanted_on(device) -> bool:
+    """Whether ``_choose`` takes the kernels for tensors on ``device``."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get(SAMPLING_KERNELS_ENV, "1").strip() == "0":
         return False
     from engine.cuda import _launch  # numba only where there is CUDA
 
@@ -534,8 +542,9 @@ def _kernel_rows(params: RowParams):
     temps = params.temps.reshape(-1)
     top_p = params.top_p.reshape(-1) if params.top_p is not None else torch.ones_like(temps)
     min_p = params.min_p.reshape(-1) if params.min_p is not None else torch.zeros_like(temps)
-    # RowParams' top_k is 1 for rows without one; the kernels' 0 means none
-    top_k = params.top_k.masked_fill(params.unbounded, 0).reshape(-1)
+    # RowParams' top_k is 1 for rows without one (dense rows too); the kernels' 0 means none
+    dense = (params.no_candidates & ~params.greedy)[:, None]
+    top_k = params.top_k.masked_fill(params.unbounded | dense, 0).reshape(-1)
     rows = SampleRows(temps, top_k, top_p, min_p, params.greedy)
     _kernel_rows_cache = (params, rows)
     return rows

@@ -133,6 +133,8 @@ CASES = {
     "top_p": [S(top_p=0.5), S(top_p=0.9, temperature=1.5), S(top_p=0.99, temperature=0.6)],
     "mixed": MIXED,
     "temperatures": [S(top_k=50, temperature=t) for t in (0.25, 0.9, 2.0, 5.0)],
+    # no top_k, no top_p: the whole row (the torch path's compiled dense draw on the CPU)
+    "dense": [S(), S(temperature=0.6), S(temperature=1.4, min_p=0.05), S(top_k=5), S.greedy()],
 }
 
 
@@ -197,11 +199,8 @@ def _random_settings(rng: random.Random) -> SamplerSettings:
 @pytest.mark.parametrize("seed", range(3))
 def test_random_settings_match_the_torch_path(seed):
     rng = random.Random(seed)
-    settings = []
-    while len(settings) < 6:
-        s = _random_settings(rng)
-        if s.is_greedy or s.top_k or s.top_p < 1.0:  # the rest go to the reference, unsampled
-            settings.append(s)
+    # (rows without a top_k or top_p draw from the whole row: the kernels take them too)
+    settings = [_random_settings(rng) for _ in range(6)]
     width = rng.choice([233, 256, 301])
     x = _logits(len(settings), width, seed=100 + seed, ties=seed == 1)
     x[rng.randrange(6), rng.sample(range(width), 40)] = -INF  # bans in one row
@@ -281,9 +280,10 @@ def test_sample_on_device_takes_the_kernels():
         S.greedy(),
         S(temperature=1.1, top_p=0.8, min_p=0.05),
         S(temperature=0.7, top_k=5, presence_penalty=0.5),
+        S(temperature=0.9, frequency_penalty=0.3),  # the whole row
     ]
     x = _logits(len(settings), 300, seed=4)
-    contexts = [[1, 2, 3, 250], [], [7, 7], [9, 10, 11]]
+    contexts = [[1, 2, 3, 250], [], [7, 7], [9, 10, 11], [4, 4, 5]]
 
     def requests(seed):
         reqs = _requests(settings, seed)
@@ -301,7 +301,7 @@ def test_sample_on_device_takes_the_kernels():
     poisoned = x.clone()
     poisoned[1, 7] = float("nan")
     out = SamplerState(kernels=True).sample_on_device(poisoned, requests(0), 290)
-    assert out.flags.tolist() == [False, True, False, False]
+    assert out.flags.tolist() == [False, True, False, False, False]
     with pytest.raises(ValueError, match="kernels"):
         SamplerState(kernels="yes")
 
