@@ -82,7 +82,9 @@ def top(x: torch.Tensor, limit: int, maxima: torch.Tensor, n: int, floors=None):
 
 MASS_BINS_PER_UNIT = 8  # histogram bins per unit of scaled logit (a factor e^(1/8) of mass)
 MASS_BINS = 256  # 32 units below the maximum: each value past them weighs below e^-32
-MASS_MARGIN = 1e-3  # the candidates' mass exceeds top_p's by this much (float32 cumsums)
+# the candidates hold top_p's mass plus this fraction of the row's (the cut compares float32
+# cumsums; a cut past the candidates after all only costs a widening, ``_widened_candidates``)
+MASS_MARGIN = 1e-4
 
 
 @dataclass(slots=True)
@@ -372,8 +374,10 @@ def _mass_rows(x, limit, listed, temps, scaled_max, top_p, total, cum_counts):
             mass[k] += weights[j]
         whole = mass.sum()
         total[r] = whole
-        # top_p's mass as the candidates' cut compares it (float32), with a margin
-        target = np.float64(top_p[r] * total[r]) * (1.0 + MASS_MARGIN)
+        # top_p's mass as the candidates' cut compares it (float32), with a margin where
+        # there is room for one (a top_p within it of 1: the margin is what is left)
+        target = np.float64(top_p[r] * total[r])
+        target += min(MASS_MARGIN * whole, 0.5 * (whole - target))
         row_needed = limit
         held, count = 0.0, 0
         for k in range(bins):
@@ -486,12 +490,23 @@ def _dense_rows(x, limit, rows, temps, min_p, scaled_max, uniforms, out):
     sums = np.empty((limit + BLOCK - 1) // BLOCK, np.float64)
     for i in range(rows.shape[0]):
         r = rows[i]
+        if scaled_max[r] == np.inf:  # every finite weight is 0 beside +inf: the first +inf
+            out[i] = _first_at_least(x[r], limit, np.inf)
+            continue
         # exp(l / T - max / T): the softmax up to its scale, which the draw divides out
         _exp_row(x[r], limit, temps[r], scaled_max[r], weights, powers)
         if min_p[r] > 0:  # the row's largest weight is exp(0) = 1: min-p's threshold is min_p
             _below_to_zero(weights, limit, min_p[r])
         _block_sums(weights, limit, sums)
         out[i] = _crossing(weights, limit, sums, uniforms[r] * sums.sum())
+
+
+@_jit
+def _first_at_least(row, limit, value):
+    for j in range(limit):
+        if row[j] >= value:
+            return j
+    return 0
 
 
 @_jit

@@ -542,3 +542,21 @@ def test_dense_draw_is_the_inverse_cdf_of_the_softmax():
         expected = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=limit - 1)
         assert torch.equal(got, expected), u
         assert bool((probs.gather(1, got[:, None]) > 0).all())
+    x[5, [40, 7, 900]] = torch.inf  # a +inf logit holds all the mass: the first one
+    row_max = x[:, :limit].amax(-1, keepdim=True)
+    got = sampling_cpu.dense_draw(x, limit, [5, 6], temps, min_p, row_max, [0.3] * rows)
+    assert got.tolist()[0] == 7
+
+
+def test_top_p_near_one_sizes_the_candidates_short_of_the_row():
+    """A top_p within the mass margin of 1 still sizes the candidates from the histogram (a
+    peaked row's nucleus), not the whole row."""
+    from engine import sampling_cpu
+
+    x = _logits(4, 4000, 9) * 3
+    limit = 4000
+    temps = torch.ones(4, 1)
+    top_p = torch.full((4, 1), 0.99995)
+    row_max = x.amax(-1, keepdim=True)
+    histogram = sampling_cpu.mass_histogram(x, limit, row_max, temps, top_p, [0, 1, 2, 3])
+    assert histogram.needed < limit // 2
