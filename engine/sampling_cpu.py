@@ -44,18 +44,12 @@ SORT_IN_PLACE = 96  # candidates ordered by insertion up to this many (usually ~
 LINE = 16  # float32 values per 64-byte cache line
 
 
-def _jit(fn, fastmath=False):
+def _jit(fn):
     try:
-        return numba.njit(nogil=True, cache=True, fastmath=fastmath)(fn)
+        return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # no writable cache location: compile in each process
         logger.info("numba cannot cache %s here; compiling it in each process", fn.__name__)
-        return numba.njit(nogil=True, fastmath=fastmath)(fn)
-
-
-def _jit_sums(fn):
-    """``_jit`` for loops that only sum: reassociated, so the sums vectorise (their order,
-    and so their last bits, is the compiler's)."""
-    return _jit(fn, fastmath={"reassoc"})
+        return numba.njit(nogil=True)(fn)
 
 
 def greedy(x: torch.Tensor, limit: int, maxima: torch.Tensor, row_max: torch.Tensor):
@@ -516,13 +510,24 @@ def _below_to_zero(weights, limit, threshold):
         weights[j] = w if w >= threshold else np.float32(0.0)
 
 
-@_jit_sums
+@_jit
 def _block_sums(weights, limit, sums):
+    """Each block's weights summed in float64: four interleaved sums, which the CPU overlaps
+    (one running sum waits out each add's latency: twice the time)."""
     for b in range(sums.shape[0]):
-        total = 0.0
-        for j in range(b * BLOCK, min(limit, (b + 1) * BLOCK)):
-            total += weights[j]
-        sums[b] = total
+        start, stop = b * BLOCK, min(limit, (b + 1) * BLOCK)
+        s0 = s1 = s2 = s3 = 0.0
+        j = start
+        while j + 4 <= stop:
+            s0 += weights[j]
+            s1 += weights[j + 1]
+            s2 += weights[j + 2]
+            s3 += weights[j + 3]
+            j += 4
+        while j < stop:
+            s0 += weights[j]
+            j += 1
+        sums[b] = (s0 + s1) + (s2 + s3)
 
 
 @_jit
