@@ -18,6 +18,11 @@ the same random draws; the work differs:
   the candidates so they hold every such row's cut at once (a nucleus of hundreds of
   tokens costs one candidate pass, not several); elsewhere they start from
   ``TOP_P_CANDIDATES`` candidates, widened x4 while a cut lies past them.
+- Sampled rows with neither a top_k nor a top_p (temperature and min-p alone: "dense"
+  rows, an OpenAI client's default) draw from their whole row in one compiled pass on the
+  CPU (``engine.sampling_cpu.dense_draw``: ``exp(l / T - max / T)``, min-p's threshold,
+  the inverse CDF's crossing through block sums), by the kernels on CUDA; no softmax, no
+  cumsum over the vocabulary.
 - Per-row parameter tensors (temperature, top-k, top-p, min-p, penalties) are built once
   per batch composition and settings values (``RowParams``), not every step.
 
@@ -31,7 +36,9 @@ the same draws, the same float32 operations per candidate otherwise):
   rounding of a boundary: for one draw, a chance of about 1e-7.
 - that whole-row mass, on the compiled path, sums a polynomial ``exp`` (within ~2 ulp of
   torch's) in float64; the reference sums torch's in float32. A top-p cut moves only when
-  it lies within that rounding of a boundary too.
+  it lies within that rounding of a boundary too. So it is for a dense row's CDF (the
+  reference: ``softmax`` then a float64 cumsum; here unnormalised weights, summed by block
+  in float64), and for its min-p threshold (``min_p`` against unnormalised weights).
 - two different logits whose probabilities round to the same float32 count as a tie in the
   reference's top-k and as distinct here (the same holds for min-p's threshold, compared
   with unnormalised values here).
@@ -41,10 +48,10 @@ bit-identical; so is every result the reference produces for the cases below.
 Small all-greedy batches without penalties (fewer than ``MIN_BLOCK_ROWS`` rows) use the
 reference as it is: its one whole-row ``max`` costs less than more, smaller calls there.
 
-Everything else goes to the reference, unchanged: batches with a sampled row with neither
-top_k nor top_p (its whole row is the distribution), a top_k above ``MAX_FAST_TOP_K``
-(or at least the vocabulary), typical sampling,
-``return_probs`` or ``top_k_return``, and rows with NaN or with every token banned. A row
+Everything else goes to the reference, unchanged: batches with a top_k above
+``MAX_FAST_TOP_K`` (or at least the vocabulary), typical sampling, ``return_probs`` or
+``top_k_return``, dense rows where neither the compiled loops (``ENGINE_SAMPLING_JIT=0``)
+nor the kernels run, and rows with NaN or with every token banned. A row
 whose ties at its k-th value reach past the candidates (the reference keeps every token tied
 with the k-th) widens the candidates, as a top-p cut past them does; only a row tied all the
 way to the vocabulary's end goes to the reference.
