@@ -1,5 +1,6 @@
-"""``Blocks.greedy`` and ``Blocks.top`` (``engine.sampling_candidates``) for float32 rows on the
-CPU as compiled loops (Numba, no CUDA): the same tokens and candidates, in less time.
+"""``Blocks.greedy`` and ``Blocks.top`` (``engine.sampling_candidates``), the top-p mass and
+the whole-row draw (``engine.sampling_fast``) for float32 rows on the CPU as compiled loops
+(Numba, no CUDA): the same tokens and candidates, in less time.
 
 Why: once torch's vectorised ``amax`` has the block maxima (one read of the logits, NaN
 propagated), what is left is small per row but costs torch several calls: ``topk`` over a row's
@@ -17,7 +18,16 @@ propagated), what is left is small per row but costs torch several calls: ``topk
   values ``topk`` returns, ties at the ``n``-th broken by the lower id. The scan reads ~n
   blocks per row at scattered places, which the caches no longer hold after the maxima pass
   (a miss per cache line, one after another, was half its time): each block's lines are read
-  once first, all together, so that the misses overlap.
+  once first, all together, so that the misses overlap. A caller's per-row floor (a value
+  with at least ``n`` values above it) raises ``t`` where it is higher: so an ``n`` past the
+  number of blocks is narrowed too.
+- mass histogram (rows with a top_p and no top_k): one pass computing ``exp(l / T - max / T)``
+  (a vectorised polynomial: ``math.exp`` is a call per value), summing it and binning it by
+  ``max / T - l / T``; the bins give how many of the largest values hold the top-p mass, and
+  floors for the candidate scan above.
+- dense draw (rows with neither top_k nor top_p): the same ``exp`` pass, min-p's threshold,
+  block sums, then the inverse CDF's crossing: whole blocks by their sums, ids inside the
+  block the draw falls in.
 
 Rows holding a NaN have no defined candidates (``Blocks.top``'s callers check ``row_max``):
 their values here are NaN, their ids 0.
