@@ -560,3 +560,29 @@ def test_top_p_near_one_sizes_the_candidates_short_of_the_row():
     row_max = x.amax(-1, keepdim=True)
     histogram = sampling_cpu.mass_histogram(x, limit, row_max, temps, top_p, [0, 1, 2, 3])
     assert histogram.needed < limit // 2
+
+
+@pytest.mark.parametrize("rows", [3, MIN_BLOCK_ROWS + 1])
+def test_a_token_mask_limits_every_kind_of_row_as_in_the_reference(rows):
+    """Constrained decoding's additive mask (-inf where a row may not go) over dense, top-p,
+    top-k and greedy rows: the reference's tokens, and every token allowed."""
+    settings = [
+        SamplerSettings(temperature=0.9),
+        SamplerSettings(top_p=0.8),
+        SamplerSettings(top_k=30, min_p=0.02),
+        SamplerSettings.greedy(),
+        SamplerSettings(temperature=1.2, min_p=0.1),
+    ]
+    state = SamplerState()
+    for seed in range(4):
+        vocab = 3000
+        logits = _logits(rows, vocab, seed)
+        gen = torch.Generator().manual_seed(seed)
+        mask = torch.where(torch.rand(rows, vocab, generator=gen) < 0.7, -torch.inf, 0.0)
+        reference, fast = _requests(settings, rows, vocab, seed)
+        expected = sample(logits, reference, vocab - 5, mask)
+        got = state.sample(logits, fast, vocab - 5, mask)
+        assert got.tokens == expected.tokens
+        assert all(mask[i, t] == 0 for i, t in enumerate(got.tokens))
+        assert [r.rng.random() for r in fast] == [r.rng.random() for r in reference]
+    assert state.fast_calls == 4
