@@ -84,7 +84,7 @@ class Blocks:
             ids = torch.where(in_blocks, ids, width + _first_hit(self.tail, self.row_max))
         return ids
 
-    def top(self, n: int, floors=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def top(self, n: int, floors=None, needs=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, ids) [B, n]: the ``n`` largest values of each row's first ``limit`` ids,
         descending, as ``x[:, :limit].topk(n)`` (ids among equal values may differ).
 
@@ -92,14 +92,15 @@ class Blocks:
         ``n`` sub-blocks of ``SUB`` ids with the largest maxima (the same argument one level
         down); the final ``topk`` sees ``n * SUB`` values and the tail.
 
-        ``floors``: per row a value with at least ``n`` values at or above it, or -inf
-        (``engine.sampling_cpu.MassHistogram.floors``): the compiled loops then narrow an
-        ``n`` past the blocks' reach too."""
+        ``floors``, ``needs``: per row a value with at least ``needs[r]`` (default ``n``)
+        values at or above it, or -inf (``engine.sampling_cpu.MassHistogram.bounds``): the
+        compiled loops then narrow an ``n`` past the blocks' reach too, and a row whose
+        ``needs[r]`` is below ``n`` may end in pads (value -inf, id -1) past its floor."""
         compiled = compiled_rows(self.x)
         if compiled and (self.full > n or floors is not None):
             from engine import sampling_cpu
 
-            return sampling_cpu.top(self.x, self.limit, self.maxima, n, floors)
+            return sampling_cpu.top(self.x, self.limit, self.maxima, n, floors, needs)
         if self.full <= n:  # blocks would not narrow anything
             return self.x[:, : self.limit].topk(n, dim=-1)
         rows = self.x.shape[0]

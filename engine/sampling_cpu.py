@@ -70,17 +70,23 @@ def greedy(x: torch.Tensor, limit: int, maxima: torch.Tensor, row_max: torch.Ten
     return torch.from_numpy(out)
 
 
-def top(x: torch.Tensor, limit: int, maxima: torch.Tensor, n: int, floors=None):
+def top(x: torch.Tensor, limit: int, maxima: torch.Tensor, n: int, floors=None, needs=None):
     """(values [B, n] float32, ids [B, n] long): ``Blocks.top(n)``; ``maxima`` [B, full].
-    ``floors`` (float32 [B], optional): per row a value with at least ``n`` of the row's values
-    at or above it (-inf: none known), ``MassHistogram.floors``; without one, a row's ``n``
-    must be below ``full`` or its whole row is scanned and ordered."""
+
+    ``floors`` (float32 [B], optional): per row a value with at least ``needs[r]`` (default
+    ``n``) of the row's values at or above it (-inf: none known), ``MassHistogram.bounds``;
+    without one, a row's ``n`` must be below ``full`` or its whole row is scanned and ordered.
+    ``needs`` (int64 [B], at most ``n``): a row is given at least its ``needs[r]`` largest
+    values, and more up to ``n`` only as far as its floor reaches: the rest of its ``n`` are
+    pads, value -inf and id -1."""
     rows = x.shape[0]
     values = np.empty((rows, n), dtype=np.float32)
     ids = np.empty((rows, n), dtype=np.int64)
     if floors is None:
         floors = np.full(rows, -np.inf, dtype=np.float32)
-    _top_rows(_array(x), limit, _array(maxima), n, floors, values, ids)
+    if needs is None:
+        needs = np.full(rows, n, dtype=np.int64)
+    _top_rows(_array(x), limit, _array(maxima), n, floors, needs, values, ids)
     return torch.from_numpy(values), torch.from_numpy(ids)
 
 
@@ -100,17 +106,24 @@ class MassHistogram:
 
     total: torch.Tensor  # [B, 1] float32; 0 for the other rows
     needed: int  # candidates enough for every listed row's top-p cut (0: none listed)
+    row_needed: np.ndarray  # [B] int64: each listed row's own (0: rows not listed)
     cum_counts: np.ndarray  # [B, MASS_BINS] int64: values in bins 0..j (zeros: rows not listed)
     scaled_max: np.ndarray  # [B] float32: max / T
     temps: np.ndarray  # [B] float32
 
-    def floors(self, n: int) -> np.ndarray:
-        """float32 [B]: per listed row a value with at least ``n`` of the row's values at or
-        above it (one bin lower than the histogram says: the scan compares logits, not bins);
-        -inf for the other rows and where the bins hold fewer than ``n``."""
-        out = np.empty(self.temps.shape[0], dtype=np.float32)
-        _floors(self.cum_counts, self.scaled_max, self.temps, n, out)
-        return out
+    def bounds(self, n: int, own: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(floors float32 [B], needs int64 [B]) for ``sampling_cpu.top(n)``: per listed row
+        a value with at least ``needs[r]`` of the row's values at or above it (one bin lower
+        than the histogram says: the scan compares logits, not bins), -inf for the other rows
+        and where the bins hold fewer. ``needs``: ``n``, or with ``own`` each listed row's own
+        count where smaller (its candidates end there, padded to ``n``)."""
+        needs = np.full(self.temps.shape[0], n, dtype=np.int64)
+        if own:
+            listed = self.row_needed > 0
+            needs[listed] = np.minimum(n, self.row_needed[listed])
+        floors = np.empty(self.temps.shape[0], dtype=np.float32)
+        _floors(self.cum_counts, self.scaled_max, self.temps, needs, floors)
+        return floors, needs
 
 
 def mass_histogram(
@@ -130,10 +143,18 @@ def mass_histogram(
     top_p_np = np.ascontiguousarray(_array(top_p).reshape(-1), dtype=np.float32)
     scaled_max = np.ascontiguousarray(_array(row_max).reshape(-1), dtype=np.float32) / temps_np
     total = np.zeros(batch, dtype=np.float32)
+    row_needed = np.zeros(batch, dtype=np.int64)
     cum_counts = np.zeros((batch, MASS_BINS), dtype=np.int64)
-    needed = _mass_rows(_array(x), limit, listed, temps_np, scaled_max, top_p_np, total, cum_counts)
+    _mass_rows(
+        _array(x), limit, listed, temps_np, scaled_max, top_p_np, total, row_needed, cum_counts
+    )
     return MassHistogram(
-        torch.from_numpy(total)[:, None], int(needed), cum_counts, scaled_max, temps_np
+        torch.from_numpy(total)[:, None],
+        int(row_needed.max()),
+        row_needed,
+        cum_counts,
+        scaled_max,
+        temps_np,
     )
 
 
@@ -326,7 +347,7 @@ def _collect(row, maxima, limit, t, values, ids, chosen):
 
 
 @_jit
-def _top_rows(x, limit, maxima, n, floors, out_values, out_ids):
+def _top_rows(x, limit, maxima, n, floors, needs, out_values, out_ids):
     full = maxima.shape[1]
     tail = full * BLOCK
     size = (n + n // 8 + 3) * BLOCK + (limit - tail) + BLOCK
@@ -335,18 +356,22 @@ def _top_rows(x, limit, maxima, n, floors, out_values, out_ids):
     chosen = np.empty(full, np.int64)  # a row's blocks whose maximum reaches t
     touched = 0.0
     for r in range(x.shape[0]):
-        t = _threshold(maxima[r], n)
+        need = needs[r]
+        t = _threshold(maxima[r], need)
         if floors[r] > t:  # the caller's floor is closer (n past the blocks' reach)
             t = floors[r]
         m, values, ids, reads = _collect(x[r], maxima[r], limit, t, values, ids, chosen)
         touched += reads
-        if m < n and t > -np.inf:  # a floor too high after all (rounding): every value
+        if m < need and t > -np.inf:  # a floor too high after all (rounding): every value
             m, values, ids, reads = _collect(x[r], maxima[r], limit, -np.inf, values, ids, chosen)
         _order_candidates(values, ids, m)
         for k in range(n):
             if k < m:
                 out_values[r, k] = values[k]
                 out_ids[r, k] = ids[k]
+            elif m >= need:  # past the row's own candidates: a pad
+                out_values[r, k] = -np.inf
+                out_ids[r, k] = -1
             else:  # a row holding a NaN: nothing defined
                 out_values[r, k] = np.nan
                 out_ids[r, k] = 0
@@ -354,17 +379,16 @@ def _top_rows(x, limit, maxima, n, floors, out_values, out_ids):
 
 
 @_jit
-def _mass_rows(x, limit, listed, temps, scaled_max, top_p, total, cum_counts):
+def _mass_rows(x, limit, listed, temps, scaled_max, top_p, total, row_needed, cum_counts):
     """``MassHistogram``'s pass: per listed row, ``exp(l / T - max / T)`` summed (float64,
-    stored as float32) and binned by ``max / T - l / T``; returns the candidates enough for
-    every row (``limit`` where a row's top-p mass lies past the bins)."""
+    stored as float32) and binned by ``max / T - l / T``; ``row_needed``: the candidates
+    enough for its top-p cut (``limit`` where its top-p mass lies past the bins)."""
     bins = cum_counts.shape[1]
     mass = np.zeros(bins + 1, np.float64)  # (the last bin: every value past the others)
     counts = np.zeros(bins + 1, np.int64)
     weights = np.empty(limit, np.float32)
     powers = np.empty(limit, np.int32)
     where = np.empty(limit, np.int32)
-    needed = 0
     for r in range(x.shape[0]):
         if not listed[r]:
             continue
@@ -382,17 +406,18 @@ def _mass_rows(x, limit, listed, temps, scaled_max, top_p, total, cum_counts):
         # there is room for one (a top_p within it of 1: the margin is what is left)
         target = np.float64(top_p[r] * total[r])
         target += min(MASS_MARGIN * whole, 0.5 * (whole - target))
-        row_needed = limit
-        held, count = 0.0, 0
+        needed = limit  # (the mass past the bins: every value)
+        held, count, found = 0.0, 0, False
         for k in range(bins):
             held += mass[k]
             count += counts[k]
             cum_counts[r, k] = count
-            if held >= target and row_needed == limit:
-                # one bin more: values at a bin's edge may land either side of it
-                row_needed = count + (counts[k + 1] if k + 1 < bins else 0)
-        needed = max(needed, min(row_needed, limit))
-    return needed
+            if held >= target and not found:
+                # one bin more (values at a bin's edge may land either side of it) and one
+                # value past it: the last candidate lies below the cut, which shows it inside
+                needed = count + (counts[k + 1] if k + 1 < bins else 0) + 1
+                found = True
+        row_needed[r] = min(needed, limit)
 
 
 LOG2E = np.float32(1.4426950408889634)
@@ -439,10 +464,11 @@ def _bins(row, limit, temp, top, where):
 
 
 @_jit
-def _floors(cum_counts, scaled_max, temps, n, out):
+def _floors(cum_counts, scaled_max, temps, needs, out):
     bins = cum_counts.shape[1]
     for r in range(cum_counts.shape[0]):
         out[r] = -np.inf
+        n = needs[r]
         if cum_counts[r, bins - 1] < n:
             continue
         k = 0

@@ -483,13 +483,18 @@ def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total,
     """(probs, ids) [B, m] of the ``m >= n`` largest logits: ``n``, widened (x4) while a row's
     top-p cut or the ties at its k-th lie past them; None when ties at a row's k-th reach the
     end of the vocabulary (the reference's handling). ``histogram``
-    (``engine.sampling_cpu.MassHistogram``): floors for the top-p rows' candidates."""
+    (``engine.sampling_cpu.MassHistogram``): floors for the top-p rows' candidates, each
+    row's own in the first round (short rows padded: id -1), the batch's after a widening."""
+    own = True
     while True:
         n = min(n, limit)
         if blocks is None:
             values, ids = x[:, :limit].topk(n, dim=-1)
+        elif histogram is None:
+            values, ids = blocks.top(n)
         else:
-            values, ids = blocks.top(n, None if histogram is None else histogram.floors(n))
+            values, ids = blocks.top(n, *histogram.bounds(n, own))
+        own = False
         found = _candidate_probs(values, ids, x.shape[1], params, total)
         if found is not None and (found[1] or n == limit):
             return found[0], ids
@@ -605,7 +610,8 @@ def _candidate_probs(
         mass = params.top_p * mass
         cut, last_id = _top_p_cut(probs, ids, mass, vocab)
         if total is not None:  # the cut (and every token tied with it) among the candidates
-            last = probs[:, -1:]
+            # (a row's last own candidate: pads, id -1, may follow it)
+            last = probs.gather(1, ((ids >= 0).sum(-1, keepdim=True) - 1).clamp(min=0))
             inside = bool(((last < cut) | (last == 0) | ~params.unbounded).all())
         cut = torch.where(disabled, 0.0, cut)
         # tokens tied with the cut past the number kept: lowest ids first, as the reference

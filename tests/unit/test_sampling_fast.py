@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -437,17 +438,25 @@ def test_mass_histogram_sizes_the_top_p_candidates(scale):
     assert total[5] == 0  # a row not listed
     assert torch.allclose(total[listed], expected[listed], rtol=1e-6, atol=0)
     assert 0 < histogram.needed <= limit
+    assert histogram.needed == histogram.row_needed.max() and histogram.row_needed[5] == 0
     ordered = x[:, :limit].double().div(temps.double()).sort(-1, descending=True).values
-    held = (ordered - ordered[:, :1]).exp()[:, : histogram.needed].sum(-1)
-    assert bool((held[listed] >= (top_p.squeeze(1).double() * expected)[listed]).all())
+    weights = (ordered - ordered[:, :1]).exp()
+    for r in listed:  # each row's own count holds its top-p mass
+        held = weights[r, : histogram.row_needed[r]].sum()
+        assert held >= top_p[r, 0].double() * expected[r], r
     for n in (1, 40, histogram.needed, limit // 2):
-        floors = torch.from_numpy(histogram.floors(n))
-        at_least = (x[:, :limit] >= floors[:, None]).sum(-1)
-        assert bool(((at_least >= n) | (floors == -torch.inf)).all()), n
-        assert floors[5] == -torch.inf
+        for own in (False, True):
+            floors, needs = histogram.bounds(n, own)
+            assert needs[5] == n and (needs <= n).all()
+            assert (
+                needs[listed] == (np.minimum(n, histogram.row_needed[listed]) if own else n)
+            ).all()
+            at_least = (x[:, :limit] >= torch.from_numpy(floors)[:, None]).sum(-1).numpy()
+            assert ((at_least >= needs) | (floors == -np.inf)).all(), (n, own)
+            assert floors[5] == -np.inf
     if scale < 1.0:  # flat rows: floors narrow even an n past the blocks' reach
-        floors = torch.from_numpy(histogram.floors(histogram.needed))
-        assert bool((floors[listed] > -torch.inf).any())
+        floors, _ = histogram.bounds(histogram.needed)
+        assert (floors[listed] > -np.inf).any()
 
 
 @pytest.mark.parametrize("n", [2, 60, 300])
@@ -465,11 +474,21 @@ def test_top_with_floors_orders_by_value_then_id(n, monkeypatch):
     values, ids = Blocks.of(x, limit).top(n, floors.numpy())
     assert torch.equal(values, expected_values)
     assert torch.equal(ids, expected_ids)
+    # rows that need fewer than n: their own largest, then pads past their floor
+    needs = np.array([n, max(1, n // 3), 1, n, max(1, n // 2), n], dtype=np.int64)
+    own = torch.stack([expected_values[r, needs[r] - 1] for r in range(6)])
+    values, ids = Blocks.of(x, limit).top(n, own.numpy(), needs)
+    for r in range(6):
+        real = int((ids[r] >= 0).sum())
+        assert needs[r] <= real <= n
+        assert torch.equal(values[r, :real], expected_values[r, :real])
+        assert torch.equal(ids[r, :real], expected_ids[r, :real])
+        assert bool((values[r, real:] == -torch.inf).all() and (ids[r, real:] == -1).all())
+        # every value at or above the floor is there
+        assert real == min(n, int((x[r, :limit] >= own[r]).sum()))
 
 
 def test_compiled_exp_is_within_a_few_ulp():
-    import numpy as np
-
     from engine import sampling_cpu
 
     row = np.concatenate(
