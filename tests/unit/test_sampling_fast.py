@@ -604,4 +604,5 @@ def test_a_token_mask_limits_every_kind_of_row_as_in_the_reference(rows):
         assert got.tokens == expected.tokens
         assert all(mask[i, t] == 0 for i, t in enumerate(got.tokens))
         assert [r.rng.random() for r in fast] == [r.rng.random() for r in reference]
-    assert state.fast_calls == 4
+    # (without the compiled loops the dense rows take the batch to the reference)
+    assert state.fast_calls == (4 if os.environ.get(JIT_ENV, "1").strip() != "0" else 0)
