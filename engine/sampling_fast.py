@@ -404,6 +404,8 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     n = params.max_top_k + 1
     if n > limit and not params.all_greedy:
         return None
+    if params.dense_rows and not compiled_rows(x):  # (the kernels' rows, asked for on torch)
+        return None
     # a few rows: whole-row ops cost less than more calls, unless a top-p row without a top_k
     # would sort a whole row for its nucleus (the compiled loops need the block maxima)
     if x.shape[0] < MIN_BLOCK_ROWS and not (params.unbounded_rows and compiled_rows(x)):
