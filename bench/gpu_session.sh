@@ -56,7 +56,7 @@ fi
 step kernel-launch "${LAUNCH_CAP:-90}" $PY bench/kernel_launch.py $dry --output "$OUT/kernel_launch.json"
 
 step step-gap "${GAP_CAP:-90}" $PY bench/step_gap.py $dry --batches 1 64 \
-  --sampling greedy topk_topp --output "$OUT/step_gap.json"
+  --sampling greedy topk_topp temperature --output "$OUT/step_gap.json"
 
 if [ -z "$DRY" ]; then  # (no dry run: it writes bench/results/attention_kernel.json itself)
   step attention-kernel "${ATTENTION_CAP:-60}" bash -c "$PY bench/attention_kernel.py --iters 20 \

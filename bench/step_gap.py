@@ -58,6 +58,8 @@ GOAL_BATCH = 64
 SAMPLING = {
     "greedy": {"temperature": 0.0},
     "topk_topp": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+    # temperature alone (an OpenAI client's default): the kernels draw from the whole row
+    "temperature": {"temperature": 1.0},
 }
 
 
