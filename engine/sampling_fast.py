@@ -425,19 +425,7 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     if not params.candidate_rows:
         draws = [r.rng.random() for r in requests]  # (no candidates: nothing else to wait for)
         return _with_dense(greedy_tokens, x, limit, params, row_max, draws)
-    histogram = None
-    if params.unbounded_rows and blocks is not None and compiled_rows(x):
-        from engine import sampling_cpu
-
-        histogram = sampling_cpu.mass_histogram(
-            x, limit, row_max, params.temps, params.top_p, params.unbounded_rows
-        )
-        total = histogram.total
-        n = max(n, min(histogram.needed, limit))
-    else:
-        total = _row_mass(x, limit, row_max, params)
-        if params.unbounded_rows:
-            n = max(n, TOP_P_CANDIDATES)
+    total, n, histogram = _top_p_sizing(x, limit, n, blocks, row_max, params)
     found = _widened_candidates(x, limit, n, blocks, params, total, histogram)
     if found is None:
         return None
@@ -452,6 +440,22 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
     tokens = torch.where(params.greedy, greedy_tokens, sampled)
     return _with_dense(tokens, x, limit, params, row_max, draws) if params.dense_rows else tokens
+
+
+def _top_p_sizing(x, limit: int, n: int, blocks, row_max, params: RowParams):
+    """(each row's whole mass [B, 1] or None, the candidates to start from, the
+    ``MassHistogram`` or None) for the rows with a top_p and no top_k: a compiled pass that
+    sizes the candidates on float32 CPU rows, else ``_row_mass`` and ``TOP_P_CANDIDATES``."""
+    if not params.unbounded_rows:
+        return None, n, None
+    if blocks is not None and compiled_rows(x):
+        from engine import sampling_cpu
+
+        histogram = sampling_cpu.mass_histogram(
+            x, limit, row_max, params.temps, params.top_p, params.unbounded_rows
+        )
+        return histogram.total, max(n, min(histogram.needed, limit)), histogram
+    return _row_mass(x, limit, row_max, params), max(n, TOP_P_CANDIDATES), None
 
 
 def _with_dense(tokens, x, limit: int, params: RowParams, row_max, draws) -> torch.Tensor:
