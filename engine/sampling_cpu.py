@@ -105,11 +105,15 @@ class MassHistogram:
     not widened by trial), from a histogram of the values by ``max / T - l / T``."""
 
     total: torch.Tensor  # [B, 1] float32; 0 for the other rows
-    needed: int  # candidates enough for every listed row's top-p cut (0: none listed)
-    row_needed: np.ndarray  # [B] int64: each listed row's own (0: rows not listed)
+    row_needed: np.ndarray  # [B] int64: candidates enough for each listed row's cut (0: others)
     cum_counts: np.ndarray  # [B, MASS_BINS] int64: values in bins 0..j (zeros: rows not listed)
     scaled_max: np.ndarray  # [B] float32: max / T
     temps: np.ndarray  # [B] float32
+
+    @property
+    def needed(self) -> int:
+        """Candidates enough for every listed row's top-p cut (0: none listed)."""
+        return int(self.row_needed.max())
 
     def bounds(self, n: int, own: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(floors float32 [B], needs int64 [B]) for ``sampling_cpu.top(n)``: per listed row
@@ -139,23 +143,15 @@ def mass_histogram(
     batch = x.shape[0]
     listed = np.zeros(batch, dtype=np.bool_)
     listed[rows] = True
-    temps_np = np.ascontiguousarray(_array(temps).reshape(-1), dtype=np.float32)
-    top_p_np = np.ascontiguousarray(_array(top_p).reshape(-1), dtype=np.float32)
-    scaled_max = np.ascontiguousarray(_array(row_max).reshape(-1), dtype=np.float32) / temps_np
+    temps, scaled_max = _scaled_max(row_max, temps)
     total = np.zeros(batch, dtype=np.float32)
     row_needed = np.zeros(batch, dtype=np.int64)
     cum_counts = np.zeros((batch, MASS_BINS), dtype=np.int64)
     _mass_rows(
-        _array(x), limit, listed, temps_np, scaled_max, top_p_np, total, row_needed, cum_counts
+        _array(x), limit, listed, temps, scaled_max, _per_row(top_p), total, row_needed, cum_counts
     )
-    return MassHistogram(
-        torch.from_numpy(total)[:, None],
-        int(row_needed.max()),
-        row_needed,
-        cum_counts,
-        scaled_max,
-        temps_np,
-    )
+    total_column = torch.from_numpy(total)[:, None]
+    return MassHistogram(total_column, row_needed, cum_counts, scaled_max, temps)
 
 
 def penalise(
@@ -175,6 +171,17 @@ def penalise(
 def put(flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """``flat[keys] = values`` (float32; a key given twice must come with one value twice)."""
     _put(_array(flat), _array(keys), _array(values))
+
+
+def _per_row(t: torch.Tensor) -> np.ndarray:
+    """A [B, 1] (or [B]) per-row parameter as a contiguous float32 [B] array."""
+    return np.ascontiguousarray(_array(t).reshape(-1), dtype=np.float32)
+
+
+def _scaled_max(row_max: torch.Tensor, temps: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(temperatures, ``max / T``) per row, float32 as the candidates' probabilities divide."""
+    temps = _per_row(temps)
+    return temps, _per_row(row_max) / temps
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -493,19 +500,15 @@ def dense_draw(
     ``limit`` (temperature, then min-p when given; no top-k or top-p), as the reference's
     inverse CDF in id order: the first id whose cumulative weight exceeds ``u * total``.
     ``temps``, ``min_p``, ``row_max``: [B, 1] float32; ``uniforms``: [B] (no NaN rows)."""
-    temps_np = np.ascontiguousarray(_array(temps).reshape(-1), dtype=np.float32)
-    scaled_max = np.ascontiguousarray(_array(row_max).reshape(-1), dtype=np.float32) / temps_np
-    if min_p is None:
-        min_p_np = np.zeros(temps_np.shape[0], dtype=np.float32)
-    else:
-        min_p_np = np.ascontiguousarray(_array(min_p).reshape(-1), dtype=np.float32)
+    temps, scaled_max = _scaled_max(row_max, temps)
+    min_p = np.zeros_like(temps) if min_p is None else _per_row(min_p)
     out = np.empty(len(rows), dtype=np.int64)
     _dense_rows(
         _array(x),
         limit,
         np.asarray(rows, dtype=np.int64),
-        temps_np,
-        min_p_np,
+        temps,
+        min_p,
         scaled_max,
         np.asarray(uniforms, dtype=np.float64),
         out,
