@@ -63,11 +63,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import SequenceInput, build_forward_batch
+from engine.cache import key_centers as key_centers_module
+from engine.cache.key_centers import calibration_ids, key_centers
 from engine.cuda.rotary import rotary_reference
 from engine.ops import OpSet
 
-CENTER_TOKENS = 512
-CENTER_SEED = 0
+CENTER_TOKENS = key_centers_module.CENTER_TOKENS  # the engine's key centering's choice
+CENTER_SEED = key_centers_module.CENTER_SEED
 STATS = ("rms", "absmax", "p99")
 PAGE_SIZE = 16
 
@@ -148,8 +150,7 @@ def _per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def random_ids(model, tokens: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (tokens,), generator=gen).tolist()
+    return calibration_ids(model.config.vocab_size, tokens, seed)
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,7 @@ def key_means(
     """Per layer, the mean post-RoPE key [KV, D] (float32) over one forward of ``tokens``
     uniformly random token ids (``seed``), or of ``ids`` when given, through an unquantized
     cache."""
-    acts = record_qk(model, random_ids(model, tokens, seed) if ids is None else ids)
-    return [k.mean(dim=0) for k in acts.k]
+    return key_centers(model, random_ids(model, tokens, seed) if ids is None else ids)
 
 
 def channel_stat(x: torch.Tensor, stat: str) -> torch.Tensor:

@@ -66,6 +66,7 @@ sys.path.insert(0, str(REPO))
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings  # noqa: E402
 from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
 from engine.cache.kv_cache import kv_bytes_per_token  # noqa: E402
+from engine.cache.quant import check_center  # noqa: E402
 from engine.ops import OpSet  # noqa: E402
 
 logger = logging.getLogger("kv_quant_quality")
@@ -95,6 +96,9 @@ class Mode:
     # output multiplied back; "ctr": a fixed mean key subtracted from every post-RoPE key;
     # "cal": post-RoPE keys divided per channel by scales from a calibration forward.
     adjust: tuple[str, ...] = ()
+    # the engine's key centering (``PagedCache(center_keys=...)``); None: its default (on for
+    # quantized modes)
+    center: bool | None = None
 
 
 BASELINES = {
@@ -102,23 +106,32 @@ BASELINES = {
     "fp16": Mode("fp16", "fp16", None, torch.float16),
     "bf16": Mode("bf16", "fp16", None, torch.bfloat16),
 }
+
+
+def _engine_mode(quant: str, rotate: bool, center: bool) -> Mode:
+    name = f"{quant}{'+rot' if rotate else ''}{'' if center else '-ctr'}"
+    return Mode(name, quant, rotate, center=center)
+
+
+# "q4+rot": the engine's default (keys centered); "q4+rot-ctr": center_keys=False
 MODES = {
     **BASELINES,
     **{
-        f"{quant}{'+rot' if rotate else ''}": Mode(
-            f"{quant}{'+rot' if rotate else ''}", quant, rotate
-        )
+        mode.name: mode
         for quant in ("q8", "q6", "q4")
         for rotate in (False, True)
+        for mode in (_engine_mode(quant, rotate, True), _engine_mode(quant, rotate, False))
     },
 }
-# Named on the command line only (the default run is MODES): "q4+rot+ctr", "q8+bal", ...
+# Named on the command line only (the default run is MODES): "q4+rot+ctr", "q8+bal", ... on
+# the engine's uncentered pages ("+ctr" is the bench's own centering, kept to compare with)
 EXPERIMENT_MODES = {
     f"{name}+{'+'.join(adjust)}": dataclasses.replace(
         mode, name=f"{name}+{'+'.join(adjust)}", adjust=adjust
     )
-    for name, mode in list(MODES.items())
-    if mode.quant != "fp16"
+    for mode in MODES.values()
+    if mode.quant != "fp16" and mode.center is False
+    for name in [mode.name.removesuffix("-ctr")]
     for adjust in (("bal",), ("ctr",), ("ctr", "bal"), ("cal",), ("ctr", "cal"))
 }
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
@@ -150,6 +163,7 @@ class ModeResult:
     mode: str
     quant: str
     rotate: bool
+    center: bool  # keys less the model's key centers (the engine's center_keys)
     bytes_per_token: int  # of the storage the mode stands for (a 16-bit cache: 2 per value)
     perplexity: float
     perplexity_vs_fp32: float | None = None  # relative change, 0.01 = +1%
@@ -240,7 +254,7 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
 
 
 def allocate(model: Model, pages: int, mode: Mode):
-    return model.allocate_kv(pages, PAGE_SIZE, mode.quant, mode.rotate)
+    return model.allocate_kv(pages, PAGE_SIZE, mode.quant, mode.rotate, mode.center)
 
 
 def perplexity(model: Model, ids: list[int], mode: Mode) -> float:
@@ -297,7 +311,7 @@ def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
 
 def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> list[list[int]]:
     tokens = len(prompts) * (PROMPT_TOKENS + new_tokens + PAGE_SIZE)
-    cache = PagedCache(model, tokens, PAGE_SIZE, mode.quant, mode.rotate)
+    cache = PagedCache(model, tokens, PAGE_SIZE, mode.quant, mode.rotate, mode.center)
     with mode_ops(model, mode):
         generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
         jobs = [
@@ -325,7 +339,8 @@ def storage_bytes_per_token(model: Model, mode: Mode) -> int:
     """Bytes per token of the cache the mode stands for (a rounded mode: its 16-bit cache)."""
     if mode.round_to is not None:
         return kv_bytes_per_token(model.config, mode.round_to, "fp16")
-    return PagedCache(model, PAGE_SIZE, PAGE_SIZE, mode.quant, mode.rotate).bytes_per_token()
+    cache = PagedCache(model, PAGE_SIZE, PAGE_SIZE, mode.quant, mode.rotate, mode.center)
+    return cache.bytes_per_token()
 
 
 def measure(
@@ -350,9 +365,9 @@ def measure(
     for mode in modes:
         t0 = time.perf_counter()
         ppl = perplexity(model, ids, mode) if scores else math.nan
-        result = ModeResult(
-            mode.name, mode.quant, bool(mode.rotate), storage_bytes_per_token(model, mode), ppl
-        )
+        center = check_center(mode.quant, mode.center)
+        size = storage_bytes_per_token(model, mode)
+        result = ModeResult(mode.name, mode.quant, bool(mode.rotate), center, size, ppl)
         if scores and attention_tokens and mode.name != REFERENCE:
             result.add_attention(attention_errors(model, ids[:attention_tokens], mode))
         if prompts:

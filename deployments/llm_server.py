@@ -60,11 +60,17 @@ def configure_torch_threads(option: int | None, device: torch.device) -> None:
     logger.info("torch threads capped at %d", threads)
 
 
+def _cache_mode(cache: PagedCache) -> str:
+    """'q4+rotate+center' and the like, for the log."""
+    flags = ("+rotate" if cache.rotate else "") + ("+center" if cache.center_keys else "")
+    return cache.quant + flags
+
+
 def _build_cache(model: Model, preset: Preset) -> PagedCache:
     """The replica's paged cache: ``engine.max_num_tokens`` tokens, or as many whole pages as
     ``engine.cache_bytes`` holds in ``engine.cache_quant`` (a quantized mode gets more)."""
     engine = preset.engine
-    layout = (engine.page_size, engine.cache_quant, engine.cache_rotate)
+    layout = (engine.page_size, engine.cache_quant, engine.cache_rotate, engine.cache_center_keys)
     if engine.cache_bytes is None:
         return PagedCache(model, int(engine.max_num_tokens or 0), *layout)
     cache = PagedCache.from_budget(model, engine.cache_bytes, *layout)
@@ -289,7 +295,7 @@ class LLMServer:
             "%d bytes per token, %d bytes",
             preset.model.resolve_path(),
             self.generator.generator.max_seq_len,
-            cache.quant + ("+rotate" if cache.rotate else ""),
+            _cache_mode(cache),
             cache.max_num_tokens,
             cache.num_pages,
             cache.page_size,

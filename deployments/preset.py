@@ -232,6 +232,7 @@ class EnginePreset:
     max_batch_size: int | None = None  # None: derived from the cache size
     cache_quant: str = "fp16"  # fp16 | q8 | q6 | q4 (engine/cache/quant.py)
     cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
+    cache_center_keys: bool | None = None  # quantized keys less the model's key centers
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
     # tokens read one step late, the next forward fed on the device; None: on a GPU unless
     # speculating (engine/inflight.py)
@@ -249,6 +250,9 @@ class EnginePreset:
         cache_rotate = _bool(raw, "cache_rotate", "engine")
         if cache_rotate and cache_quant == "fp16":
             raise ValueError("engine.cache_rotate: true needs a quantized engine.cache_quant")
+        cache_center_keys = _bool(raw, "cache_center_keys", "engine")
+        if cache_center_keys and cache_quant == "fp16":
+            raise ValueError("engine.cache_center_keys: true needs a quantized engine.cache_quant")
         speculative = NgramSpeculation.parse(raw.get("speculative"))
         async_scheduling = _bool(raw, "async_scheduling", "engine")
         if async_scheduling and speculative is not None:
@@ -264,6 +268,7 @@ class EnginePreset:
             max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
             cache_quant=cache_quant,
             cache_rotate=cache_rotate,
+            cache_center_keys=cache_center_keys,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
             async_scheduling=async_scheduling,
             speculative=speculative,

@@ -8,6 +8,8 @@ the attention reference take the storage it returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.cache.page_table import PageTable, budget_pages, whole_pages
@@ -18,6 +20,7 @@ from engine.cache.quant import (
     SCALE_DTYPE,
     QuantPages,
     allocate_quant_pages,
+    check_center,
     check_head_dim,
     check_quant,
     data_width,
@@ -45,8 +48,11 @@ def allocate_kv_pages(
     device: torch.device | str,
     quant: str = "fp16",
     rotate: bool | None = None,
+    key_centers: Sequence[torch.Tensor] | None = None,
 ) -> KVPages:
-    """Zeroed K/V page storage for every layer (``quant``/``rotate``: see ``PagedCache``)."""
+    """Zeroed K/V page storage for every layer (``quant``/``rotate``: see ``PagedCache``).
+    ``key_centers``: per layer, the [KV, D] vector the quantized K pages subtract from every
+    key (``QuantPages.center``); None: keys stored as they come."""
     if num_pages <= 0:
         raise ValueError(f"num_pages must be positive, got {num_pages}")
     if page_size <= 0:
@@ -55,6 +61,8 @@ def allocate_kv_pages(
     bits = QUANT_BITS[quant]
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
     if bits is None:
+        if key_centers is not None:
+            raise ValueError(f"key centers need a quantized cache, not {quant!r}")
         return [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -62,9 +70,16 @@ def allocate_kv_pages(
             )
             for _ in range(config.num_layers)
         ]
+    if key_centers is not None and len(key_centers) != config.num_layers:
+        raise ValueError(f"{len(key_centers)} key centers for {config.num_layers} layers")
+    centers = key_centers if key_centers is not None else [None] * config.num_layers
+    k_bits, v_bits = bits
     return [
-        tuple(allocate_quant_pages(*shape, b, rotate, device) for b in bits)
-        for _ in range(config.num_layers)
+        (
+            allocate_quant_pages(*shape, k_bits, rotate, device, center),
+            allocate_quant_pages(*shape, v_bits, rotate, device),
+        )
+        for center in centers
     ]
 
 
@@ -88,6 +103,9 @@ class PagedCache:
     CPU runs); "q8", "q6" (K 8 bits, V 4 bits) and "q4" store packed integers plus a float16
     scale per 32 elements, read in place by the attention. ``rotate`` (quantized modes only;
     default on) applies a 32-point Hadamard rotation per group before quantizing.
+    ``center_keys`` (quantized modes only; default on) subtracts the model's per-layer key
+    centers (``Model.key_centers``) from every key before quantizing: exact for attention,
+    smaller stored keys (engine/cache/quant.py).
     """
 
     def __init__(
@@ -97,15 +115,17 @@ class PagedCache:
         page_size: int = 16,
         quant: str = "fp16",
         rotate: bool | None = None,
+        center_keys: bool | None = None,
     ):
         self.rotate = check_quant(quant, rotate)
+        self.center_keys = check_center(quant, center_keys)
         self.model = model
         self.page_size = page_size
         self.quant = quant
         self.num_pages = whole_pages(max_num_tokens, page_size)
         self.max_num_tokens = self.num_pages * page_size
-        self.kv: KVPages = allocate_kv_pages(
-            model.config, self.num_pages, page_size, model.dtype, model.device, quant, self.rotate
+        self.kv: KVPages = model.allocate_kv(
+            self.num_pages, page_size, quant, self.rotate, self.center_keys
         )
         self.page_table = PageTable(self.num_pages, page_size)
 
@@ -117,6 +137,7 @@ class PagedCache:
         page_size: int = 16,
         quant: str = "fp16",
         rotate: bool | None = None,
+        center_keys: bool | None = None,
     ) -> PagedCache:
         """The largest cache of whole pages whose K/V storage fits ``num_bytes``: a quantized
         mode holds proportionally more tokens in the same bytes."""
@@ -125,7 +146,7 @@ class PagedCache:
             pages = budget_pages(num_bytes, per_token, page_size)
         except ValueError as e:
             raise ValueError(f"{e} in a {quant} cache") from None
-        return cls(model, pages * page_size, page_size, quant, rotate)
+        return cls(model, pages * page_size, page_size, quant, rotate, center_keys)
 
     def bytes_per_token(self) -> int:
         """Bytes one token really takes in this cache's storage, all layers, K and V."""

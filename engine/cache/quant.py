@@ -83,6 +83,16 @@ def check_quant(quant: str, rotate: bool | None) -> bool:
     return True if rotate is None else bool(rotate)
 
 
+def check_center(quant: str, center: bool | None) -> bool:
+    """Validate key centering for a cache mode; returns whether keys are centered (default:
+    yes when quantized; bench/results/kv_quant_quality.json has the measurement)."""
+    if QUANT_BITS.get(quant) is None:
+        if center:
+            raise ValueError(f"center_keys=True needs a quantized cache, not {quant!r}")
+        return False
+    return True if center is None else bool(center)
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim % GROUP:
         raise ValueError(f"a quantized cache needs head_dim divisible by {GROUP}, got {head_dim}")
@@ -109,6 +119,9 @@ class QuantPages:
     scales: torch.Tensor  # float16 [P, S, KV, D // GROUP]
     bits: int
     rotate: bool
+    # float32 [KV, D] subtracted from every row before it is quantized (key centering, see
+    # the module docstring); None: rows are stored as they come
+    center: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -126,16 +139,31 @@ class QuantPages:
 
 
 def allocate_quant_pages(
-    num_pages: int, page_size: int, kv_heads: int, head_dim: int, bits: int, rotate: bool, device
+    num_pages: int,
+    page_size: int,
+    kv_heads: int,
+    head_dim: int,
+    bits: int,
+    rotate: bool,
+    device,
+    center: torch.Tensor | None = None,
 ) -> QuantPages:
     check_head_dim(head_dim)
     shape = (num_pages, page_size, kv_heads)
     width = data_width(head_dim, bits)
+    if center is not None:
+        if tuple(center.shape) != (kv_heads, head_dim):
+            raise ValueError(
+                f"a key center must be [kv_heads, head_dim] = [{kv_heads}, {head_dim}], "
+                f"got {tuple(center.shape)}"
+            )
+        center = center.to(device=device, dtype=torch.float32).contiguous()
     return QuantPages(
         data=torch.zeros((*shape, width), dtype=data_dtype(bits), device=device),
         scales=torch.zeros((*shape, head_dim // GROUP), dtype=SCALE_DTYPE, device=device),
         bits=bits,
         rotate=rotate,
+        center=center,
     )
 
 
@@ -249,7 +277,10 @@ def dequantize_pages(pages: QuantPages, index: torch.Tensor, dtype: torch.dtype)
 
 
 def write_slots(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
-    """Quantize rows x [T, KV, D] into ``slots`` ([T] page * S + offset, all valid)."""
+    """Quantize rows x [T, KV, D] (less the pages' center, in float32) into ``slots``
+    ([T] page * S + slot in page, all valid)."""
+    if pages.center is not None:
+        x = x.float() - pages.center
     data, scales = quantize(x, pages.bits, pages.rotate)
     pages.data.view(-1, *pages.data.shape[2:]).index_copy_(0, slots, data)
     pages.scales.view(-1, *pages.scales.shape[2:]).index_copy_(0, slots, scales)

@@ -98,7 +98,8 @@ def paged_attention_quant_cuda(
 #
 # 1. Threads stride over the rotation pairs of q (rotated q goes to the output, as in
 #    rotary.py) and of k; rotated k (rounded to the run dtype, as the reference rounds it) and
-#    v go to shared memory as float32, buf[0] = K and buf[1] = V, [KV * D] each.
+#    v go to shared memory as float32, buf[0] = K and buf[1] = V, [KV * D] each; with key
+#    centering (k_pages.center) the rotated k less its center, in float32.
 # 2. With rotation, each thread computes whole output elements of the 32-point Hadamard
 #    transform of its group (sum of +-x_j, sign = parity of popcount(i & j), times 1/sqrt(32))
 #    into the second buffer.
@@ -116,7 +117,13 @@ def paged_attention_quant_cuda(
 
 @functools.cache
 def _quant_write_kernel(
-    dtype: torch.dtype, kv_heads: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool
+    dtype: torch.dtype,
+    kv_heads: int,
+    head_dim: int,
+    k_bits: int,
+    v_bits: int,
+    rotate: bool,
+    centered: bool,
 ):
     io = _launch.NUMBA_DTYPES[dtype]
     KV, D = kv_heads, head_dim
@@ -127,7 +134,9 @@ def _quant_write_kernel(
     write_v = _code_writer(v_bits, N, D)
 
     @cuda.jit
-    def kernel(q, k, v, cos, sin, k_data, v_data, k_scales, v_scales, slot_mapping, q_out):
+    def kernel(
+        q, k, v, cos, sin, k_data, v_data, k_scales, v_scales, k_center, slot_mapping, q_out
+    ):
         # sm[0] = K values, sm[1] = K scales, sm[2] = V values, sm[3] = V scales (float32)
         sm = cuda.shared.array((4, N), float32)
         tmp = cuda.shared.array((2, N), float32)
@@ -155,8 +164,13 @@ def _quant_write_kernel(
                 kh = h - num_heads
                 x1 = float32(k[t, kh, j])
                 x2 = float32(k[t, kh, j + half])
-                sm[0, kh * D + j] = float32(io(float32(io(x1 * c)) + float32(io(-x2 * s))))
-                sm[0, kh * D + j + half] = float32(io(float32(io(x2 * c)) + float32(io(x1 * s))))
+                k1 = float32(io(float32(io(x1 * c)) + float32(io(-x2 * s))))
+                k2 = float32(io(float32(io(x2 * c)) + float32(io(x1 * s))))
+                if centered:  # (the reference: the rounded key in float32, less the center)
+                    k1 -= k_center[kh, j]
+                    k2 -= k_center[kh, j + half]
+                sm[0, kh * D + j] = k1
+                sm[0, kh * D + j + half] = k2
         if write:  # uniform per block: every thread takes the same branch
             for e in range(tid, N, nt):
                 sm[2, e] = float32(v[t, e // D, e % D])
@@ -348,11 +362,14 @@ def quant_rotary_cache_write_cuda(
     threads = 32
     while threads < work and threads < _MAX_THREADS and not _launch.SIMULATOR:
         threads *= 2
+    centered = k_pages.center is not None
     kernel = _quant_write_kernel(
-        q.dtype, kv_heads, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate
+        q.dtype, kv_heads, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate, centered
     )
     if _launch.SIMULATOR:  # the simulator copies arrays in as single buffers; a GPU takes views
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    args = (q, k, v, cos, sin, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales)
+    # (not centered: the kernel never reads k_center; the scales stand in for its argument)
+    center = k_pages.center if centered else k_pages.scales
+    args = (q, k, v, cos, sin, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, center)
     _launch.launch(kernel, tokens, threads, *args, slot_mapping.contiguous(), out)
     return out

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
+from engine.cache.key_centers import key_centers
 from engine.cache.kv_cache import KVPages, allocate_kv_pages
+from engine.cache.quant import check_center, check_quant
 from engine.config import ModelConfig
 from engine.gguf_file import find_gguf_file, open_gguf
 from engine.model.llama import LlamaForCausalLM
@@ -61,6 +63,7 @@ class Model:
         self.device = network.embed.device
         self.dtype = network.embed.dtype
         self.ops: OpSet = select_ops(self.device)
+        self._key_centers: list[torch.Tensor] | None = None
 
     @classmethod
     def from_pretrained(
@@ -109,13 +112,27 @@ class Model:
         return model
 
     def allocate_kv(
-        self, num_pages: int, page_size: int = 16, quant: str = "fp16", rotate: bool | None = None
+        self,
+        num_pages: int,
+        page_size: int = 16,
+        quant: str = "fp16",
+        rotate: bool | None = None,
+        center_keys: bool | None = None,
     ) -> KVPages:
         """Paged K/V storage for this model on its device, in its dtype (or quantized: see
-        ``PagedCache``)."""
+        ``PagedCache``; quantized keys are centered by default, ``key_centers``)."""
+        check_quant(quant, rotate)
+        centers = self.key_centers() if check_center(quant, center_keys) else None
         return allocate_kv_pages(
-            self.config, num_pages, page_size, self.dtype, self.device, quant, rotate
+            self.config, num_pages, page_size, self.dtype, self.device, quant, rotate, centers
         )
+
+    def key_centers(self) -> list[torch.Tensor]:
+        """Per layer, the vector a quantized cache subtracts from every key before storing it
+        (engine/cache/key_centers.py): one calibration forward, on first use."""
+        if self._key_centers is None:
+            self._key_centers = key_centers(self)
+        return self._key_centers
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pages: KVPages) -> torch.Tensor:

@@ -79,8 +79,12 @@ def test_unknown_quant_and_bad_rotate_raise(tiny32):
 # --- attention over quantized pages vs fp16 pages -----------------------------------------
 
 
-def _attention_case(quant: str, rotate: bool, seed: int = 0):
-    """Real-model K/V would be better; random keys with an outlier channel are the hard case."""
+def _attention_case(
+    quant: str, rotate: bool, seed: int = 0, common: float = 0.0, centered: bool = False
+):
+    """Real-model K/V would be better; random keys with an outlier channel are the hard case.
+    ``common``: every key also carries one fixed random vector times this (as real keys do);
+    ``centered``: the K pages subtract the keys' mean (``QuantPages.center``)."""
     gen = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim, page = 4, 2, 64, 4
     specs = [(9, 1), (0, 6), (13, 3)]  # decode, prefill, chunked prefill
@@ -94,13 +98,15 @@ def _attention_case(quant: str, rotate: bool, seed: int = 0):
     k[..., 3] *= 6
     v = torch.randn(next_page, page, kv_heads, dim, generator=gen)
     q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
+    k += common * torch.randn(kv_heads, dim, generator=gen)
     from engine.cache.quant import allocate_quant_pages, write_slots
 
     k_bits, v_bits = QUANT_BITS[quant]
     slots = torch.arange(next_page * page)
+    center = k.reshape(-1, kv_heads, dim).mean(dim=0) if centered else None
     pages = []
-    for x, bits in ((k, k_bits), (v, v_bits)):
-        p = allocate_quant_pages(next_page, page, kv_heads, dim, bits, rotate, "cpu")
+    for x, bits, c in ((k, k_bits, center), (v, v_bits, None)):
+        p = allocate_quant_pages(next_page, page, kv_heads, dim, bits, rotate, "cpu", c)
         write_slots(p, x.reshape(-1, kv_heads, dim), slots)
         pages.append(p)
     return q, k, v, pages, batch
@@ -135,6 +141,54 @@ def test_attention_error_vs_fp16(quant, rotate):
     ds = scale * torch.einsum("tkgd,pskd->tkgps", qg, dk).abs().max().item()
     bound = dv.abs().max().item() + math.expm1(2 * ds) * v.abs().max().item()
     assert err <= bound
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_key_centering_leaves_attention_exact_and_cuts_the_error(quant):
+    """Keys sharing a large common vector: the centered pages hold k - m, and attention over
+    them is attention over k - m + m (softmax ignores the shift), with a smaller error from
+    the keys (measured against attention over the exact keys and the same dequantized V)."""
+    scale = 64**-0.5
+    errors = {}
+    for centered in (False, True):
+        q, k, _, (kq, vq), batch = _attention_case(quant, True, common=4.0, centered=centered)
+        out = quant_paged_attention_reference(q, kq, vq, batch, scale)
+        values = _dequantized(vq)
+        errors[centered] = (out - paged_attention_reference(q, k, values, batch, scale)).abs().max()
+        if centered:
+            stored = _dequantized(kq)
+            assert (stored - (k - kq.center)).abs().max() < (stored - k).abs().max() / 4
+            # the same output from the dequantized keys with the center put back
+            shifted = paged_attention_reference(q, stored + kq.center, values, batch, scale)
+            assert torch.allclose(out, shifted, rtol=1e-5, atol=1e-5)
+    assert errors[True] < errors[False] / 2, errors
+
+
+def test_paged_cache_centers_quantized_keys_by_default(tiny32):
+    model = tiny32.model
+    centers = model.key_centers()
+    cfg = model.config
+    assert len(centers) == cfg.num_layers
+    assert all(c.shape == (cfg.num_kv_heads, cfg.head_dim) for c in centers)
+    assert all(c.dtype == torch.float32 and c.abs().sum() > 0 for c in centers)
+    # one calibration forward, kept: the mean of the keys it wrote through an fp cache
+    from engine.cache.key_centers import calibration_ids
+
+    ids = calibration_ids(cfg.vocab_size)
+    pages = -(-len(ids) // 4)
+    kv = model.allocate_kv(pages, 4)
+    model.forward(build_forward_batch([SequenceInput(ids, 0, range(pages))], 4), kv)
+    for (k_pages, _), center in zip(kv, centers, strict=True):
+        keys = k_pages.reshape(-1, cfg.num_kv_heads, cfg.head_dim)[: len(ids)]
+        assert torch.allclose(keys.float().mean(dim=0), center, rtol=1e-4, atol=1e-5)
+    cache = PagedCache(model, 64, page_size=4, quant="q4")
+    assert cache.center_keys
+    for (k, v), center in zip(cache.kv, centers, strict=True):
+        assert torch.equal(k.center, center) and v.center is None
+    plain = PagedCache(model, 64, page_size=4, quant="q4", center_keys=False)
+    assert not plain.center_keys and all(k.center is None for k, _ in plain.kv)
+    with pytest.raises(ValueError, match="center_keys=True needs a quantized cache"):
+        PagedCache(model, 64, quant="fp16", center_keys=True)
 
 
 def test_attention_reads_only_the_batch_pages():

@@ -8,6 +8,8 @@ contexts of a few pages.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,28 +34,44 @@ from tests.kernels.test_attention import make_case, rel_error
 from tests.kernels.test_rotary_cache_write import make_inputs
 
 
-def _pages(quant: str, rotate: bool, num_pages: int, page_size: int, kv_heads: int, dim: int):
+def _pages(
+    quant: str,
+    rotate: bool,
+    num_pages: int,
+    page_size: int,
+    kv_heads: int,
+    dim: int,
+    center: torch.Tensor | None = None,
+):
+    k_bits, v_bits = QUANT_BITS[quant]
     return [
-        allocate_quant_pages(num_pages, page_size, kv_heads, dim, bits, rotate, DEVICE)
-        for bits in QUANT_BITS[quant]
+        allocate_quant_pages(num_pages, page_size, kv_heads, dim, k_bits, rotate, DEVICE, center),
+        allocate_quant_pages(num_pages, page_size, kv_heads, dim, v_bits, rotate, DEVICE),
     ]
 
 
 def _copy(p: QuantPages) -> QuantPages:
-    return QuantPages(p.data.clone(), p.scales.clone(), p.bits, p.rotate)
+    return dataclasses.replace(p, data=p.data.clone(), scales=p.scales.clone())
 
 
 # --- cache write ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("quant", "rotate", "dtype"),
-    [("q8", False, torch.float32), ("q4", False, torch.float16), ("q6", True, torch.float32)],
+    ("quant", "rotate", "dtype", "centered"),
+    [
+        ("q8", False, torch.float32, False),
+        ("q4", False, torch.float16, False),
+        ("q6", True, torch.float32, False),
+        ("q4", False, torch.float32, True),
+        ("q8", True, torch.float16, True),
+    ],
 )
-def test_cache_write_matches_reference(quant, rotate, dtype):
+def test_cache_write_matches_reference(quant, rotate, dtype, centered):
     torch.manual_seed(0)
     q, k, v, cos, sin, _, _ = make_inputs(3, 2, 1, 2 * GROUP, 4, 4, dtype)
-    k_pages, v_pages = _pages(quant, rotate, 4, 4, 1, 2 * GROUP)
+    center = torch.randn(1, 2 * GROUP, device=DEVICE) if centered else None
+    k_pages, v_pages = _pages(quant, rotate, 4, 4, 1, 2 * GROUP, center)
     ref_k, ref_v = _copy(k_pages), _copy(v_pages)
     slots = torch.tensor([5, -1, 14], device=DEVICE)  # the middle token is padding
     ref_q = quant_rotary_cache_write_reference(q, k, v, cos, sin, ref_k, ref_v, slots)

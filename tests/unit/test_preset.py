@@ -70,6 +70,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "cache_quant", "q3", "engine.cache_quant 'q3' is not one of"),
         ("engine", "cache_rotate", True, "engine.cache_rotate: true needs a quantized"),
         ("engine", "cache_rotate", "on", "engine.cache_rotate must be true or false, got 'on'"),
+        ("engine", "cache_center_keys", True, "engine.cache_center_keys: true needs a quantized"),
+        ("engine", "cache_center_keys", 1, "engine.cache_center_keys must be true or false, got 1"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
         (
             "engine",
@@ -152,6 +154,13 @@ def test_cache_quant_and_rotate_select_the_mode() -> None:
     engine = Preset.parse(raw).engine
     assert (engine.cache_quant, engine.cache_rotate) == ("q4", False)
     assert Preset.parse(with_value("engine", "cache_quant", "q8")).engine.cache_rotate is None
+
+
+def test_cache_center_keys_is_parsed_for_quantized_modes() -> None:
+    raw = with_value("engine", "cache_quant", "q4")
+    raw["engine"]["cache_center_keys"] = False
+    assert Preset.parse(raw).engine.cache_center_keys is False
+    assert Preset.parse(with_value("engine", "cache_quant", "q4")).engine.cache_center_keys is None
 
 
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
