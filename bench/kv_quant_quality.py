@@ -174,6 +174,11 @@ class ModeResult:
     exact_prompts_vs_fp16: int | None = None
     attention_error_max: float | None = None  # over layers, see attention_errors
     attention_error_mean: float | None = None
+    # fp32's top-2 logit margin at the position where each diverging prompt leaves fp32's
+    # continuation: small ones are near-ties that any perturbation of the scores may flip
+    divergence_margins: list[float] | None = None
+    # the fp32 row only: quantiles of that margin over every continuation position
+    margin_quantiles: dict[str, float] | None = None
     seconds: float = 0.0
 
     def add_attention(self, errors: list[float]) -> None:
@@ -327,12 +332,35 @@ def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> lis
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float, int]:
     """(mean fraction of positions before the first divergence, prompts fully equal)."""
-    fractions, exact = [], 0
-    for ref, got in zip(reference, other, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None)
-        fractions.append(1.0 if first is None else first / len(ref))
-        exact += first is None
-    return sum(fractions) / len(fractions), exact
+    firsts = first_divergences(reference, other)
+    pairs = zip(firsts, reference, strict=True)
+    fractions = [1.0 if first is None else first / len(ref) for first, ref in pairs]
+    return sum(fractions) / len(fractions), firsts.count(None)
+
+
+def first_divergences(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
+    """Per prompt, the first position where ``other`` leaves ``reference`` (None: never)."""
+    return [
+        next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None)
+        for ref, got in zip(reference, other, strict=True)
+    ]
+
+
+def continuation_margins(model: Model, prompts, continuations) -> list[list[float]]:
+    """Per prompt and continuation position, the top-2 logit margin of the model's next-token
+    logits (through an unquantized cache in the run dtype: the fp32 reference's)."""
+    margins = []
+    for prompt, tokens in zip(prompts, continuations, strict=True):
+        logits = model.logits(prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        top = logits.topk(2, dim=-1).values
+        margins.append((top[:, 0] - top[:, 1]).tolist())
+    return margins
+
+
+def margin_quantiles(margins: list[list[float]]) -> dict[str, float]:
+    flat = torch.tensor([m for row in margins for m in row])
+    levels = {"min": 0.0, "p01": 0.01, "p05": 0.05, "median": 0.5}
+    return {name: flat.quantile(q).item() for name, q in levels.items()}
 
 
 def storage_bytes_per_token(model: Model, mode: Mode) -> int:
@@ -362,6 +390,7 @@ def measure(
         raise ValueError(f"the first mode must be {REFERENCE} (the reference)")
     results: list[ModeResult] = []
     continuations: dict[str, list[list[int]]] = {}
+    margins: list[list[float]] | None = None
     for mode in modes:
         t0 = time.perf_counter()
         ppl = perplexity(model, ids, mode) if scores else math.nan
@@ -372,6 +401,14 @@ def measure(
             result.add_attention(attention_errors(model, ids[:attention_tokens], mode))
         if prompts:
             continuations[mode.name] = greedy(model, tokenizer, prompts, mode, new_tokens)
+            if mode.name == REFERENCE:
+                margins = continuation_margins(model, prompts, continuations[REFERENCE])
+                result.margin_quantiles = margin_quantiles(margins)
+            else:
+                firsts = first_divergences(continuations[REFERENCE], continuations[mode.name])
+                result.divergence_margins = [
+                    margins[i][f] for i, f in enumerate(firsts) if f is not None
+                ]
         compare(result, results, continuations)
         result.seconds = time.perf_counter() - t0
         logger.info("%s", result)

@@ -17,6 +17,7 @@ from bench.kv_quant_quality import (
     NUM_PROMPTS,
     TEXT_TOKENS,
     agreement,
+    first_divergences,
     measure,
     parse_modes,
     perplexity,
@@ -48,6 +49,24 @@ def test_agreement_metric():
     assert agreement([[1, 2, 3, 4], [1, 2, 3, 4]], [[1, 9, 3, 4], [1, 2, 3, 4]]) == (0.625, 1)
 
 
+def test_first_divergences():
+    assert first_divergences([[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 5, 3]]) == [None, 1]
+
+
+def test_divergences_carry_the_reference_margin(model, tokenizer):
+    """Each prompt q4 (unrotated, uncentered: the coarsest) leaves fp32 on gets fp32's top-2
+    logit margin at that position; the fp32 row summarises those margins at every position."""
+    ids = text_ids(tokenizer, 256)
+    prompts = [ids[i : i + 16] for i in range(0, 128, 16)]
+    fp32, q4 = measure(
+        model, tokenizer, ids[:64], prompts, 8, parse_modes("fp32,q4-ctr"), attention_tokens=0
+    )
+    quantiles = fp32.margin_quantiles
+    assert 0 <= quantiles["min"] <= quantiles["p01"] <= quantiles["p05"] <= quantiles["median"]
+    assert len(q4.divergence_margins) == len(prompts) - q4.exact_prompts > 0
+    assert all(m >= quantiles["min"] for m in q4.divergence_margins)
+
+
 def test_modes_parse_with_the_reference_first():
     assert [m.name for m in parse_modes("q4+rot, fp16,q4+rot")] == ["fp32", "q4+rot", "fp16"]
     with pytest.raises(ValueError, match="unknown mode"):
@@ -75,13 +94,16 @@ def test_a_rounded_16_bit_cache_changes_the_run(model, tokenizer):
 def test_quality_goals_on_the_full_text(model, tokenizer):
     ids = text_ids(tokenizer, TEXT_TOKENS)
     prompts = prompts_from(ids, NUM_PROMPTS)
-    modes = parse_modes("fp32,q8+rot,q4,q4+rot")
-    fp32, q8, q4, q4_rot = measure(model, tokenizer, ids, prompts, 32, modes)
-    # The issue's goal is 0.99; measured 0.93 (29 of 32 prompts identical over 32 tokens, while
-    # an fp16 or bf16 cache changes none): a shortfall on this model, held here so it cannot drop.
+    modes = parse_modes("fp32,q8+rot,q4,q4+rot,q4+rot-ctr")
+    fp32, q8, q4, q4_rot, q4_rot_uncentered = measure(model, tokenizer, ids, prompts, 32, modes)
+    # The issue's goal is 0.99; measured 0.93 (28 of 32 prompts identical over 32 tokens, while
+    # an fp16 or bf16 cache changes none; each divergence at a near-tie of fp32's two best
+    # logits): a shortfall on this model, held here so it cannot drop.
     assert q8.agreement >= 0.9
     assert abs(q8.perplexity / fp32.perplexity - 1) < 0.005
     assert q4_rot.perplexity < q4.perplexity  # the rotation (and its scale search) helps
     assert q4_rot.perplexity > q8.perplexity
-    # goal 1.02: measured 1.047 with the scale search (1.084 with absmax / 7 scales)
-    assert q4_rot.perplexity / fp32.perplexity < 1.06
+    # goal 1.02: measured 1.040 with the keys centered, 1.047 without (1.084 with absmax / 7
+    # scales, uncentered)
+    assert q4_rot.perplexity / fp32.perplexity < 1.05
+    assert q4_rot.perplexity < q4_rot_uncentered.perplexity
