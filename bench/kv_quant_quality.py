@@ -134,6 +134,14 @@ EXPERIMENT_MODES = {
     for name in [mode.name.removesuffix("-ctr")]
     for adjust in (("bal",), ("ctr",), ("ctr", "bal"), ("cal",), ("ctr", "cal"))
 }
+# bench/kv_zero_point.py: 4-bit groups with a zero point, emulated on an unquantized cache (keys
+# centered as the engine centers them); "zpk": keys only, values as the engine's q4 stores them
+EXPERIMENT_MODES.update(
+    {
+        f"q4+rot+{adjust}": Mode(f"q4+rot+{adjust}", "q4", True, adjust=(adjust,))
+        for adjust in ("zp", "zpk")
+    }
+)
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
 CALIBRATION = {"stat": "absmax", "alpha": 0.5, "query_alpha": 0.5, "pairs": False}  # --cal-*
@@ -236,8 +244,14 @@ def mode_ops(model: Model, mode: Mode) -> Iterator[OpSet]:
 
 
 def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
-    """``ops`` with the bench-only K/V experiments of bench/kv_balance.py."""
+    """``ops`` with the bench-only K/V experiments of bench/kv_balance.py (and
+    bench/kv_zero_point.py)."""
     from bench import kv_balance
+
+    if "zp" in adjust or "zpk" in adjust:
+        from bench import kv_zero_point
+
+        return kv_zero_point.zero_point_ops(ops, model.key_centers(), values="zp" in adjust)
 
     if "bal" in adjust:
         layers = kv_balance.model_scales(model, BALANCE_ALPHA["keys"], BALANCE_ALPHA["values"])
@@ -259,7 +273,19 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
 
 
 def allocate(model: Model, pages: int, mode: Mode):
-    return model.allocate_kv(pages, PAGE_SIZE, mode.quant, mode.rotate, mode.center)
+    return model.allocate_kv(pages, PAGE_SIZE, *storage(mode))
+
+
+def storage(mode: Mode) -> tuple[str, bool | None, bool | None]:
+    """(quant, rotate, center_keys) of the cache a mode runs on: the emulated zero-point modes
+    store their dequantized values in an unquantized cache."""
+    if emulated(mode):
+        return "fp16", None, None
+    return mode.quant, mode.rotate, mode.center
+
+
+def emulated(mode: Mode) -> bool:
+    return "zp" in mode.adjust or "zpk" in mode.adjust
 
 
 def perplexity(model: Model, ids: list[int], mode: Mode) -> float:
@@ -316,7 +342,7 @@ def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
 
 def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> list[list[int]]:
     tokens = len(prompts) * (PROMPT_TOKENS + new_tokens + PAGE_SIZE)
-    cache = PagedCache(model, tokens, PAGE_SIZE, mode.quant, mode.rotate, mode.center)
+    cache = PagedCache(model, tokens, PAGE_SIZE, *storage(mode))
     with mode_ops(model, mode):
         generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
         jobs = [
@@ -367,6 +393,7 @@ def storage_bytes_per_token(model: Model, mode: Mode) -> int:
     """Bytes per token of the cache the mode stands for (a rounded mode: its 16-bit cache)."""
     if mode.round_to is not None:
         return kv_bytes_per_token(model.config, mode.round_to, "fp16")
+    # (an emulated zero-point mode stands for the q4 layout's bytes: z sits in the scale word)
     cache = PagedCache(model, PAGE_SIZE, PAGE_SIZE, mode.quant, mode.rotate, mode.center)
     return cache.bytes_per_token()
 
@@ -394,7 +421,7 @@ def measure(
     for mode in modes:
         t0 = time.perf_counter()
         ppl = perplexity(model, ids, mode) if scores else math.nan
-        center = check_center(mode.quant, mode.center)
+        center = check_center(mode.quant, mode.center)  # (the zero-point modes: centered)
         size = storage_bytes_per_token(model, mode)
         result = ModeResult(mode.name, mode.quant, bool(mode.rotate), center, size, ppl)
         if scores and attention_tokens and mode.name != REFERENCE:
