@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from engine.batch import SequenceInput, build_forward_batch
+from engine.ops import TORCH_OPS
 
 CENTER_TOKENS = 512
 CENTER_SEED = 0
@@ -30,7 +31,10 @@ def calibration_ids(vocab_size: int, tokens: int = CENTER_TOKENS, seed: int = CE
 
 def key_centers(model, ids: list[int] | None = None) -> list[torch.Tensor]:
     """Per layer, the mean post-RoPE key float32 [KV, D] of one forward of ``ids`` (default:
-    ``calibration_ids``) through an unquantized cache, on the model's device."""
+    ``calibration_ids``) through an unquantized cache, on the model's device, with the torch
+    reference ops whatever ``model.ops`` is: any fixed vector keeps attention exact, and the
+    references are as fast as the kernels for one prefill on a GPU and far faster in the CUDA
+    simulator."""
     if ids is None:
         ids = calibration_ids(model.config.vocab_size)
     if not ids:
@@ -38,7 +42,7 @@ def key_centers(model, ids: list[int] | None = None) -> list[torch.Tensor]:
     pages = -(-len(ids) // _PAGE_SIZE)
     kv = model.allocate_kv(pages, _PAGE_SIZE)
     batch = build_forward_batch([SequenceInput(ids, 0, range(pages))], _PAGE_SIZE, model.device)
-    base = model.ops
+    base = TORCH_OPS
     sums: list[torch.Tensor] = []
 
     def write(q, k, v, cos, sin, k_pages, v_pages, slots):
