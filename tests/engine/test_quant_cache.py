@@ -8,6 +8,7 @@ model of their own (head_dim 32) with the same tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -189,6 +190,26 @@ def test_paged_cache_centers_quantized_keys_by_default(tiny32):
     assert not plain.center_keys and all(k.center is None for k, _ in plain.kv)
     with pytest.raises(ValueError, match="center_keys=True needs a quantized cache"):
         PagedCache(model, 64, quant="fp16", center_keys=True)
+
+
+def test_key_centers_run_the_reference_ops_whatever_the_model_runs(tiny32):
+    """The calibration forward never goes through ``model.ops`` (kernels, or the simulator's
+    slow ones): the centers are the same with ops that cannot run."""
+    from engine.cache.key_centers import key_centers
+
+    model = tiny32.model
+    original = model.ops
+
+    def unusable(*args, **kwargs):
+        raise AssertionError("the calibration forward called model.ops")
+
+    model.ops = dataclasses.replace(original, paged_attention=unusable, rms_norm=unusable)
+    try:
+        centers = key_centers(model)
+    finally:
+        model.ops = original
+    for got, want in zip(centers, model.key_centers(), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_attention_reads_only_the_batch_pages():
