@@ -156,13 +156,15 @@ class PagedCache:
         return self.bytes_per_token() * self.max_num_tokens
 
 
-def kv_format(kv: KVPages) -> tuple[str, bool]:
-    """(quant mode, rotate) of existing storage, to allocate scratch pages like it."""
+def kv_format(kv: KVPages) -> tuple[str, bool, bool]:
+    """(quant mode, rotate, center_keys) of existing storage, to allocate scratch pages like
+    it (the same kernel specialisations)."""
     k, v = kv[0]
     if not isinstance(k, QuantPages):
-        return "fp16", False
+        return "fp16", False, False
     bits = (k.bits, v.bits)
-    return next(q for q, b in QUANT_BITS.items() if b == bits), k.rotate
+    quant = next(q for q, b in QUANT_BITS.items() if b == bits)
+    return quant, k.rotate, k.center is not None
 
 
 def _slot_bytes(pages: Pages) -> int:

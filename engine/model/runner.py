@@ -155,13 +155,18 @@ def plan_rows(plan: StepPlan) -> list[SequenceInput]:
 
 
 def warm_up(
-    model, ops: OpSet, page_size: int, quant: str = "fp16", rotate: bool | None = None
+    model,
+    ops: OpSet,
+    page_size: int,
+    quant: str = "fp16",
+    rotate: bool | None = None,
+    center_keys: bool | None = None,
 ) -> None:
     """Run a prefill and a decode forward of ``model`` once with ``ops`` on scratch pages of
     the cache's format (the prefill crosses a page boundary), then whatever the op set
     compiles apart."""
     pages = [0, 1, 2]  # covers page_size + 2 tokens for any page size
-    kv = model.allocate_kv(len(pages), page_size, quant, rotate)
+    kv = model.allocate_kv(len(pages), page_size, quant, rotate, center_keys)
     prefill = SequenceInput([0] * (page_size + 1), num_cached=0, pages=pages)
     decode = SequenceInput([0], num_cached=page_size + 1, pages=pages)
     with torch.inference_mode():

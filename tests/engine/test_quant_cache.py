@@ -212,6 +212,16 @@ def test_key_centers_run_the_reference_ops_whatever_the_model_runs(tiny32):
         assert torch.equal(got, want)
 
 
+def test_kv_format_names_the_storage_to_allocate_scratch_pages_like(tiny32):
+    from engine.cache.kv_cache import kv_format
+
+    model = tiny32.model
+    assert kv_format(PagedCache(model, 64, page_size=4).kv) == ("fp16", False, False)
+    assert kv_format(PagedCache(model, 64, page_size=4, quant="q6").kv) == ("q6", True, True)
+    plain = PagedCache(model, 64, page_size=4, quant="q4", rotate=False, center_keys=False)
+    assert kv_format(plain.kv) == ("q4", False, False)
+
+
 def test_attention_reads_only_the_batch_pages():
     q, _, _, (kq, vq), batch = _attention_case("q8", True)
     # Poison every page the batch does not use: the output must not change.
