@@ -63,13 +63,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import SequenceInput, build_forward_batch
-from engine.cache import key_centers as key_centers_module
-from engine.cache.key_centers import calibration_ids, key_centers
+from engine.cache.key_centers import CENTER_SEED, CENTER_TOKENS, calibration_ids, key_centers
 from engine.cuda.rotary import rotary_reference
 from engine.ops import OpSet
 
-CENTER_TOKENS = key_centers_module.CENTER_TOKENS  # the engine's key centering's choice
-CENTER_SEED = key_centers_module.CENTER_SEED
 STATS = ("rms", "absmax", "p99")
 PAGE_SIZE = 16
 

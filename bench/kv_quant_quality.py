@@ -248,7 +248,7 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
     bench/kv_zero_point.py)."""
     from bench import kv_balance
 
-    if "zp" in adjust or "zpk" in adjust:
+    if zero_point(adjust):
         from bench import kv_zero_point
 
         return kv_zero_point.zero_point_ops(ops, model.key_centers(), values="zp" in adjust)
@@ -285,7 +285,12 @@ def storage(mode: Mode) -> tuple[str, bool | None, bool | None]:
 
 
 def emulated(mode: Mode) -> bool:
-    return "zp" in mode.adjust or "zpk" in mode.adjust
+    return zero_point(mode.adjust)
+
+
+def zero_point(adjust: tuple[str, ...]) -> bool:
+    """Whether the experiments are bench/kv_zero_point.py's ("zp", "zpk")."""
+    return "zp" in adjust or "zpk" in adjust
 
 
 def perplexity(model: Model, ids: list[int], mode: Mode) -> float:

@@ -27,11 +27,10 @@ import dataclasses
 
 import torch
 
-from engine.cache.quant import dequantize, hadamard, quantize, rotate_groups
+from engine.cache.quant import GROUP, dequantize, hadamard, quantize, rotate_groups
 from engine.cuda.rotary import rotary_reference
 from engine.ops import OpSet
 
-GROUP = 32
 LEVELS = 15  # codes 0..15
 FRACTIONS = (1.0, 0.95, 0.9, 0.85, 0.8)
 MIN_NORMAL = 2.0**-14  # fp16's smallest normal: a stored scale's exponent field is never 0

@@ -6,7 +6,7 @@ model alone decides it (no text, no tokenizer), the same on every machine and re
 written anywhere by one model agree. Subtracting any fixed vector from every key leaves
 attention exact; the mean is the choice that shrinks the stored keys most. Measured on SmolLM2
 over the 4096-token bench text (bench/kv_quant_quality.py): q4 with rotation went from +4.7% to
-+4.0% perplexity over fp32 (random ids and the scored text give similar means).
++4.0% perplexity over fp32.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ CENTER_SEED = 0
 _PAGE_SIZE = 16
 
 
-def calibration_ids(vocab_size: int, tokens: int = CENTER_TOKENS, seed: int = CENTER_SEED):
-    """``tokens`` token ids drawn uniformly below ``vocab_size`` from ``seed`` (a list)."""
+def calibration_ids(
+    vocab_size: int, tokens: int = CENTER_TOKENS, seed: int = CENTER_SEED
+) -> list[int]:
+    """``tokens`` token ids drawn uniformly below ``vocab_size`` from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (tokens,), generator=generator).tolist()
 
@@ -42,19 +44,18 @@ def key_centers(model, ids: list[int] | None = None) -> list[torch.Tensor]:
     pages = -(-len(ids) // _PAGE_SIZE)
     kv = model.allocate_kv(pages, _PAGE_SIZE)
     batch = build_forward_batch([SequenceInput(ids, 0, range(pages))], _PAGE_SIZE, model.device)
-    base = TORCH_OPS
-    sums: list[torch.Tensor] = []
+    means: list[torch.Tensor] = []
 
     def write(q, k, v, cos, sin, k_pages, v_pages, slots):
-        out = base.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
-        # the rows just written are the post-RoPE keys, as the model's own op rotated them
+        out = TORCH_OPS.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+        # the rows just written are the post-RoPE keys in the run dtype
         written = k_pages.view(-1, *k_pages.shape[2:]).index_select(0, slots.long())
-        sums.append(written.float().mean(dim=0))
+        means.append(written.float().mean(dim=0).contiguous())
         return out
 
     with torch.inference_mode():
-        model.network(batch, kv, dataclasses.replace(base, rotary_cache_write=write))
+        model.network(batch, kv, dataclasses.replace(TORCH_OPS, rotary_cache_write=write))
     layers = model.config.num_layers
-    if len(sums) != layers:
-        raise RuntimeError(f"{len(sums)} cache writes in one forward of {layers} layers")
-    return [s.contiguous() for s in sums]
+    if len(means) != layers:
+        raise RuntimeError(f"{len(means)} cache writes in one forward of {layers} layers")
+    return means
