@@ -113,6 +113,7 @@ class RowParams:
     key: tuple  # (device, dense rows fast or not, every row's settings values): a change rebuilds
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
+    any_greedy: bool  # (no greedy row: nobody reads the greedy tokens of a sampled batch)
     fast: bool  # every sampled row is one the candidate path (or the dense draw) handles
     # sampled rows drawn from their whole distribution (no top_k, no top_p; temperature and
     # min_p only): by engine.sampling_cpu.dense_draw on the CPU, by the kernels on CUDA
@@ -160,6 +161,7 @@ class RowParams:
             key=key,
             greedy=upload(greedy, device),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             fast=fast,
             dense_rows=[i for i, d in enumerate(dense) if d],
             candidate_rows=not all(g or d for g, d in zip(greedy, dense, strict=True)),
@@ -416,7 +418,7 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
         greedy_tokens, row_max = None, blocks.row_max
     if bool((torch.isnan(row_max) | (row_max == -math.inf)).any()):
         return None  # NaN rows and rows with every token banned: the reference's handling
-    if greedy_tokens is None:
+    if greedy_tokens is None and params.any_greedy:
         greedy_tokens = blocks.greedy()
     if params.all_greedy:
         for r in requests:  # every row draws, so a job's stream ignores its settings
@@ -424,6 +426,8 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
         return greedy_tokens
     if not params.candidate_rows:
         draws = [r.rng.random() for r in requests]  # (no candidates: nothing else to wait for)
+        if greedy_tokens is None:  # every row is dense: each gets its token there
+            greedy_tokens = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         return _with_dense(greedy_tokens, x, limit, params, row_max, draws)
     total, n, histogram = _top_p_sizing(x, limit, n, blocks, row_max, params)
     found = _widened_candidates(x, limit, n, blocks, params, total, histogram)
@@ -438,7 +442,9 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     sorted_ids = ids.gather(1, order)
     picked = _inverse_cdf(probs.gather(1, order), uniforms)
     sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
-    tokens = torch.where(params.greedy, greedy_tokens, sampled)
+    tokens = sampled
+    if greedy_tokens is not None:
+        tokens = torch.where(params.greedy, greedy_tokens, sampled)
     return _with_dense(tokens, x, limit, params, row_max, draws) if params.dense_rows else tokens
 
 
