@@ -211,8 +211,9 @@ class DeviceSample:
 
 
 class SamplerState:
-    """Sampling for one generator across steps: cached ``RowParams``, each job's
-    ``ContextCounts`` (keyed by ``SampleRequest.key``)."""
+    """Sampling for one generator across steps: cached ``RowParams``, each job's penalty
+    window (keyed by ``SampleRequest.key``): in a ``PenaltyTable`` for float32 CPU logits,
+    as a ``ContextCounts`` elsewhere."""
 
     def __init__(self, kernels: bool | None = None) -> None:
         """``kernels``: ``sample_on_device`` samples non-greedy batches with the Numba CUDA
@@ -227,7 +228,8 @@ class SamplerState:
                 raise ValueError("kernels=True needs a CUDA device or the CUDA simulator")
         self.kernels = kernels
         self._params: RowParams | None = None
-        self._contexts: dict[int, ContextCounts] = {}
+        self._contexts: dict[int, ContextCounts] = {}  # (rows the compiled loops do not take)
+        self._penalty_table = None  # engine.sampling_penalty_table.PenaltyTable, once needed
         self.fast_calls = 0  # calls served by the candidate path (the rest: the reference)
         self.reference_calls = 0
 
@@ -354,12 +356,17 @@ class SamplerState:
         # (row, its index among the penalised rows) for rows with a context to look at
         rows = [(i, j) for j, i in enumerate(params.penalised) if requests[i].context]
         if rows:
-            windows = [self._window(requests[i], vocab) for i, _ in rows]
-            pairs = PenaltyRows.gather([i for i, _ in rows], windows, vocab, raw.device)
             penalties = params.penalties
             if len(rows) < len(params.penalised):
                 penalties = penalties[[j for _, j in rows]]
-            penalise(edits, pairs, penalties)
+            if compiled_rows(raw):  # one table of every job's window, compiled loops
+                self._table().penalise(
+                    edits, raw, [i for i, _ in rows], [requests[i] for i, _ in rows], penalties
+                )
+            else:
+                windows = [self._window(requests[i], vocab) for i, _ in rows]
+                pairs = PenaltyRows.gather([i for i, _ in rows], windows, vocab, raw.device)
+                penalise(edits, pairs, penalties)
         touched = [
             i * vocab + t % vocab
             for i, r in enumerate(requests)
@@ -369,6 +376,13 @@ class SamplerState:
         if touched:
             edits.save(upload(touched, raw.device))
             _apply_bias_and_bans(raw, requests)
+
+    def _table(self):
+        if self._penalty_table is None:
+            from engine.sampling_penalty_table import PenaltyTable  # (numba: on first use)
+
+            self._penalty_table = PenaltyTable()
+        return self._penalty_table
 
     def _window(self, request: SampleRequest, vocab: int) -> ContextCounts:
         if request.key is None:  # no job to keep it for: count this context once
@@ -382,9 +396,12 @@ class SamplerState:
 
     def _forget_others(self, requests: Sequence[SampleRequest]) -> None:
         """Drop the context counts of jobs long gone (a job absent for one step keeps its)."""
+        table = self._penalty_table
         if len(self._contexts) > 2 * len(requests) + 16:
             live = {r.key for r in requests}
             self._contexts = {k: v for k, v in self._contexts.items() if k in live}
+        if table is not None and len(table) > 2 * len(requests) + 16:
+            table.forget_except({r.key for r in requests})
 
 
 def _choose(

@@ -14,7 +14,7 @@ every position it touches and puts them back (the caller's tensor is left as it 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,11 +165,12 @@ def apply_sparse_penalties(
 
 class LogitEdits:
     """Remembers the original values at flat positions before in-place edits and restores
-    them: ``save(keys)`` before editing, ``restore()`` once done (idempotent)."""
+    them: ``save(keys)`` before editing, ``restore()`` once done (idempotent). An editor that
+    keeps what it overwrote itself hands over its own undo instead (``undo_with``)."""
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor] | Callable[[], None]] = []
 
     def save(self, keys: torch.Tensor) -> torch.Tensor:
         """Remember (and return) the values at ``keys``."""
@@ -181,13 +182,22 @@ class LogitEdits:
         """Remember ``values``, read at ``keys`` before they were edited."""
         self._saved.append((keys, values))
 
+    def undo_with(self, undo: Callable[[], None]) -> None:
+        """Remember ``undo``, which puts back edits made since the last save (``restore``
+        calls it in its turn: last first)."""
+        self._saved.append(undo)
+
     def restore(self) -> None:
         # last saved first: an earlier save holds the value before every later edit
         # (a key twice in one save holds the same value twice: which write wins is moot)
         compiled = _compiled_flat(self.flat)
         if compiled:
             from engine import sampling_cpu
-        for keys, values in reversed(self._saved):
+        for entry in reversed(self._saved):
+            if callable(entry):
+                entry()
+                continue
+            keys, values = entry
             if compiled and values.dtype == torch.float32:
                 sampling_cpu.put(self.flat, keys, values)
             else:
