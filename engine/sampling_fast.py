@@ -446,6 +446,19 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
         if greedy_tokens is None:  # every row is dense: each gets its token there
             greedy_tokens = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         return _with_dense(greedy_tokens, x, limit, params, row_max, draws)
+    if compiled_rows(x) and not params.unbounded_rows:
+        found = _compiled_draw(x, limit, n, blocks, params, requests)
+    else:
+        found = _torch_draw(x, limit, n, blocks, row_max, params, requests)
+    if found is None:
+        return None
+    sampled, draws = found
+    return _merged(sampled, greedy_tokens, x, limit, params, row_max, draws)
+
+
+def _torch_draw(x, limit: int, n: int, blocks, row_max, params: RowParams, requests):
+    """(the candidate rows' tokens [B], every row's draw) with torch ops on the candidates;
+    None when a row needs the reference (then nothing is drawn)."""
     total, n, histogram = _top_p_sizing(x, limit, n, blocks, row_max, params)
     found = _widened_candidates(x, limit, n, blocks, params, total, histogram)
     if found is None:
@@ -458,11 +471,44 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
     order = ids.argsort(-1)
     sorted_ids = ids.gather(1, order)
     picked = _inverse_cdf(probs.gather(1, order), uniforms)
-    sampled = sorted_ids.gather(1, picked[:, None]).squeeze(1)
+    return sorted_ids.gather(1, picked[:, None]).squeeze(1), draws
+
+
+def _merged(sampled, greedy_tokens, x, limit: int, params: RowParams, row_max, draws):
+    """The candidate rows' ``sampled`` tokens with the greedy rows' and the dense rows'."""
     tokens = sampled
     if greedy_tokens is not None:
         tokens = torch.where(params.greedy, greedy_tokens, sampled)
     return _with_dense(tokens, x, limit, params, row_max, draws) if params.dense_rows else tokens
+
+
+def _compiled_draw(x, limit: int, n: int, blocks, params: RowParams, requests):
+    """(the candidate rows' tokens [B], every row's draw) by ``engine.sampling_cpu_draw``
+    (float32 CPU rows, each sampled one with a top_k); None when the ties at a row's k-th
+    reach the end of the vocabulary (then nothing is drawn)."""
+    from engine import sampling_cpu_draw
+
+    while True:  # the candidates, widened (x4) while the ties at a row's k-th lie past them
+        n = min(n, limit)
+        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
+        if sampling_cpu_draw.covered(values, params.temps, params.top_k, params.no_candidates):
+            break
+        if n == limit:
+            return None
+        n *= 4
+    draws = [r.rng.random() for r in requests]
+    sampled = sampling_cpu_draw.draw(
+        values,
+        ids,
+        params.temps,
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        params.no_candidates,
+        draws,
+        x.shape[1],
+    )
+    return sampled, draws
 
 
 def _top_p_sizing(x, limit: int, n: int, blocks, row_max, params: RowParams):

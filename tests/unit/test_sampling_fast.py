@@ -606,3 +606,26 @@ def test_a_token_mask_limits_every_kind_of_row_as_in_the_reference(rows):
         assert [r.rng.random() for r in fast] == [r.rng.random() for r in reference]
     # (without the compiled loops the dense rows take the batch to the reference)
     assert state.fast_calls == (4 if os.environ.get(JIT_ENV, "1").strip() != "0" else 0)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 8.0])
+def test_compiled_draw_gives_the_torch_ops_tokens(scale):
+    """engine.sampling_cpu_draw against the torch ops it stands in for (_candidate_probs and
+    the inverse CDF), on the same candidates and draws: the same token in every row, over
+    batches mixing top-k, top-p, min-p and greedy rows, with ties (rounded logits) too."""
+    from engine.sampling_fast import _compiled_draw, _torch_draw
+
+    settings = [s for s in SETTINGS if s.is_greedy or s.top_k > 1]
+    state = SamplerState()
+    for seed in range(6):
+        logits = _logits(64, 3000, seed, ties=seed % 2 == 1) * scale
+        requests = _requests(settings, 64, 3000, seed)
+        params = state.params(requests[0], logits.device)
+        blocks = Blocks.of(logits, 3000)
+        n = params.max_top_k + 1
+        compiled = _compiled_draw(logits, 3000, n, blocks, params, requests[0])
+        torch_ops = _torch_draw(logits, 3000, n, blocks, blocks.row_max, params, requests[1])
+        assert compiled is not None and torch_ops is not None
+        drawn = ~params.no_candidates
+        assert torch.equal(compiled[0][drawn], torch_ops[0][drawn]), seed
+        assert compiled[1] == torch_ops[1]  # the same draws, one per row
