@@ -69,7 +69,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(0, self._read_offset)
-        self.text = ""  # everything emitted so far
+        # everything emitted so far, as chunks: a string grown by += is copied whole each
+        # token (an attribute is never resized in place), O(n^2) over a long stream
+        self._emitted: list[str] = []
 
     def _kept(self, ids: TokenIds) -> list[int]:
         # decode() drops skipped special tokens before its decoder runs, so dropping them here
@@ -89,6 +91,11 @@ class IncrementalDetokenizer:
         # of every job: skip decode()'s conversion.
         return self._tokenizer.decode_list(self._ids[start:end], self._decode_special)
 
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
+
     def add(self, token_ids: TokenIds) -> str:
         """Append token(s); return the text that became final (may be "")."""
         if isinstance(token_ids, int) and self._read_offset == len(self._ids):
@@ -99,7 +106,7 @@ class IncrementalDetokenizer:
                 self._ids = [token_ids]
                 self._prefix_offset, self._read_offset = 0, 1
                 self._prefix_text = text
-                self.text += text
+                self._emitted.append(text)
                 return text
         new_ids = self._kept(token_ids)
         if not new_ids:
@@ -142,7 +149,7 @@ class IncrementalDetokenizer:
         del self._ids[:start]  # keep only the new context window and anything still pending
         self._prefix_offset, self._read_offset = 0, end - start
         self._prefix_text = self._decode(0, self._read_offset)
-        self.text += out
+        self._emitted.append(out)
         return out
 
     def _forced_split(self, window: str) -> tuple[str, int]:

@@ -123,7 +123,7 @@ class DynamicJob:
         self.new_token_ids: list[int] = []
         self.accepted_draft_tokens = 0  # speculative decoding: drafts verified and kept
         self.rejected_draft_tokens = 0
-        self.full_completion = ""
+        self._completion: list[str] = []  # (chunks: see full_completion)
         self.finished = False
         self._held_text = ""
         self._detok = None
@@ -322,8 +322,9 @@ class DynamicJob:
             raise RuntimeError(f"job {self.identifier!r} holds no pending token to replace")
         if token_tensor is None:
             token_tensor = torch.tensor([[token]], dtype=torch.long)
-        data: dict[str, Any] = {}
-        _attach_token_data(data, token_tensor, prob, top_tokens, top_probs, logits)
+        data: dict[str, Any] = {"token_ids": token_tensor}
+        if prob is not None or top_tokens is not None or logits is not None:
+            _attach_token_data(data, token_tensor, prob, top_tokens, top_probs, logits)
         if logprobs is not None:
             _attach_logprobs(data, *logprobs)
         return data
@@ -515,9 +516,16 @@ class DynamicJob:
         self._held_text = ""
         return self._finish(result, text, "cancelled")
 
+    @property
+    def full_completion(self) -> str:
+        """The text emitted so far (kept as chunks: a string attribute grown by += is copied
+        whole each token, O(n^2) over a long completion)."""
+        return "".join(self._completion)
+
     def _add_text(self, result: dict[str, Any], text: str) -> None:
         result["text"] = text
-        self.full_completion += text
+        if text:
+            self._completion.append(text)
 
     def _finish(self, result: dict[str, Any], text: str, reason: str, **trigger) -> dict:
         self._add_text(result, text)
