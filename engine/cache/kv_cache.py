@@ -139,9 +139,11 @@ class PagedCache:
         rotate: bool | None = None,
         center_keys: bool | None = None,
     ) -> PagedCache:
-        """The largest cache of whole pages whose K/V storage fits ``num_bytes``: a quantized
-        mode holds proportionally more tokens in the same bytes."""
+        """The largest cache of whole pages whose K/V storage (key centers included) fits
+        ``num_bytes``: a quantized mode holds proportionally more tokens in the same bytes."""
         per_token = kv_bytes_per_token(model.config, model.dtype, quant)
+        if check_center(quant, center_keys):
+            num_bytes -= center_bytes(model.config)
         try:
             pages = budget_pages(num_bytes, per_token, page_size)
         except ValueError as e:
@@ -153,7 +155,12 @@ class PagedCache:
         return sum(_slot_bytes(k) + _slot_bytes(v) for k, v in self.kv)
 
     def num_bytes(self) -> int:
-        return self.bytes_per_token() * self.max_num_tokens
+        """Bytes of the whole storage: the pages, and the key centers of a centered cache."""
+        centers = sum(k.center.numel() * k.center.element_size() for k, _ in self._centered())
+        return self.bytes_per_token() * self.max_num_tokens + centers
+
+    def _centered(self):
+        return [(k, v) for k, v in self.kv if isinstance(k, QuantPages) and k.center is not None]
 
 
 def kv_format(kv: KVPages) -> tuple[str, bool, bool]:
@@ -165,6 +172,11 @@ def kv_format(kv: KVPages) -> tuple[str, bool, bool]:
     bits = (k.bits, v.bits)
     quant = next(q for q, b in QUANT_BITS.items() if b == bits)
     return quant, k.rotate, k.center is not None
+
+
+def center_bytes(config) -> int:
+    """Bytes of a centered cache's key centers: float32 [KV, D] per layer."""
+    return config.num_layers * config.num_kv_heads * config.head_dim * 4
 
 
 def _slot_bytes(pages: Pages) -> int:

@@ -50,7 +50,12 @@ def test_storage_layout_and_bytes_per_token(tiny32, quant):
     assert cache.bytes_per_token() == want == kv_bytes_per_token(cfg, cache.model.dtype, quant)
     tensors = [t for kv in cache.kv for p in kv for t in (p.data, p.scales)]
     storage = sum(t.numel() * t.element_size() for t in tensors)
-    assert storage == cache.num_bytes() == want * 64
+    assert storage == want * 64
+    centers = [k.center for k, _ in cache.kv]  # (float32 [KV, D] per layer)
+    assert all(c.shape == (cfg.num_kv_heads, cfg.head_dim) for c in centers)
+    assert cache.num_bytes() == storage + sum(c.numel() * 4 for c in centers)
+    plain = PagedCache(tiny32.model, 64, page_size=4, quant=quant, center_keys=False)
+    assert plain.num_bytes() == storage
 
 
 def test_budget_gives_proportionally_more_pages(tiny32):
