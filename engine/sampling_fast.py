@@ -218,7 +218,7 @@ class SamplerState:
     def __init__(self, kernels: bool | None = None) -> None:
         """``kernels``: ``sample_on_device`` samples non-greedy batches with the Numba CUDA
         kernels (``engine.cuda.sampling``); None: on CUDA logits when they are available
-        (True also under the CUDA simulator, for tests)."""
+        (True also under the CUDA simulator, for tests); False: never, in ``sample`` either."""
         if kernels is not None and not isinstance(kernels, bool):
             raise ValueError(f"kernels must be a bool or None, got {kernels!r}")
         if kernels:
@@ -327,7 +327,8 @@ class SamplerState:
     def _sample_fast(self, logits, requests, vocab_limit, token_mask, params: RowParams):
         with self._edited(logits, requests, vocab_limit, params) as (raw, limit):
             x = raw if token_mask is None else raw + token_mask[:, : raw.shape[1]]
-            tokens = _choose(x, limit, params, requests)
+            # (kernels=False keeps sample() on the torch ops too; None and True: the device's)
+            tokens = _choose(x, limit, params, requests, False if self.kernels is False else None)
         if tokens is None:
             return None
         out = SampleOutput(tokens=tokens.tolist())

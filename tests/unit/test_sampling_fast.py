@@ -629,3 +629,23 @@ def test_compiled_draw_gives_the_torch_ops_tokens(scale):
         drawn = ~params.no_candidates
         assert torch.equal(compiled[0][drawn], torch_ops[0][drawn]), seed
         assert compiled[1] == torch_ops[1]  # the same draws, one per row
+
+
+def test_kernels_false_keeps_sample_on_the_torch_ops(monkeypatch):
+    """SamplerState(kernels=False): sample() never takes the kernels, even where they would
+    run (here: made to look available); the default takes them there."""
+    import engine.sampling_fast as sampling_fast
+
+    calls = []
+
+    def kernels(x, limit, params, requests):
+        calls.append(len(requests))
+        return sampling_fast._choose_with_torch(x, limit, params, requests)
+
+    monkeypatch.setattr(sampling_fast, "_kernels_wanted", lambda x: True)
+    monkeypatch.setattr(sampling_fast, "_choose_with_kernels", kernels)
+    logits = _logits(MIN_BLOCK_ROWS, 500, 0)
+    _check_same(logits, SETTINGS[0], state=SamplerState(kernels=False))
+    assert calls == []
+    _check_same(logits, SETTINGS[0], state=SamplerState())
+    assert calls == [MIN_BLOCK_ROWS]
