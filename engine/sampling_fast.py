@@ -17,7 +17,9 @@ the same random draws; the work differs:
   (``engine.sampling_cpu.mass_histogram``) and also bins the mass by value, which sizes
   the candidates so they hold every such row's cut at once (a nucleus of hundreds of
   tokens costs one candidate pass, not several); elsewhere they start from
-  ``TOP_P_CANDIDATES`` candidates, widened x4 while a cut lies past them.
+  ``TOP_P_CANDIDATES`` candidates, widened x4 while a cut lies past them. On float32 CPU
+  rows the candidates' distribution and draw are compiled loops too
+  (``engine.sampling_cpu_draw``), elsewhere torch ops.
 - Sampled rows with neither a top_k nor a top_p (temperature and min-p alone: "dense"
   rows, an OpenAI client's default) draw from their whole row in one compiled pass on the
   CPU (``engine.sampling_cpu.dense_draw``: ``exp(l / T - max / T)``, min-p's threshold,
@@ -447,8 +449,8 @@ def _choose_with_torch(x: torch.Tensor, limit: int, params: RowParams, requests)
         if greedy_tokens is None:  # every row is dense: each gets its token there
             greedy_tokens = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         return _with_dense(greedy_tokens, x, limit, params, row_max, draws)
-    if compiled_rows(x) and not params.unbounded_rows:
-        found = _compiled_draw(x, limit, n, blocks, params, requests)
+    if compiled_rows(x):
+        found = _compiled_draw(x, limit, n, blocks, row_max, params, requests)
     else:
         found = _torch_draw(x, limit, n, blocks, row_max, params, requests)
     if found is None:
@@ -483,33 +485,30 @@ def _merged(sampled, greedy_tokens, x, limit: int, params: RowParams, row_max, d
     return _with_dense(tokens, x, limit, params, row_max, draws) if params.dense_rows else tokens
 
 
-def _compiled_draw(x, limit: int, n: int, blocks, params: RowParams, requests):
+def _compiled_draw(x, limit: int, n: int, blocks, row_max, params: RowParams, requests):
     """(the candidate rows' tokens [B], every row's draw) by ``engine.sampling_cpu_draw``
-    (float32 CPU rows, each sampled one with a top_k); None when the ties at a row's k-th
-    reach the end of the vocabulary (then nothing is drawn)."""
-    from engine import sampling_cpu_draw
+    (float32 CPU rows); None when a row needs the reference (then nothing is drawn)."""
+    from engine import sampling_cpu_draw as draw
 
-    while True:  # the candidates, widened (x4) while the ties at a row's k-th lie past them
+    total, n, histogram = _top_p_sizing(x, limit, n, blocks, row_max, params)
+    own = True  # (as _widened_candidates: each row's own count first, then the batch's)
+    while True:  # widened (x4) while ties at a row's k-th, or a top-p cut, lie past them
         n = min(n, limit)
-        values, ids = x[:, :limit].topk(n, dim=-1) if blocks is None else blocks.top(n)
-        if sampling_cpu_draw.covered(values, params.temps, params.top_k, params.no_candidates):
+        if blocks is None:
+            values, ids = x[:, :limit].topk(n, dim=-1)
+        elif histogram is None:
+            values, ids = blocks.top(n)
+        else:
+            values, ids = blocks.top(n, *histogram.bounds(n, own))
+        own = False
+        answer, probs = draw.final_probs(values, ids, params, total, x.shape[1])
+        if answer == draw.READY or (answer == draw.CUT_PAST and n == limit):
             break
         if n == limit:
             return None
         n *= 4
     draws = [r.rng.random() for r in requests]
-    sampled = sampling_cpu_draw.draw(
-        values,
-        ids,
-        params.temps,
-        params.top_k,
-        params.top_p,
-        params.min_p,
-        params.no_candidates,
-        draws,
-        x.shape[1],
-    )
-    return sampled, draws
+    return draw.pick(probs, ids, params.no_candidates, draws), draws
 
 
 def _top_p_sizing(x, limit: int, n: int, blocks, row_max, params: RowParams):

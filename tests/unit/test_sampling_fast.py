@@ -612,19 +612,20 @@ def test_a_token_mask_limits_every_kind_of_row_as_in_the_reference(rows):
 def test_compiled_draw_gives_the_torch_ops_tokens(scale):
     """engine.sampling_cpu_draw against the torch ops it stands in for (_candidate_probs and
     the inverse CDF), on the same candidates and draws: the same token in every row, over
-    batches mixing top-k, top-p, min-p and greedy rows, with ties (rounded logits) too."""
+    batches mixing top-k, top-p with and without a top-k, min-p and greedy rows, with ties
+    (rounded logits) too."""
     from engine.sampling_fast import _compiled_draw, _torch_draw
 
-    settings = [s for s in SETTINGS if s.is_greedy or s.top_k > 1]
     state = SamplerState()
     for seed in range(6):
         logits = _logits(64, 3000, seed, ties=seed % 2 == 1) * scale
+        settings = SETTINGS if seed % 3 else [s for s in SETTINGS if s.top_k != 0]
         requests = _requests(settings, 64, 3000, seed)
         params = state.params(requests[0], logits.device)
         blocks = Blocks.of(logits, 3000)
-        n = params.max_top_k + 1
-        compiled = _compiled_draw(logits, 3000, n, blocks, params, requests[0])
-        torch_ops = _torch_draw(logits, 3000, n, blocks, blocks.row_max, params, requests[1])
+        n, row_max = params.max_top_k + 1, blocks.row_max
+        compiled = _compiled_draw(logits, 3000, n, blocks, row_max, params, requests[0])
+        torch_ops = _torch_draw(logits, 3000, n, blocks, row_max, params, requests[1])
         assert compiled is not None and torch_ops is not None
         drawn = ~params.no_candidates
         assert torch.equal(compiled[0][drawn], torch_ops[0][drawn]), seed
