@@ -294,17 +294,49 @@ def _order_candidates(values, ids, m):
             values[k + 1] = v
             ids[k + 1] = d
         return
-    # one sort of int64 keys, (descending value, id): half the time of a stable argsort and
-    # its two gathers
+    # a stable radix sort of 32-bit keys that order the values descending: the candidates
+    # come in id order, so ties stay by id. Four counting passes (fewer where every key
+    # shares a byte) over hundreds of candidates (a wide top-p nucleus) took ~1/3 of the
+    # time of numpy's sort of (value, id) int64 keys, whose comparisons mispredict half the
+    # time on random values
     keys = np.empty(m, np.int64)
     bits = values[:m].view(np.int32)
     for i in range(m):
         values[i] += np.float32(0.0)  # -0.0 -> +0.0: tied with 0.0 as topk ties them
-        keys[i] = (np.int64(_descending(bits[i])) + 2**31) << 31 | ids[i]
-    keys.sort()
+        keys[i] = np.int64(_descending(bits[i])) + 2**31
+    keys, order = _radix_sort(keys, ids[:m].copy())
     for i in range(m):
-        ids[i] = keys[i] & (2**31 - 1)
-        bits[i] = _from_descending(np.int32((keys[i] >> 31) - 2**31))
+        ids[i] = order[i]
+        bits[i] = _from_descending(np.int32(keys[i] - 2**31))
+
+
+@_jit
+def _radix_sort(keys, ids):
+    """(keys, ids) ordered by ``keys`` (int64 in [0, 2^32)), stably: least significant byte
+    first, a pass skipped where every key has the same byte there."""
+    m = keys.shape[0]
+    spare_keys = np.empty(m, np.int64)
+    spare_ids = np.empty(m, np.int64)
+    starts = np.empty(256, np.int64)
+    for shift in range(0, 32, 8):
+        starts[:] = 0
+        for i in range(m):
+            starts[(keys[i] >> shift) & 255] += 1
+        if starts[(keys[0] >> shift) & 255] == m:
+            continue  # one byte for all: the order stays
+        total = 0
+        for d in range(256):
+            count = starts[d]
+            starts[d] = total
+            total += count
+        for i in range(m):
+            d = (keys[i] >> shift) & 255
+            spare_keys[starts[d]] = keys[i]
+            spare_ids[starts[d]] = ids[i]
+            starts[d] += 1
+        keys, spare_keys = spare_keys, keys
+        ids, spare_ids = spare_ids, ids
+    return keys, ids
 
 
 @_jit
