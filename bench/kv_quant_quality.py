@@ -63,10 +63,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import kv_sinks  # noqa: E402
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings  # noqa: E402
 from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
 from engine.cache.kv_cache import kv_bytes_per_token  # noqa: E402
-from engine.cache.quant import check_center  # noqa: E402
+from engine.cache.quant import QUANT_BITS, check_center  # noqa: E402
 from engine.ops import OpSet  # noqa: E402
 
 logger = logging.getLogger("kv_quant_quality")
@@ -140,6 +141,15 @@ EXPERIMENT_MODES.update(
     {
         f"q4+rot+{adjust}": Mode(f"q4+rot+{adjust}", "q4", True, adjust=(adjust,))
         for adjust in ("zp", "zpk")
+    }
+)
+# bench/kv_sinks.py: a sequence's first N tokens stored exactly, the rest as the engine's
+# rotated, centered groups (emulated on an unquantized cache; "sink0" checks the emulation)
+EXPERIMENT_MODES.update(
+    {
+        f"{quant}+rot+sink{n}": Mode(f"{quant}+rot+sink{n}", quant, True, adjust=(f"sink{n}",))
+        for quant in ("q8", "q4")
+        for n in kv_sinks.SINK_COUNTS
     }
 )
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
@@ -235,7 +245,7 @@ def mode_ops(model: Model, mode: Mode) -> Iterator[OpSet]:
     original = model.ops
     ops = original if mode.round_to is None else rounded_writes(original, mode.round_to)
     if mode.adjust:
-        ops = adjusted(model, ops, mode.adjust)
+        ops = adjusted(model, ops, mode.adjust, mode.quant)
     model.ops = ops
     try:
         yield ops
@@ -243,7 +253,7 @@ def mode_ops(model: Model, mode: Mode) -> Iterator[OpSet]:
         model.ops = original
 
 
-def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
+def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...], quant: str = "q4") -> OpSet:
     """``ops`` with the bench-only K/V experiments of bench/kv_balance.py (and
     bench/kv_zero_point.py)."""
     from bench import kv_balance
@@ -252,6 +262,11 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...]) -> OpSet:
         from bench import kv_zero_point
 
         return kv_zero_point.zero_point_ops(ops, model.key_centers(), values="zp" in adjust)
+    if sinks(adjust) is not None:
+        inv_freq = model.network.inv_freq
+        return kv_sinks.sink_ops(
+            ops, model.key_centers(), inv_freq, sinks(adjust), QUANT_BITS[quant]
+        )
 
     if "bal" in adjust:
         layers = kv_balance.model_scales(model, BALANCE_ALPHA["keys"], BALANCE_ALPHA["values"])
@@ -285,7 +300,13 @@ def storage(mode: Mode) -> tuple[str, bool | None, bool | None]:
 
 
 def emulated(mode: Mode) -> bool:
-    return zero_point(mode.adjust)
+    return zero_point(mode.adjust) or sinks(mode.adjust) is not None
+
+
+def sinks(adjust: tuple[str, ...]) -> int | None:
+    """The sink count of bench/kv_sinks.py's modes ("sink16": 16), None for the others."""
+    found = [int(a.removeprefix("sink")) for a in adjust if a.startswith("sink")]
+    return found[0] if found else None
 
 
 def zero_point(adjust: tuple[str, ...]) -> bool:
