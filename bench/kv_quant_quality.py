@@ -81,6 +81,7 @@ NEW_TOKENS = 32
 PAGE_SIZE = 16
 CHUNK = 1024
 ATTENTION_TOKENS = 1024  # the text's first tokens, for the per-layer attention errors
+KL_TOKENS = 1024  # the text's first positions, for the KL against fp32
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class ModeResult:
     perplexity: float
     perplexity_vs_fp32: float | None = None  # relative change, 0.01 = +1%
     perplexity_vs_fp16: float | None = None
+    # mean KL(fp32 || this mode) in nats of the next-token distributions over the text's
+    # first KL_TOKENS positions (see ``scores``)
+    kl_vs_fp32: float | None = None
     agreement: float | None = None  # vs fp32 (the reference); None for fp32 itself
     exact_prompts: int | None = None  # prompts whose whole continuation equals fp32's
     agreement_vs_fp16: float | None = None
@@ -314,11 +318,21 @@ def zero_point(adjust: tuple[str, ...]) -> bool:
     return "zp" in adjust or "zpk" in adjust
 
 
-def perplexity(model: Model, ids: list[int], mode: Mode) -> float:
-    """exp(mean NLL) of ids[1:] given the prefix, through a cache of this mode."""
+def text_scores(
+    model: Model, ids: list[int], mode: Mode, reference: torch.Tensor | None, kl_tokens: int
+) -> tuple[float, float | None, torch.Tensor]:
+    """(exp(mean NLL) of ids[1:] given the prefix, through a cache of this mode; the mean
+    KL(reference || this mode) of the next-token distributions over the first ``kl_tokens``
+    positions (None without a ``reference``); this mode's log-probabilities there).
+
+    The KL is the steadier yardstick: a 4-bit code flips on a rounding difference, and the
+    perplexity over 4096 tokens moved by ~0.6 points between two computations of the same
+    q4+rot storage (the engine's and bench/kv_sinks.py's emulation with no sinks), their KL
+    by ~6% of itself."""
     pages = -(-len(ids) // PAGE_SIZE)
     kv = allocate(model, pages, mode)
-    total, count = 0.0, 0
+    total, count, divergence = 0.0, 0, 0.0
+    kept = []
     with mode_ops(model, mode):
         for start in range(0, len(ids) - 1, CHUNK):
             end = min(start + CHUNK, len(ids) - 1)
@@ -327,7 +341,20 @@ def perplexity(model: Model, ids: list[int], mode: Mode) -> float:
             targets = torch.tensor(ids[start + 1 : end + 1])
             total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
             count += end - start
-    return math.exp(total / count)
+            if start < kl_tokens:
+                logprobs = torch.log_softmax(logits[: kl_tokens - start].float(), -1)
+                kept.append(logprobs)
+                if reference is not None:
+                    ref = reference[start : start + logprobs.shape[0]]
+                    divergence += (ref.exp() * (ref - logprobs)).sum().item()
+    logprobs = torch.cat(kept) if kept else torch.empty(0)
+    kl = None if reference is None or not kept else divergence / logprobs.shape[0]
+    return math.exp(total / count), kl, logprobs
+
+
+def perplexity(model: Model, ids: list[int], mode: Mode) -> float:
+    """exp(mean NLL) of ids[1:] given the prefix, through a cache of this mode."""
+    return text_scores(model, ids, mode, None, 0)[0]
 
 
 def attention_errors(model: Model, ids: list[int], mode: Mode) -> list[float]:
@@ -433,6 +460,7 @@ def measure(
     modes: list[Mode],
     scores: bool = True,
     attention_tokens: int = ATTENTION_TOKENS,
+    kl_tokens: int = KL_TOKENS,
     done: Callable[[list[ModeResult]], None] | None = None,
 ) -> list[ModeResult]:
     """Every mode's results, compared with the first (the fp32 reference) and with fp16 when
@@ -442,14 +470,19 @@ def measure(
     if modes[0].name != REFERENCE:
         raise ValueError(f"the first mode must be {REFERENCE} (the reference)")
     results: list[ModeResult] = []
+    reference = None  # fp32's log-probabilities over the first kl_tokens positions
     continuations: dict[str, list[list[int]]] = {}
     margins: list[list[float]] | None = None
     for mode in modes:
         t0 = time.perf_counter()
-        ppl = perplexity(model, ids, mode) if scores else math.nan
+        ppl, kl = math.nan, None
+        if scores:
+            ppl, kl, logprobs = text_scores(model, ids, mode, reference, kl_tokens)
+            reference = logprobs if mode.name == REFERENCE else reference
         center = check_center(mode.quant, mode.center)  # (the zero-point modes: centered)
         size = storage_bytes_per_token(model, mode)
         result = ModeResult(mode.name, mode.quant, bool(mode.rotate), center, size, ppl)
+        result.kl_vs_fp32 = kl
         if scores and attention_tokens and mode.name != REFERENCE:
             result.add_attention(attention_errors(model, ids[:attention_tokens], mode))
         if prompts:
@@ -493,7 +526,7 @@ def print_table(results: list[ModeResult]) -> None:
 
     print(
         f"{'mode':8} {'bytes/tok':>9} {'ppl':>8} {'vs fp32':>8} {'vs fp16':>8} {'agree':>6} "
-        f"{'exact':>5} {'agr16':>6} {'attn max':>8} {'attn mean':>9}"
+        f"{'exact':>5} {'agr16':>6} {'attn max':>8} {'attn mean':>9} {'KL':>8}"
     )
     for r in results:
         print(
@@ -501,7 +534,7 @@ def print_table(results: list[ModeResult]) -> None:
             f"{fmt(r.perplexity_vs_fp32, '+.2%'):>8} {fmt(r.perplexity_vs_fp16, '+.2%'):>8} "
             f"{fmt(r.agreement, '.3f'):>6} {fmt(r.exact_prompts, 'd'):>5} "
             f"{fmt(r.agreement_vs_fp16, '.3f'):>6} {fmt(r.attention_error_max, '.4f'):>8} "
-            f"{fmt(r.attention_error_mean, '.4f'):>9}"
+            f"{fmt(r.attention_error_mean, '.4f'):>9} {fmt(r.kl_vs_fp32, '.5f'):>8}"
         )
 
 
@@ -523,6 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=ATTENTION_TOKENS,
         help="text tokens for the per-layer attention errors (0: skip them)",
+    )
+    parser.add_argument(
+        "--kl-tokens",
+        type=int,
+        default=KL_TOKENS,
+        help="text positions for the KL against fp32 (its log-probs are held: 4 * V bytes each)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -614,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_size": PAGE_SIZE,
         "chunk": CHUNK,
         "attention_tokens": args.attention_tokens,
+        "kl_tokens": args.kl_tokens,
         "balance_alpha": dict(BALANCE_ALPHA),  # +bal modes only
         "center_text": None if args.center_text is None else display_path(args.center_text),
         "calibration": {  # +cal modes only
@@ -639,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         modes,
         scores=not args.agreement_only,
         attention_tokens=args.attention_tokens,
+        kl_tokens=args.kl_tokens,
         done=write,
     )
     print_table(results)

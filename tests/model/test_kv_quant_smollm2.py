@@ -24,6 +24,7 @@ from bench.kv_quant_quality import (
     prompts_from,
     smollm2_file,
     text_ids,
+    text_scores,
 )
 from engine import Model, Tokenizer
 
@@ -65,6 +66,18 @@ def test_divergences_carry_the_reference_margin(model, tokenizer):
     assert 0 <= quantiles["min"] <= quantiles["p01"] <= quantiles["p05"] <= quantiles["median"]
     assert len(q4.divergence_margins) == len(prompts) - q4.exact_prompts > 0
     assert all(m >= quantiles["min"] for m in q4.divergence_margins)
+
+
+def test_kl_against_fp32_orders_the_caches(model, tokenizer):
+    """The KL yardstick: 0 for fp32 against itself (the same run twice), above 0 for a rounded
+    cache, and q4's 16 levels well past q8's 256."""
+    ids = text_ids(tokenizer, 96)
+    modes = parse_modes("fp32,fp16,q8+rot,q4+rot")
+    fp32, fp16, q8, q4 = measure(model, tokenizer, ids, [], 0, modes, kl_tokens=64)
+    assert fp32.kl_vs_fp32 is None
+    reference = text_scores(model, ids, MODES["fp32"], None, 64)[2]
+    assert abs(text_scores(model, ids, MODES["fp32"], reference, 64)[1]) < 1e-6
+    assert 0 < fp16.kl_vs_fp32 < q8.kl_vs_fp32 < q4.kl_vs_fp32 / 10
 
 
 def test_modes_parse_with_the_reference_first():
