@@ -154,20 +154,6 @@ def mass_histogram(
     return MassHistogram(total_column, row_needed, cum_counts, scaled_max, temps)
 
 
-def penalise(
-    flat: torch.Tensor,
-    keys: torch.Tensor,
-    counts: torch.Tensor,
-    slot: torch.Tensor,
-    params: torch.Tensor,
-) -> torch.Tensor:
-    """``engine.sampling_penalties.apply_sparse_penalties`` on float32 logits viewed flat, in
-    one loop that also reads the values it replaces: returns them (float32 [pairs])."""
-    saved = np.empty(keys.shape[0], dtype=np.float32)
-    _penalise(_array(flat), _array(keys), _array(counts), _array(slot), _array(params), saved)
-    return torch.from_numpy(saved)
-
-
 def put(flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """``flat[keys] = values`` (float32; a key given twice must come with one value twice)."""
     _put(_array(flat), _array(keys), _array(values))
@@ -206,21 +192,6 @@ def _greedy_rows(x, limit, maxima, row_max, out):
             if v == best or v != v:
                 out[r] = j
                 break
-
-
-@_jit
-def _penalise(flat, keys, counts, slot, params, saved):
-    # float32 throughout, the torch form's operations in its order (bit-identical results)
-    for i in range(keys.shape[0]):
-        k = keys[i]
-        v = flat[k]
-        saved[i] = v
-        c = counts[i]
-        if c > 0:  # (an id whose count fell to 0 left the window: unchanged)
-            s = slot[i]
-            rep = params[s, 0]
-            edited = v / rep if v > 0 else v * rep
-            flat[k] = edited - c * params[s, 1] - params[s, 2]
 
 
 @_jit

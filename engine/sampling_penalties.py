@@ -6,7 +6,9 @@ context holds. Here each job keeps its window's distinct token ids and their cou
 (``ContextCounts``), extended by the new tokens of each step instead of recounted, and one
 step touches only the (row, token) pairs of the penalised rows' windows: one gather, the
 same float32 operations in the same order as the dense form (so the results are
-bit-identical), one scatter.
+bit-identical), one scatter. That is the form for logits off the CPU (or not float32); on
+the CPU ``engine.sampling_penalty_table`` keeps every job's window in one table that compiled
+loops extend and apply.
 
 Edits go into the caller's logits in place; ``LogitEdits`` remembers the original values of
 every position it touches and puts them back (the caller's tensor is left as it came).
@@ -128,15 +130,8 @@ class PenaltyRows:
 
 def penalise(edits: LogitEdits, pairs: PenaltyRows, params: torch.Tensor) -> None:
     """Save the logits at ``pairs.keys`` in ``edits``, then penalise them in place
-    (``apply_sparse_penalties``). Float32 logits on the CPU take one compiled loop for both
-    (``engine.sampling_cpu.penalise``; ``bench/host_overhead.py`` penalties at batch 256, 2-core
-    CPU: ~0.8 ms less per step than the torch ops, whose reads miss the caches alike)."""
-    if _compiled_flat(edits.flat):
-        from engine import sampling_cpu
-
-        values = sampling_cpu.penalise(edits.flat, pairs.keys, pairs.counts, pairs.slot, params)
-        edits.record(pairs.keys, values)
-        return
+    (``apply_sparse_penalties``). (Float32 logits on the CPU take
+    ``engine.sampling_penalty_table`` instead: its compiled loops keep every job's window.)"""
     values = edits.save(pairs.keys)
     apply_sparse_penalties(edits.flat, pairs, params, values)
 
