@@ -491,22 +491,13 @@ def _compiled_draw(x, limit: int, n: int, blocks, row_max, params: RowParams, re
     from engine import sampling_cpu_draw as draw
 
     total, n, histogram = _top_p_sizing(x, limit, n, blocks, row_max, params)
-    own = True  # (as _widened_candidates: each row's own count first, then the batch's)
-    while True:  # widened (x4) while ties at a row's k-th, or a top-p cut, lie past them
-        n = min(n, limit)
-        if blocks is None:
-            values, ids = x[:, :limit].topk(n, dim=-1)
-        elif histogram is None:
-            values, ids = blocks.top(n)
-        else:
-            values, ids = blocks.top(n, *histogram.bounds(n, own))
-        own = False
+    # widened while ties at a row's k-th, or a top-p cut, lie past them
+    for size, values, ids in _candidate_rounds(x, limit, n, blocks, histogram):
         answer, probs = draw.final_probs(values, ids, params, total, x.shape[1])
-        if answer == draw.READY or (answer == draw.CUT_PAST and n == limit):
+        if answer == draw.READY or (answer == draw.CUT_PAST and size == limit):
             break
-        if n == limit:
-            return None
-        n *= 4
+    else:
+        return None
     draws = [r.rng.random() for r in requests]
     return draw.pick(probs, ids, params.no_candidates, draws), draws
 
@@ -560,6 +551,18 @@ def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total,
     end of the vocabulary (the reference's handling). ``histogram``
     (``engine.sampling_cpu.MassHistogram``): floors for the top-p rows' candidates, each
     row's own in the first round (short rows padded: id -1), the batch's after a widening."""
+    for size, values, ids in _candidate_rounds(x, limit, n, blocks, histogram):
+        found = _candidate_probs(values, ids, x.shape[1], params, total)
+        if found is not None and (found[1] or size == limit):
+            return found[0], ids
+    return None
+
+
+def _candidate_rounds(x, limit: int, n: int, blocks, histogram) -> Iterator[tuple]:
+    """(n, values, ids) [B, n] of each round of candidates: the ``n`` largest logits, then
+    x4 as the caller asks for more, up to ``limit``. ``histogram``: floors for the top-p
+    rows' candidates, each row's own in the first round (short rows padded: id -1), the
+    batch's after a widening."""
     own = True
     while True:
         n = min(n, limit)
@@ -570,11 +573,9 @@ def _widened_candidates(x, limit: int, n: int, blocks, params: RowParams, total,
         else:
             values, ids = blocks.top(n, *histogram.bounds(n, own))
         own = False
-        found = _candidate_probs(values, ids, x.shape[1], params, total)
-        if found is not None and (found[1] or n == limit):
-            return found[0], ids
+        yield n, values, ids
         if n == limit:
-            return None
+            return
         n *= 4
 
 
