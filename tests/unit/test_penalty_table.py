@@ -135,3 +135,41 @@ def test_table_slots_are_reused_and_forgotten_jobs_counted_anew():
     table.forget_except({4})
     table.sync([requests[3], requests[4]], vocab)
     assert table.counts(3) == {3: 2, 1: 1} and table.counts(4) == {9: 1}
+
+
+def test_sampler_with_jobs_coming_and_going_matches_the_reference():
+    """SamplerState over steps whose batch changes (jobs leave, new keys arrive, a key comes
+    back after it was forgotten with a different context): every step's tokens are the
+    reference's, and the table holds no more windows than the forgetting rule allows."""
+    from engine.sampling import sample
+    from engine.sampling_fast import SamplerState
+
+    vocab = 300
+    settings = SamplerSettings(top_k=10, repetition_penalty=1.3, presence_penalty=0.4)
+    state = SamplerState()
+    rng = random.Random(0)
+    contexts: dict[int, list[int]] = {}
+    live = list(range(20))
+    for step in range(30):
+        if step % 2 == 1:  # some leave, new ones come (and an old key returns, anew)
+            back = step % 20
+            contexts.pop(back, None)
+            live = [k for k in live[8:] if k != back] + [1000 + 10 * step + i for i in range(8)]
+            live.append(back)
+        for key in live:
+            contexts.setdefault(key, [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))])
+        logits = torch.randn(len(live), vocab, generator=torch.Generator().manual_seed(step))
+        reference = [
+            SampleRequest(settings, random.Random(step * 1000 + k), contexts[k], key=k)
+            for k in live
+        ]
+        fast = [
+            SampleRequest(settings, random.Random(step * 1000 + k), contexts[k], key=k)
+            for k in live
+        ]
+        assert state.sample(logits, fast, vocab).tokens == sample(logits, reference, vocab).tokens
+        for key in live:
+            contexts[key].append(rng.randrange(vocab))
+        table = state._penalty_table
+        assert table is not None and len(table) <= 3 * len(live) + 16
+    assert len(table) < len(contexts) - 40  # (jobs long gone were forgotten)
