@@ -357,9 +357,12 @@ def test_row_parameters_are_cached_by_value():
     assert state.params(requests[:3], torch.device("cpu")) is not changed  # another batch
 
 
-def test_penalty_contexts_follow_a_job_across_steps():
+@pytest.mark.parametrize("compiled", [True, False], ids=["table", "contexts"])
+def test_penalty_contexts_follow_a_job_across_steps(compiled, monkeypatch):
     """One job per row sampled step after step, its context growing (and once rolled back):
-    every step is the reference's."""
+    every step is the reference's, with the CPU's penalty table and with the per-job
+    ContextCounts that logits off the CPU take (ENGINE_SAMPLING_JIT=0 here)."""
+    monkeypatch.setenv(JIT_ENV, "1" if compiled else "0")
     state = SamplerState()
     rows, vocab = MIN_BLOCK_ROWS, 400
     settings = SamplerSettings(top_k=12, repetition_penalty=1.4, frequency_penalty=0.4)
@@ -375,6 +378,7 @@ def test_penalty_contexts_follow_a_job_across_steps():
         if step == 6:
             del contexts[0][2:]  # a rollback
     assert state.fast_calls == 12
+    assert (state._penalty_table is not None, bool(state._contexts)) == (compiled, not compiled)
 
 
 @pytest.mark.parametrize("rows", [4, 20])
