@@ -365,10 +365,10 @@ class DynamicJob:
         """The text-level half of ``receive_token`` for the job's latest taken token: its
         text (held back while it may start a stop string), and the end of the job by stop
         token, stop string, grammar or ``max_new_tokens``."""
-        result = self.base_result("streaming")
         if self._banned is None:
-            result.update(data)
+            result = {**self.base_result("streaming"), **data}
         else:
+            result = self.base_result("streaming")
             self._held_tokens.append([data, len(self._held_text)])
         if token in self.stop_tokens and len(self.new_token_ids) > self.min_new_tokens:
             text = self._held_text + self._detok.flush()
@@ -406,7 +406,8 @@ class DynamicJob:
 
     def _emit_or_finish(self, result: dict[str, Any]) -> dict[str, Any]:
         held = self._held_text
-        stop_checks = len(self.new_token_ids) >= self.min_new_tokens
+        # (no stop strings: neither question has anything to find)
+        stop_checks = len(self.new_token_ids) >= self.min_new_tokens and self._matcher.stop_strings
         match = self._matcher.find(held) if stop_checks else None
         banned_at = self._banned.find(held) if self._banned is not None else None
         if banned_at is not None and (match is None or banned_at < match[0]):

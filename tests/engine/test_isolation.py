@@ -18,9 +18,16 @@ PROMPTS = [[5 + i, 17, 42, 99, 7 + i, 3] for i in range(4)]
 NEW_TOKENS = 8
 
 
-def _jobs(prompts=PROMPTS, **kwargs) -> list[DynamicJob]:
+def _jobs(prompts=PROMPTS, stop_conditions=(), **kwargs) -> list[DynamicJob]:
     return [
-        DynamicJob(ids, NEW_TOKENS, identifier=i, gen_settings=GREEDY, stop_conditions=[], **kwargs)
+        DynamicJob(
+            ids,
+            NEW_TOKENS,
+            identifier=i,
+            gen_settings=GREEDY,
+            stop_conditions=list(stop_conditions),
+            **kwargs,
+        )
         for i, ids in enumerate(prompts)
     ]
 
@@ -84,7 +91,8 @@ def test_a_failing_sample_request_ends_only_its_job(tiny, expected) -> None:
 
 @pytest.mark.parametrize("part", ["detokenizer", "stop strings"])
 def test_a_failing_detokenizer_or_matcher_ends_only_its_job(tiny, expected, part: str) -> None:
-    generator, jobs = tiny.generator(), _jobs()
+    # (a stop string no text holds: the matcher only runs for jobs that have one)
+    generator, jobs = tiny.generator(), _jobs(stop_conditions=["\x00never"])
 
     def broken(*args):
         raise UnicodeError(f"{part} broke")
