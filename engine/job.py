@@ -407,7 +407,9 @@ class DynamicJob:
     def _emit_or_finish(self, result: dict[str, Any]) -> dict[str, Any]:
         held = self._held_text
         # (no stop strings: neither question has anything to find)
-        stop_checks = len(self.new_token_ids) >= self.min_new_tokens and self._matcher.stop_strings
+        stop_checks = bool(self._matcher.stop_strings) and (
+            len(self.new_token_ids) >= self.min_new_tokens
+        )
         match = self._matcher.find(held) if stop_checks else None
         banned_at = self._banned.find(held) if self._banned is not None else None
         if banned_at is not None and (match is None or banned_at < match[0]):

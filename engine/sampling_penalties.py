@@ -72,9 +72,7 @@ class ContextCounts:
 
     def _reset(self, context: Sequence[int], vocab: int, window: int) -> None:
         """Count the window of ``context`` at once (vectorised)."""
-        tokens = np.asarray(context[-window:] if window else context, dtype=np.int64)
-        tokens = tokens[(tokens >= 0) & (tokens < vocab)]
-        ids, counts = np.unique(tokens, return_counts=True)
+        ids, counts = window_counts(context, vocab, window)
         size = max(64, 2 * len(ids))
         self._ids = np.zeros(size, dtype=np.int64)
         self._counts = np.zeros(size, dtype=np.float32)
@@ -99,6 +97,14 @@ class ContextCounts:
             self._ids[slot] = token
             self._used += 1
         self._counts[slot] += delta
+
+
+def window_counts(context: Sequence[int], vocab: int, window: int) -> tuple:
+    """(distinct ids, their counts) of the last ``window`` tokens of ``context`` (0: all of
+    it), ids outside the vocabulary left out, counted at once (vectorised)."""
+    tokens = np.asarray(context[-window:] if window else context, dtype=np.int64)
+    tokens = tokens[(tokens >= 0) & (tokens < vocab)]
+    return np.unique(tokens, return_counts=True)
 
 
 @dataclass(slots=True)

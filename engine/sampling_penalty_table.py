@@ -26,7 +26,7 @@ import torch
 
 from engine.sampling import SampleRequest
 from engine.sampling_cpu import _array, _jit
-from engine.sampling_penalties import LogitEdits
+from engine.sampling_penalties import LogitEdits, window_counts
 
 MIN_CAPACITY = 64  # ids per slot to start with (doubled as a window outgrows it)
 COMPACT_ABOVE = 64  # a slot this full, half of it ids that left the window: compacted
@@ -155,9 +155,7 @@ class PenaltyTable:
         """Count the window of ``request``'s context at once (vectorised), in its old slot."""
         context = request.context
         window = request.settings.penalty_range
-        tokens = np.asarray(context[-window:] if window else context, dtype=np.int64)
-        tokens = tokens[(tokens >= 0) & (tokens < vocab)]
-        ids, counts = np.unique(tokens, return_counts=True)
+        ids, counts = window_counts(context, vocab, window)
         slot = self._take_slot() if record is None else record.slot
         if len(ids) > self._ids.shape[1]:
             self._widen(len(ids))

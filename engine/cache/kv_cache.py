@@ -156,11 +156,12 @@ class PagedCache:
 
     def num_bytes(self) -> int:
         """Bytes of the whole storage: the pages, and the key centers of a centered cache."""
-        centers = sum(k.center.numel() * k.center.element_size() for k, _ in self._centered())
+        centers = sum(
+            k.center.numel() * k.center.element_size()
+            for k, _ in self.kv
+            if isinstance(k, QuantPages) and k.center is not None
+        )
         return self.bytes_per_token() * self.max_num_tokens + centers
-
-    def _centered(self):
-        return [(k, v) for k, v in self.kv if isinstance(k, QuantPages) and k.center is not None]
 
 
 def kv_format(kv: KVPages) -> tuple[str, bool, bool]:
