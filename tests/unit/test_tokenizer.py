@@ -321,6 +321,14 @@ def test_standalone_text_only_where_a_token_renders_alone(folders: dict[str, Pat
     assert all(tok.standalone_text(i) is None for i in tok.special_ids)
     halves = [i for i in tok.encode("\U0001f642")[0].tolist() if "\ufffd" in tok.decode([i])]
     assert halves and all(tok.standalone_text(i) is None for i in halves)
+    # the whole vocabulary (made at once): a text exactly where the decoder's own answer for
+    # the id alone is complete text, and out-of-range ids have none
+    for i in range(tok.vocab_size):
+        alone = tok.decode([i], decode_special_tokens=True)
+        regular = i not in tok.special_ids and tok.id_to_piece(i) is not None
+        complete = regular and alone and "\ufffd" not in alone
+        assert tok.standalone_text(i) == (alone if complete else None), i
+    assert tok.standalone_text(-1) is None and tok.standalone_text(tok.vocab_size) is None
     sp = Tokenizer.from_pretrained(folders["sentencepiece"])
     assert all(sp.standalone_text(i) is None for i in range(min(sp.vocab_size, 300)))
 
