@@ -244,16 +244,20 @@ def test_job_options_are_checked(tiny):
 # -- background evaluation, preemption, prefix cache ------------------------------------------
 
 
+# a schema a random model finishes in a few dozen tokens (other test files use it too)
+WORD_AND_NUMBER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 5},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["word", "n"],
+    "additionalProperties": False,
+}
+
+
 def _schema_jobs(tiny, count=6, seed=0):
-    schema = {
-        "type": "object",
-        "properties": {
-            "word": {"type": "string", "maxLength": 5},
-            "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        },
-        "required": ["word", "n"],
-        "additionalProperties": False,
-    }
+    schema = WORD_AND_NUMBER_SCHEMA
     return [_job(tiny, [JSONSchemaFilter(schema)], seed + i, 48) for i in range(count)]
 
 

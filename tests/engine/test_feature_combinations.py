@@ -13,6 +13,7 @@ import torch
 from engine import DynamicGenerator, DynamicJob, MMEmbedding, PagedCache, SamplerSettings
 from engine.constraints import JSONSchemaFilter
 from tests.engine.conftest import assert_no_pages_in_use, run_to_end
+from tests.engine.test_constraints import WORD_AND_NUMBER_SCHEMA as SCHEMA
 
 PROMPTS = ["the quick red fox jumps over the quick red fox jumps over", "a b c a b c a b c a"]
 
@@ -85,17 +86,6 @@ def test_draft_model_speculation_on_q4_pages_matches_plain_on_the_same_pages(tin
     assert stats["spec_draft_tokens_proposed"] > 0
     # the draft is the target on identically quantized pages: nearly every guess is right
     assert stats["spec_draft_tokens_accepted"] > stats["spec_draft_tokens_proposed"] // 2
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "word": {"type": "string", "maxLength": 5},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-    },
-    "required": ["word", "n"],
-    "additionalProperties": False,
-}
 
 
 def _schema_job(tiny, seed: int) -> DynamicJob:
