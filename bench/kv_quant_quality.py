@@ -101,6 +101,9 @@ class Mode:
     # the engine's key centering (``PagedCache(center_keys=...)``); None: its default (on for
     # quantized modes)
     center: bool | None = None
+    # the engine's sink pages: each sequence's first page kept unquantized
+    # (``PagedCache(sink_pages=...)``; modes "q4+rot+sinkpage" and the like)
+    sink_page: bool = False
 
 
 BASELINES = {
@@ -151,6 +154,14 @@ EXPERIMENT_MODES.update(
         f"{quant}+rot+sink{n}": Mode(f"{quant}+rot+sink{n}", quant, True, adjust=(f"sink{n}",))
         for quant in ("q8", "q4")
         for n in kv_sinks.SINK_COUNTS
+    }
+)
+# the engine's sink pages (PagedCache(sink_pages=...)): the first page (16 tokens) of each
+# sequence unquantized, the rest as the engine's rotated, centered groups
+EXPERIMENT_MODES.update(
+    {
+        f"{quant}+rot+sinkpage": Mode(f"{quant}+rot+sinkpage", quant, True, sink_page=True)
+        for quant in ("q8", "q6", "q4")
     }
 )
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
@@ -292,7 +303,8 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...], quant: str = "q4
 
 
 def allocate(model: Model, pages: int, mode: Mode):
-    return model.allocate_kv(pages, PAGE_SIZE, *storage(mode))
+    # (one sequence over pages 0..: its first page is page 0, the sink page)
+    return model.allocate_kv(pages, PAGE_SIZE, *storage(mode), num_sink_pages=int(mode.sink_page))
 
 
 def storage(mode: Mode) -> tuple[str, bool | None, bool | None]:
@@ -395,7 +407,8 @@ def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
 
 def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> list[list[int]]:
     tokens = len(prompts) * (PROMPT_TOKENS + new_tokens + PAGE_SIZE)
-    cache = PagedCache(model, tokens, PAGE_SIZE, *storage(mode))
+    sink_pages = len(prompts) if mode.sink_page else 0  # one first page per prompt
+    cache = PagedCache(model, tokens, PAGE_SIZE, *storage(mode), sink_pages=sink_pages)
     with mode_ops(model, mode):
         generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
         jobs = [

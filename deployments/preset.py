@@ -233,6 +233,9 @@ class EnginePreset:
     cache_quant: str = "fp16"  # fp16 | q8 | q6 | q4 (engine/cache/quant.py)
     cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cache_center_keys: bool | None = None  # quantized keys less the model's key centers
+    # pages kept unquantized for sequences' first blocks (engine/cache/page_table.py): one per
+    # running sequence with its own first page, so at least max_batch_size; torch ops only
+    cache_sink_pages: int = 0
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
     # tokens read one step late, the next forward fed on the device; None: on a GPU unless
     # speculating (engine/inflight.py)
@@ -253,6 +256,9 @@ class EnginePreset:
         cache_center_keys = _bool(raw, "cache_center_keys", "engine")
         if cache_center_keys and cache_quant == "fp16":
             raise ValueError("engine.cache_center_keys: true needs a quantized engine.cache_quant")
+        cache_sink_pages = _int(raw, "cache_sink_pages", "engine", 0, 0)
+        if cache_sink_pages and cache_quant == "fp16":
+            raise ValueError("engine.cache_sink_pages needs a quantized engine.cache_quant")
         speculative = NgramSpeculation.parse(raw.get("speculative"))
         async_scheduling = _bool(raw, "async_scheduling", "engine")
         if async_scheduling and speculative is not None:
@@ -269,22 +275,40 @@ class EnginePreset:
             cache_quant=cache_quant,
             cache_rotate=cache_rotate,
             cache_center_keys=cache_center_keys,
+            cache_sink_pages=cache_sink_pages,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
             async_scheduling=async_scheduling,
             speculative=speculative,
         )
 
-    def num_pages(self, kv_bytes_per_token: int | None = None) -> int:
+    def num_pages(self, kv_bytes_per_token: int | None = None, reserved_bytes: int = 0) -> int:
         """Whole pages of the cache. A byte budget needs the model's K/V bytes per token in
-        ``cache_quant`` (``Preset.kv_bytes_per_token``); a token count does not."""
+        ``cache_quant`` (``Preset.kv_bytes_per_token``) and the bytes the budget holds
+        besides the pages (key centers, sink pages' unquantized rows); a token count does
+        not."""
         if self.cache_bytes is None:
-            return whole_pages(int(self.max_num_tokens or 0), self.page_size)
-        if kv_bytes_per_token is None:
+            pages = whole_pages(int(self.max_num_tokens or 0), self.page_size)
+        elif kv_bytes_per_token is None:
             raise ValueError("engine.cache_bytes needs the model's K/V bytes per token")
-        try:
-            return budget_pages(self.cache_bytes, kv_bytes_per_token, self.page_size)
-        except ValueError as e:
-            raise ValueError(f"engine.cache_bytes: {e} in a {self.cache_quant} cache") from None
+        else:
+            budget = self.cache_bytes - reserved_bytes
+            try:
+                pages = budget_pages(budget, kv_bytes_per_token, self.page_size)
+            except ValueError as e:
+                raise ValueError(f"engine.cache_bytes: {e} in a {self.cache_quant} cache") from None
+        if self.cache_sink_pages > pages:
+            raise ValueError(
+                f"engine.cache_sink_pages ({self.cache_sink_pages}) exceeds the cache's "
+                f"{pages} pages"
+            )
+        return pages
+
+    def sequence_pages(self, num_pages: int) -> int:
+        """The most pages one sequence can hold: every page, or with sink pages one of those
+        (its first) and every ordinary page (``PagedCache.pages_for_rows``)."""
+        if not self.cache_sink_pages:
+            return num_pages
+        return num_pages - self.cache_sink_pages + 1
 
 
 def _cache_size(raw: Mapping[str, Any], page_size: int) -> tuple[int | None, int | None]:
@@ -474,24 +498,42 @@ class Preset:
     def context_length(self, max_position_embeddings: int) -> int:
         """Longest sequence (prompt + completion) a replica can hold: the model's positions,
         or the whole KV cache if that is smaller. Ingress and replicas both use this."""
-        return min(max_position_embeddings, self.cache_tokens())
+        sequence_tokens = self.engine.sequence_pages(self.cache_pages()) * self.engine.page_size
+        return min(max_position_embeddings, sequence_tokens)
 
-    def kv_bytes_per_token(self) -> int:
-        """The model's K/V bytes per token in ``engine.cache_quant`` at its run dtype (reads
-        the model's config; what ``PagedCache.bytes_per_token`` reports once it is loaded)."""
+    def kv_bytes_per_token(self, quant: str | None = None) -> int:
+        """The model's K/V bytes per token in ``engine.cache_quant`` (or ``quant``) at its run
+        dtype (reads the model's config; what ``PagedCache.bytes_per_token`` reports once it
+        is loaded)."""
         from engine.cache.kv_cache import kv_bytes_per_token
         from engine.config import ModelConfig
         from engine.model.model import resolve_device, resolve_dtype
 
         config = ModelConfig.from_pretrained(self.model.resolve_path())
         dtype = resolve_dtype(self.model.dtype, resolve_device(self.model.device))
-        return kv_bytes_per_token(config, dtype, self.engine.cache_quant)
+        return kv_bytes_per_token(config, dtype, quant or self.engine.cache_quant)
 
     def cache_pages(self) -> int:
         """Whole pages of each replica's cache (from engine.max_num_tokens, or from
         engine.cache_bytes and the model's bytes per token)."""
         engine = self.engine
-        return engine.num_pages(self.kv_bytes_per_token() if engine.cache_bytes else None)
+        if not engine.cache_bytes:
+            return engine.num_pages()
+        return engine.num_pages(self.kv_bytes_per_token(), self._reserved_cache_bytes())
+
+    def _reserved_cache_bytes(self) -> int:
+        """What ``PagedCache.from_budget`` takes from a byte budget before its pages: the key
+        centers of a centered cache and the sink pages' unquantized rows."""
+        from engine.cache.kv_cache import center_bytes
+        from engine.cache.quant import check_center
+        from engine.config import ModelConfig
+
+        engine = self.engine
+        reserved = engine.cache_sink_pages * engine.page_size * self.kv_bytes_per_token("fp16")
+        if check_center(engine.cache_quant, engine.cache_center_keys):
+            config = ModelConfig.from_pretrained(self.model.resolve_path())
+            reserved += center_bytes(config)
+        return reserved
 
     def cache_tokens(self) -> int:
         """Tokens each replica's cache really holds: whole pages only."""

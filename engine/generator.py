@@ -195,10 +195,15 @@ class DynamicGenerator:
         # A job must fit the cache alone (a single row does by max_seq_len), or it would
         # preempt itself forever.
         pages = sum(-(-(len(ids) + job.max_new_tokens) // self.cache.page_size) for ids in rows)
-        if pages > self.cache.num_pages:
+        if pages > self.cache.pages_for_rows(len(rows)):
             raise ValueError(
                 f"the CFG job's two rows need {pages} pages with max_new_tokens; the cache "
-                f"has {self.cache.num_pages}"
+                f"has {self.cache.pages_for_rows(len(rows))} for two rows"
+            )
+        if 0 < self.cache.sink_pages < len(rows):
+            raise ValueError(
+                f"the CFG job's {len(rows)} rows need a sink page each; the cache has "
+                f"{self.cache.sink_pages}"
             )
         vocab = self.model.config.vocab_size
         hidden = self.model.config.hidden_size
@@ -684,13 +689,12 @@ def _check_settings(settings: SamplerSettings, vocab: int) -> None:
 
 
 def _resolve_max_seq_len(max_seq_len: int | None, model, cache: PagedCache) -> int:
-    limit = min(model.config.max_position_embeddings, cache.max_num_tokens)
+    room = cache.pages_for_rows(1) * cache.page_size  # (the cache, less other sink pages)
+    limit = min(model.config.max_position_embeddings, room)
     if max_seq_len is None:
         return limit
-    if not 1 <= max_seq_len <= cache.max_num_tokens:
-        raise ValueError(
-            f"max_seq_len {max_seq_len} must be in [1, cache size {cache.max_num_tokens}]"
-        )
+    if not 1 <= max_seq_len <= room:
+        raise ValueError(f"max_seq_len {max_seq_len} must be in [1, cache size {room}]")
     return max_seq_len
 
 

@@ -324,6 +324,10 @@ class Scheduler:
         hashes = self._matchable_hashes(seq)
         hits = self.table.match_prefix(hashes)
         remaining_pages = -(-len(seq.tokens) // self.page_size) - len(hits)
+        if not hits and self.table.num_sink_pages:  # its first page: a sink page
+            if not self.table.num_sink_available:
+                return failed
+            remaining_pages -= 1
         # Keep one page in reserve per running sequence so admission does not immediately
         # force preemptions of the jobs that are decoding.
         if remaining_pages > self.table.num_available - len(self.running):
@@ -377,9 +381,13 @@ class Scheduler:
     # -- pages -------------------------------------------------------------------------------
 
     def _room(self, seq: SeqState) -> int:
-        """Tokens ``seq`` could add now: slack in its pages plus every available page."""
+        """Tokens ``seq`` could add now: slack in its pages plus every available page (and,
+        for a sequence without pages in a table with sink pages, one of those first)."""
         slack = len(seq.pages) * self.page_size - seq.num_computed
-        return slack + self.table.num_available * self.page_size
+        room = slack + self.table.num_available * self.page_size
+        if not seq.pages and self.table.num_sink_pages:
+            return room + self.page_size if self.table.num_sink_available else 0
+        return room
 
     # INVARIANT (page lists): while a sequence keeps one ``pages`` list object, the entries
     # of its full pages (index < num_computed // page_size, the ones in ``page_hashes``) never
@@ -394,7 +402,7 @@ class Scheduler:
         need = -(-(seq.num_computed + n) // self.page_size) - len(seq.pages)
         if need <= 0:
             return True
-        fresh = self.table.allocate(need)
+        fresh = self.table.allocate(need, first_block=not seq.pages)
         if fresh is None:
             return False
         seq.pages.extend(fresh)

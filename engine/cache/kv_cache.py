@@ -49,10 +49,12 @@ def allocate_kv_pages(
     quant: str = "fp16",
     rotate: bool | None = None,
     key_centers: Sequence[torch.Tensor] | None = None,
+    num_sink_pages: int = 0,
 ) -> KVPages:
     """Zeroed K/V page storage for every layer (``quant``/``rotate``: see ``PagedCache``).
     ``key_centers``: per layer, the [KV, D] vector the quantized K pages subtract from every
-    key (``QuantPages.center``); None: keys stored as they come."""
+    key (``QuantPages.center``); None: keys stored as they come. ``num_sink_pages``: pages
+    0..R-1 also keep their rows unquantized (``QuantPages.sinks``)."""
     if num_pages <= 0:
         raise ValueError(f"num_pages must be positive, got {num_pages}")
     if page_size <= 0:
@@ -63,6 +65,8 @@ def allocate_kv_pages(
     if bits is None:
         if key_centers is not None:
             raise ValueError(f"key centers need a quantized cache, not {quant!r}")
+        if num_sink_pages:
+            raise ValueError(f"sink pages need a quantized cache, not {quant!r}")
         return [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -74,10 +78,11 @@ def allocate_kv_pages(
         raise ValueError(f"{len(key_centers)} key centers for {config.num_layers} layers")
     centers = key_centers if key_centers is not None else [None] * config.num_layers
     k_bits, v_bits = bits
+    sinks = {"num_sink_pages": num_sink_pages, "sink_dtype": dtype}
     return [
         (
-            allocate_quant_pages(*shape, k_bits, rotate, device, center),
-            allocate_quant_pages(*shape, v_bits, rotate, device),
+            allocate_quant_pages(*shape, k_bits, rotate, device, center, **sinks),
+            allocate_quant_pages(*shape, v_bits, rotate, device, **sinks),
         )
         for center in centers
     ]
@@ -105,7 +110,9 @@ class PagedCache:
     default on) applies a 32-point Hadamard rotation per group before quantizing.
     ``center_keys`` (quantized modes only; default on) subtracts the model's per-layer key
     centers (``Model.key_centers``) from every key before quantizing: exact for attention,
-    smaller stored keys (engine/cache/quant.py).
+    smaller stored keys (engine/cache/quant.py). ``sink_pages`` (quantized modes only; default
+    0) keeps that many pages unquantized as well, for sequences' first blocks ("attention
+    sinks": engine/cache/page_table.py); the torch ops read them, the CUDA kernels refuse them.
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class PagedCache:
         quant: str = "fp16",
         rotate: bool | None = None,
         center_keys: bool | None = None,
+        sink_pages: int = 0,
     ):
         self.rotate = check_quant(quant, rotate)
         self.center_keys = check_center(quant, center_keys)
@@ -124,10 +132,11 @@ class PagedCache:
         self.quant = quant
         self.num_pages = whole_pages(max_num_tokens, page_size)
         self.max_num_tokens = self.num_pages * page_size
+        self.sink_pages = check_sink_pages(quant, sink_pages, self.num_pages)
         self.kv: KVPages = model.allocate_kv(
-            self.num_pages, page_size, quant, self.rotate, self.center_keys
+            self.num_pages, page_size, quant, self.rotate, self.center_keys, sink_pages
         )
-        self.page_table = PageTable(self.num_pages, page_size)
+        self.page_table = PageTable(self.num_pages, page_size, sink_pages)
 
     @classmethod
     def from_budget(
@@ -138,30 +147,55 @@ class PagedCache:
         quant: str = "fp16",
         rotate: bool | None = None,
         center_keys: bool | None = None,
+        sink_pages: int = 0,
     ) -> PagedCache:
-        """The largest cache of whole pages whose K/V storage (key centers included) fits
-        ``num_bytes``: a quantized mode holds proportionally more tokens in the same bytes."""
+        """The largest cache of whole pages whose K/V storage (key centers and sink pages
+        included) fits ``num_bytes``: a quantized mode holds proportionally more tokens in the
+        same bytes."""
         per_token = kv_bytes_per_token(model.config, model.dtype, quant)
         if check_center(quant, center_keys):
             num_bytes -= center_bytes(model.config)
+        num_bytes -= sink_pages * page_size * kv_bytes_per_token(model.config, model.dtype)
         try:
             pages = budget_pages(num_bytes, per_token, page_size)
         except ValueError as e:
             raise ValueError(f"{e} in a {quant} cache") from None
-        return cls(model, pages * page_size, page_size, quant, rotate, center_keys)
+        return cls(model, pages * page_size, page_size, quant, rotate, center_keys, sink_pages)
+
+    def pages_for_rows(self, rows: int) -> int:
+        """The most pages ``rows`` sequences may hold at once: all of them, or with sink
+        pages one sink page each (first blocks) and every ordinary page."""
+        if not self.sink_pages:
+            return self.num_pages
+        return self.num_pages - self.sink_pages + min(self.sink_pages, rows)
 
     def bytes_per_token(self) -> int:
         """Bytes one token really takes in this cache's storage, all layers, K and V."""
         return sum(_slot_bytes(k) + _slot_bytes(v) for k, v in self.kv)
 
     def num_bytes(self) -> int:
-        """Bytes of the whole storage: the pages, and the key centers of a centered cache."""
-        centers = sum(
-            k.center.numel() * k.center.element_size()
-            for k, _ in self.kv
-            if isinstance(k, QuantPages) and k.center is not None
+        """Bytes of the whole storage: the pages, the key centers of a centered cache and
+        the unquantized rows of its sink pages."""
+        extras = [
+            t
+            for pages in self.kv
+            for p in pages
+            if isinstance(p, QuantPages)
+            for t in (p.center, p.sinks)
+            if t is not None
+        ]
+        extra_bytes = sum(t.numel() * t.element_size() for t in extras)
+        return self.bytes_per_token() * self.max_num_tokens + extra_bytes
+
+
+def check_sink_pages(quant: str, sink_pages: int, num_pages: int) -> int:
+    if sink_pages and QUANT_BITS.get(quant) is None:
+        raise ValueError(f"sink_pages needs a quantized cache, not {quant!r}")
+    if not 0 <= sink_pages <= num_pages:
+        raise ValueError(
+            f"sink_pages must be in [0, {num_pages}] (the cache's pages), got {sink_pages}"
         )
-        return self.bytes_per_token() * self.max_num_tokens + centers
+    return sink_pages
 
 
 def kv_format(kv: KVPages) -> tuple[str, bool, bool]:

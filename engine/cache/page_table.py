@@ -16,6 +16,13 @@ Every page is in exactly one state:
 INVARIANT: free + referenced + cached == num_pages, and a hash maps to at most one page.
 Only full, hashed pages are ever shared, and a job only writes to pages it holds alone, so no
 copy-on-write is needed.
+
+Sink pages (``num_sink_pages`` = R > 0): page ids 0..R-1 are stored unquantized in a quantized
+cache (engine/cache/quant.py: the layout follows the page id). They form a pool of their own:
+every sequence's first page (``allocate(first_block=True)``) is a sink page, and no other page
+ever is, so a token's numerics never depend on which pages happened to be free. A first block
+takes a free sink page, else evicts the least recently used cached one (an old prefix whose
+chain that ends), else waits. ``num_available`` counts the ordinary pool.
 """
 
 from __future__ import annotations
@@ -37,17 +44,27 @@ class Page:
 class PageTable:
     """Reference-counted pages with a hash index and LRU eviction of unreferenced ones."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, num_sink_pages: int = 0):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if not 0 <= num_sink_pages <= num_pages:
+            raise ValueError(f"num_sink_pages must be in [0, {num_pages}], got {num_sink_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.num_sink_pages = num_sink_pages
         self.pages = [Page(i) for i in range(num_pages)]
-        self._free: deque[int] = deque(range(num_pages))
-        # unreferenced hashed pages, least recently used first
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        # free and cached (unreferenced, hashed; least recently used first) pages, ordinary
+        # ones [0] and sink pages [1] apart
+        self._free: tuple[deque[int], deque[int]] = (
+            deque(range(num_sink_pages, num_pages)),
+            deque(range(num_sink_pages)),
+        )
+        self._cached: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
         self._by_hash: dict[PageHash, int] = {}
         self.evictions = 0
 
@@ -55,11 +72,11 @@ class PageTable:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free[0]) + len(self._free[1])
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._cached[0]) + len(self._cached[1])
 
     @property
     def num_referenced(self) -> int:
@@ -67,8 +84,14 @@ class PageTable:
 
     @property
     def num_available(self) -> int:
-        """Pages ``allocate`` can hand out now (free ones plus evictable cached ones)."""
-        return self.num_free + self.num_cached
+        """Ordinary pages ``allocate`` can hand out now (free ones plus evictable cached
+        ones): every page of a cache without sink pages."""
+        return len(self._free[0]) + len(self._cached[0])
+
+    @property
+    def num_sink_available(self) -> int:
+        """Sink pages (first blocks) ``allocate`` can hand out now."""
+        return len(self._free[1]) + len(self._cached[1])
 
     def match_prefix(self, hashes: Sequence[PageHash]) -> list[int]:
         """Page ids holding the longest leading run of ``hashes`` (no references taken)."""
@@ -92,19 +115,25 @@ class PageTable:
 
     # -- state changes ---------------------------------------------------------------------
 
-    def allocate(self, n: int) -> list[int] | None:
+    def allocate(self, n: int, first_block: bool = False) -> list[int] | None:
         """``n`` fresh, unhashed pages with one reference each, or None (and no change) if
-        fewer than ``n`` are free or evictable."""
+        fewer are free or evictable. ``first_block``: the first page is a sequence's block 0
+        (a sink page, when the table has them)."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > self.num_available:
+        sink = first_block and n > 0 and self.num_sink_pages > 0
+        if n - sink > self.num_available or (sink and not self.num_sink_available):
             return None
-        taken = []
-        for _ in range(n):
-            index = self._free.popleft() if self._free else self._evict_one()
+        taken = [self._take(kind=int(sink and i == 0)) for i in range(n)]
+        for index in taken:
             self.pages[index].ref_count = 1
-            taken.append(index)
         return taken
+
+    def _take(self, kind: int) -> int:
+        """A free page of the pool, else its least recently used cached page."""
+        if self._free[kind]:
+            return self._free[kind].popleft()
+        return self._evict_one(kind)
 
     def acquire(self, indices: Iterable[int]) -> None:
         """Take one more reference on each page (prefix hits on cached or shared pages)."""
@@ -113,7 +142,7 @@ class PageTable:
             if page.ref_count == 0:
                 if page.hash is None:
                     raise ValueError(f"page {index} is free; only hashed pages can be acquired")
-                del self._cached[index]
+                del self._cached[self._kind(index)][index]
             page.ref_count += 1
 
     def release(self, indices: Iterable[int]) -> None:
@@ -126,9 +155,9 @@ class PageTable:
             page.ref_count -= 1
             if page.ref_count == 0:
                 if page.hash is None:
-                    self._free.append(index)
+                    self._free[self._kind(index)].append(index)
                 else:
-                    self._cached[index] = None
+                    self._cached[self._kind(index)][index] = None
 
     def register(self, index: int, page_hash: PageHash) -> int:
         """Give a full, referenced page its hash; returns the page the caller should keep.
@@ -156,13 +185,18 @@ class PageTable:
     def clear_cache(self) -> int:
         """Forget every unreferenced cached page; returns how many were freed."""
         count = 0
-        while self._cached:
-            self._free.append(self._evict_one())
-            count += 1
+        for kind, cached in enumerate(self._cached):
+            while cached:
+                self._free[kind].append(self._evict_one(kind))
+                count += 1
         return count
 
-    def _evict_one(self) -> int:
-        index, _ = self._cached.popitem(last=False)
+    def _kind(self, index: int) -> int:
+        """1 for a sink page, 0 for an ordinary one (the index into ``_free``/``_cached``)."""
+        return int(index < self.num_sink_pages)
+
+    def _evict_one(self, kind: int) -> int:
+        index, _ = self._cached[kind].popitem(last=False)
         page = self.pages[index]
         del self._by_hash[page.hash]
         page.hash = None
@@ -171,9 +205,13 @@ class PageTable:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
-        free, cached = set(self._free), set(self._cached)
-        assert len(free) == len(self._free), "a page is free twice"
+        free = set(self._free[0]) | set(self._free[1])
+        cached = set(self._cached[0]) | set(self._cached[1])
+        assert len(free) == self.num_free, "a page is free twice"
         assert not free & cached, "a page is both free and cached"
+        for kind in (0, 1):
+            listed = [*self._free[kind], *self._cached[kind]]
+            assert all(self._kind(i) == kind for i in listed), "a page is listed as the other kind"
         for page in self.pages:
             assert page.ref_count >= 0, f"page {page.index} has ref_count {page.ref_count}"
             in_use = page.ref_count > 0

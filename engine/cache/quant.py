@@ -27,6 +27,10 @@ Layout, per layer and for K and V separately (``QuantPages``):
   nibble, each stored as q + 8 (0..15). This "split halves" packing lets the attention
   kernel's lanes, which own head dims lane, lane + LT, ..., read contiguous bytes.
 - ``scales``: float16 ``[P, S, KV, D // 32]``.
+- ``sinks`` (optional): ``[R, S, KV, D]`` in the model's dtype. Pages 0..R-1 keep their rows
+  here too, after the center is taken off and the rotation applied (what the codes encode),
+  and attention reads those pages from here: the unquantized first page of each sequence
+  (the page table gives every first block a page below R and no other block one).
 
 Modes: q8 = K 8 bits, V 8 bits; q6 = K 8 bits, V 4 bits (as ExLlamaV2's Q6: keys are the more
 sensitive half, so the bits go there; 6 bits per element on average); q4 = 4 and 4.
@@ -122,6 +126,14 @@ class QuantPages:
     # float32 [KV, D] subtracted from every row before it is quantized (key centering, see
     # the module docstring); None: rows are stored as they come
     center: torch.Tensor | None = None
+    # [R, S, KV, D] in the model's dtype: pages 0..R-1 ("sink pages", which hold sequences'
+    # first blocks: engine/cache/page_table.py) keep their rows unquantized here, centered
+    # and rotated like the codes, and are read from here; None: every page is quantized
+    sinks: torch.Tensor | None = None
+
+    @property
+    def num_sink_pages(self) -> int:
+        return 0 if self.sinks is None else self.sinks.shape[0]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -147,8 +159,12 @@ def allocate_quant_pages(
     rotate: bool,
     device,
     center: torch.Tensor | None = None,
+    num_sink_pages: int = 0,
+    sink_dtype: torch.dtype = torch.float16,
 ) -> QuantPages:
     check_head_dim(head_dim)
+    if not 0 <= num_sink_pages <= num_pages:
+        raise ValueError(f"num_sink_pages must be in [0, {num_pages}], got {num_sink_pages}")
     shape = (num_pages, page_size, kv_heads)
     width = data_width(head_dim, bits)
     if center is not None:
@@ -164,6 +180,11 @@ def allocate_quant_pages(
         bits=bits,
         rotate=rotate,
         center=center,
+        sinks=(
+            torch.zeros((num_sink_pages, *shape[1:], head_dim), dtype=sink_dtype, device=device)
+            if num_sink_pages
+            else None
+        ),
     )
 
 
@@ -272,15 +293,34 @@ def dequantize(
 
 
 def dequantize_pages(pages: QuantPages, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The pages ``index`` ([...] page ids) dequantized: [..., S, KV, D]. Only those pages."""
-    return dequantize(pages.data[index], pages.scales[index], pages.bits, dtype)
+    """The pages ``index`` ([...] page ids) dequantized: [..., S, KV, D]. Only those pages;
+    sink pages come from their unquantized rows."""
+    values = dequantize(pages.data[index], pages.scales[index], pages.bits, dtype)
+    if pages.sinks is not None:
+        sink = (index >= 0) & (index < pages.num_sink_pages)
+        values[sink] = pages.sinks[index[sink]].to(dtype)
+    return values
 
 
 def write_slots(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
     """Quantize rows x [T, KV, D] (less the pages' center, in float32) into ``slots``
-    ([T] page * S + slot in page, all valid)."""
+    ([T] page * S + slot in page, all valid); rows of sink pages are also kept as they are
+    (centered, rotated)."""
     if pages.center is not None:
         x = x.float() - pages.center
     data, scales = quantize(x, pages.bits, pages.rotate)
     pages.data.view(-1, *pages.data.shape[2:]).index_copy_(0, slots, data)
     pages.scales.view(-1, *pages.scales.shape[2:]).index_copy_(0, slots, scales)
+    if pages.sinks is not None:
+        _write_sinks(pages, x, slots)
+
+
+def _write_sinks(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
+    sink = slots < pages.num_sink_pages * pages.sinks.shape[1]
+    if not bool(sink.any()):
+        return
+    rows = x[sink].float()
+    if pages.rotate:
+        rows = rotate_groups(rows)
+    flat = pages.sinks.view(-1, *pages.sinks.shape[2:])
+    flat.index_copy_(0, slots[sink], rows.to(flat.dtype))

@@ -118,13 +118,22 @@ class Model:
         quant: str = "fp16",
         rotate: bool | None = None,
         center_keys: bool | None = None,
+        num_sink_pages: int = 0,
     ) -> KVPages:
         """Paged K/V storage for this model on its device, in its dtype (or quantized: see
         ``PagedCache``; quantized keys are centered by default, ``key_centers``)."""
         check_quant(quant, rotate)
         centers = self.key_centers() if check_center(quant, center_keys) else None
         return allocate_kv_pages(
-            self.config, num_pages, page_size, self.dtype, self.device, quant, rotate, centers
+            self.config,
+            num_pages,
+            page_size,
+            self.dtype,
+            self.device,
+            quant,
+            rotate,
+            centers,
+            num_sink_pages,
         )
 
     def key_centers(self) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.kv_cache import KVPages, kv_format
+from engine.cache.quant import QuantPages
 from engine.inflight import TokenPatch
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.ops import OpSet
@@ -35,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 GRAPHS_ENV = "ENGINE_CUDA_GRAPHS"
 PERSISTENT_BATCH_ENV = "ENGINE_PERSISTENT_BATCH"
+
+
+def _check_sink_pages(kv_pages: KVPages, ops: OpSet) -> None:
+    k_pages = kv_pages[0][0]
+    if isinstance(k_pages, QuantPages) and k_pages.sinks is not None and not ops.reads_sink_pages:
+        raise ValueError(
+            f"sink_pages: the {ops.name!r} ops do not read sink pages yet; use a cache "
+            "without them, or the torch ops (ENGINE_OPS=torch)"
+        )
 
 
 class ModelRunner:
@@ -60,6 +70,7 @@ class ModelRunner:
         self.page_size = page_size
         self.ops = model.ops if ops is None else ops
         self.device = model.device
+        _check_sink_pages(kv_pages, self.ops)
         if self.ops.compiles and self.device.type == "cuda":
             self.warm_up()
         self.decode_graphs = self._make_decode_graphs(cuda_graphs, max_batch_size, max_seq_len)

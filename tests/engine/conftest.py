@@ -84,9 +84,17 @@ class QuantTiny(Tiny):
 
     quant: str = "fp16"
     rotate: bool | None = None
+    sink_pages: int = 0
 
     def generator(self, max_num_tokens: int = 4096, page_size: int = 4, **kwargs):
-        cache = PagedCache(self.model, max_num_tokens, page_size, self.quant, self.rotate)
+        cache = PagedCache(
+            self.model,
+            max_num_tokens,
+            page_size,
+            self.quant,
+            self.rotate,
+            sink_pages=self.sink_pages,
+        )
         return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
 
 

@@ -22,7 +22,7 @@ from engine.cuda.attention import paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from engine.ops import TORCH_OPS
 from tests.engine import test_generator as gen_tests
-from tests.engine.conftest import QuantTiny
+from tests.engine.conftest import QuantTiny, assert_no_pages_in_use
 
 QUANTS = ["q8", "q6", "q4"]
 
@@ -275,3 +275,130 @@ def test_forward_on_quantized_pages_uses_the_torch_ops(tiny32):
     assert torch.isfinite(logits).all()
     written = [int(kv[0][0].scales[p].abs().sum() > 0) for p in range(4)]
     assert written == [1, 0, 1, 0]
+
+
+# --- sink pages: sequences' first blocks kept unquantized ----------------------------------
+
+
+def test_sink_pages_hold_their_rows_unquantized():
+    """Pages below ``num_sink_pages`` are read from their unquantized rows (centered and
+    rotated like the codes); the others from their codes."""
+    from engine.cache.quant import allocate_quant_pages, dequantize_pages, write_slots
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * 4, 2, 64, generator=gen)
+    center = torch.randn(2, 64, generator=gen)
+    pages = allocate_quant_pages(
+        4, 4, 2, 64, 4, True, "cpu", center, num_sink_pages=2, sink_dtype=torch.float32
+    )
+    write_slots(pages, x, torch.arange(16))
+    got = dequantize_pages(pages, torch.tensor([[0, 1, 2, 3]]), torch.float32)[0]
+    want = rotate_groups(x - center).view(4, 4, 2, 64)
+    assert torch.allclose(got[:2], want[:2], atol=1e-6)  # (float32 rows: the rotation's rounding)
+    error = (got[2:] - want[2:]).abs().max()
+    assert error > 1e-2  # 4-bit codes
+
+
+def _first_page_logits(q: QuantTiny, prompt: list[int]) -> torch.Tensor:
+    """The logits of a greedy job whose whole context stays in its first page."""
+    from engine import DynamicJob, SamplerSettings
+
+    generator = q.generator(page_size=16)
+    job = DynamicJob(prompt, 4, stop_conditions=[], gen_settings=SamplerSettings.greedy())
+    job.return_logits = True
+    generator.enqueue(job)
+    logits = []
+    while generator.num_remaining_jobs():
+        logits += [r["logits"] for r in generator.iterate() if "logits" in r]
+    return torch.cat([x.reshape(-1) for x in logits])
+
+
+def test_a_context_within_the_sink_page_matches_the_unquantized_cache(tiny32):
+    prompt = tiny32.tokenizer.encode("the cat sat")[0].tolist()
+    exact = _first_page_logits(_with(tiny32, "fp16"), prompt)
+    sinks = _with(tiny32, "q4")
+    sinks.sink_pages = 4
+    with_sinks = _first_page_logits(sinks, prompt)
+    without = _first_page_logits(_with(tiny32, "q4"), prompt)
+    assert (with_sinks - exact).abs().max() < 1e-4  # centering and rotation: rounding only
+    assert (without - exact).abs().max() > 1e-3
+
+
+def test_every_first_block_is_a_sink_page_and_nothing_else_is(tiny32):
+    q = _with(tiny32, "q4")
+    q.sink_pages = 3
+    generator = q.generator(max_num_tokens=40 * 4)
+    prompts = gen_tests._prompts(q.tokenizer, count=6, seed=2)
+    for ids in prompts:
+        generator.enqueue(gen_tests.DynamicJob(ids, 6, stop_conditions=[]))
+    seen_first, seen_rest = set(), set()
+    while generator.num_remaining_jobs():
+        generator.iterate()
+        for seq in generator.scheduler.running:
+            seen_first.add(seq.pages[0])
+            seen_rest.update(seq.pages[1:])
+        assert len(generator.scheduler.running) <= 3  # one sink page each (distinct prompts)
+    assert seen_first <= {0, 1, 2} and not seen_rest & {0, 1, 2}
+    assert_no_pages_in_use(generator)
+
+
+def test_engine_subset_on_q4_pages_with_sink_pages(tiny32):
+    """Batching, prefix reuse, follow-ups and preemption with sink pages: the numerics of a
+    token never depend on which pages were free (first blocks are always sink pages)."""
+    q = _with(tiny32, "q4")
+    q.sink_pages = 8
+    gen_tests.test_batched_equals_alone(q)
+    gen_tests.test_same_prompt_twice_hits_the_cache(q)
+    gen_tests.test_follow_up_turn_reuses_generated_pages(q)
+    prompts = gen_tests._prompts(q.tokenizer, count=8, seed=5)
+    large = gen_tests._run(q.generator(), prompts, max_new_tokens=12)
+    q.sink_pages = 3  # fewer first blocks at once, and fewer ordinary pages than they need
+    small_gen = q.generator(max_num_tokens=30 * 4, page_size=4, max_chunk_size=32)
+    small = gen_tests._run(small_gen, prompts, max_new_tokens=12)
+    assert small_gen.stats()["preemptions"] > 0
+    assert [gen_tests._tokens(r) for r in small] == [gen_tests._tokens(r) for r in large]
+
+
+def test_sink_pages_are_refused_where_they_cannot_work(tiny32):
+    model = tiny32.model
+    with pytest.raises(ValueError, match="sink_pages needs a quantized cache"):
+        PagedCache(model, 64, 4, "fp16", sink_pages=2)
+    with pytest.raises(ValueError, match=r"sink_pages must be in \[0, 16\]"):
+        PagedCache(model, 64, 4, "q4", sink_pages=17)
+    cache = PagedCache(model, 64, 4, "q4", sink_pages=1)
+    cuda_like = dataclasses.replace(TORCH_OPS, name="cuda", reads_sink_pages=False)
+    from engine.model.runner import ModelRunner
+
+    with pytest.raises(ValueError, match="do not read sink pages"):
+        ModelRunner(model, cache.kv, 4, max_batch_size=2, max_seq_len=64, ops=cuda_like)
+
+
+def test_sink_pages_count_in_the_bytes_and_the_budget(tiny32):
+    model = tiny32.model
+    plain = PagedCache(model, 64 * 4, 4, "q4")
+    sinks = PagedCache(model, 64 * 4, 4, "q4", sink_pages=4)
+    fp = kv_bytes_per_token(model.config, model.dtype)
+    assert sinks.num_bytes() - plain.num_bytes() == 4 * 4 * fp
+    budget = PagedCache.from_budget(model, plain.num_bytes(), 4, "q4", sink_pages=4)
+    assert budget.num_bytes() <= plain.num_bytes() and budget.sink_pages == 4
+    assert budget.num_pages < plain.num_pages
+
+
+def test_jobs_and_drafts_that_sink_pages_cannot_serve_are_refused(tiny32):
+    from engine import DynamicGenerator, DynamicJob, SamplerSettings
+
+    model, tokenizer = tiny32.model, tiny32.tokenizer
+    one_sink = PagedCache(model, 256, 4, "q4", sink_pages=1)
+    generator = DynamicGenerator(model, one_sink, tokenizer)
+    pair = [tokenizer.encode("the cat")[0].tolist(), tokenizer.encode("a dog")[0].tolist()]
+    guided = SamplerSettings(temperature=0.0, cfg_scale=1.5)
+    with pytest.raises(ValueError, match="2 rows need a sink page each; the cache has 1"):
+        generator.enqueue(DynamicJob(pair, 4, gen_settings=guided))
+    with pytest.raises(ValueError, match="draft_cache has 2 sink pages; the cache has 1"):
+        DynamicGenerator(
+            model,
+            PagedCache(model, 256, 4, "q4", sink_pages=1),
+            tokenizer,
+            draft_model=model,
+            draft_cache=PagedCache(model, 256, 4, "q4", sink_pages=2),
+        )

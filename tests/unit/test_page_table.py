@@ -87,9 +87,11 @@ def test_misuse_raises():
 class PageTableMachine(RuleBasedStateMachine):
     """Random interleavings of sequences growing, sharing prefixes, finishing and evicting."""
 
+    SINKS = 0  # num_sink_pages
+
     def __init__(self):
         super().__init__()
-        self.table = PageTable(12, page_size=2)
+        self.table = PageTable(12, page_size=2, num_sink_pages=self.SINKS)
         self.seqs: list[list[int]] = []  # page ids each live sequence holds, in order
         self.seq_tokens: list[list[int]] = []
 
@@ -99,7 +101,7 @@ class PageTableMachine(RuleBasedStateMachine):
         hit = self.table.match_prefix(hashes)
         self.table.acquire(hit)
         need = -(-len(tokens) // 2) - len(hit)
-        fresh = self.table.allocate(need)
+        fresh = self.table.allocate(need, first_block=not hit)
         if fresh is None:
             self.table.release(reversed(hit))
             return
@@ -139,7 +141,36 @@ class PageTableMachine(RuleBasedStateMachine):
                 held[p] = held.get(p, 0) + 1
         for page in t.pages:
             assert page.ref_count == held.get(page.index, 0)
+        if self.SINKS:  # first blocks on sink pages, nothing else on them
+            assert all(pages[0] < self.SINKS for pages in self.seqs)
+            assert all(p >= self.SINKS for pages in self.seqs for p in pages[1:])
+
+
+class SinkPageTableMachine(PageTableMachine):
+    SINKS = 3
 
 
 TestPageTableMachine = PageTableMachine.TestCase
 TestPageTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSinkPageTableMachine = SinkPageTableMachine.TestCase
+TestSinkPageTableMachine.settings = TestPageTableMachine.settings
+
+
+def test_sink_pages_are_a_pool_of_their_own():
+    table = PageTable(5, page_size=1, num_sink_pages=2)
+    assert (table.num_available, table.num_sink_available) == (3, 2)
+    first = table.allocate(2, first_block=True)
+    assert first[0] in (0, 1) and first[1] >= 2
+    second = table.allocate(1, first_block=True)
+    assert second[0] in (0, 1)
+    assert table.allocate(1, first_block=True) is None  # both sink pages held: it waits
+    assert table.allocate(2) == [3, 4]  # ordinary pages never come from the sink pool
+    assert table.allocate(1) is None
+    table.release(second)
+    table.register(first[0], page_hash(None, [7]))
+    table.release(first[:1])  # cached: evicted for the next first block, least recent first
+    assert table.allocate(1, first_block=True) == second
+    assert table.allocate(1, first_block=True) == first[:1] and table.evictions == 1
+    table.check_invariants()
+    with pytest.raises(ValueError, match="num_sink_pages"):
+        PageTable(2, 1, num_sink_pages=3)

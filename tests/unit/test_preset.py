@@ -72,6 +72,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "cache_rotate", "on", "engine.cache_rotate must be true or false, got 'on'"),
         ("engine", "cache_center_keys", True, "engine.cache_center_keys: true needs a quantized"),
         ("engine", "cache_center_keys", 1, "engine.cache_center_keys must be true or false, got 1"),
+        ("engine", "cache_sink_pages", 4, "engine.cache_sink_pages needs a quantized"),
+        ("engine", "cache_sink_pages", -1, "engine.cache_sink_pages must be >= 0, got -1"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
         (
             "engine",
@@ -161,6 +163,18 @@ def test_cache_center_keys_is_parsed_for_quantized_modes() -> None:
     raw["engine"]["cache_center_keys"] = False
     assert Preset.parse(raw).engine.cache_center_keys is False
     assert Preset.parse(with_value("engine", "cache_quant", "q4")).engine.cache_center_keys is None
+
+
+def test_cache_sink_pages_shorten_the_context_by_the_other_sink_pages() -> None:
+    raw = with_value("engine", "max_num_tokens", 1024)
+    raw["engine"].update(cache_quant="q4", cache_sink_pages=8)
+    preset = Preset.parse(raw)
+    assert preset.engine.cache_sink_pages == 8 and preset.cache_tokens() == 1024
+    # one sink page (its first block) and the 56 ordinary pages: 57 pages of 16
+    assert preset.context_length(max_position_embeddings=4096) == 57 * 16
+    raw["engine"]["cache_sink_pages"] = 65
+    with pytest.raises(ValueError, match=r"cache_sink_pages \(65\) exceeds the cache's 64 pages"):
+        Preset.parse(raw).cache_pages()
 
 
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
@@ -260,6 +274,27 @@ def test_cache_bytes_size_the_replica_like_the_ingress(
     assert cache.num_bytes() + cache.page_size * cache.bytes_per_token() > 100_000
     assert PromptBuilder(preset).context_length == cache.max_num_tokens == preset.cache_tokens()
     assert preset.batch_size_estimate() == cache.num_pages // 2
+
+
+def test_cache_bytes_with_sink_pages_size_the_replica_like_the_ingress(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sink pages' unquantized rows come out of the budget; the ingress's context length is
+    what one sequence can hold (its sink page and the ordinary pages), as in the generator."""
+    from deployments.ingress import PromptBuilder
+    from deployments.llm_server import _build_cache
+    from engine import DynamicGenerator, Model, Tokenizer
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    preset = Preset.parse(_budgeted(100_000, cache_quant="q4", cache_sink_pages=4))
+    path = preset.model.resolve_path()
+    model = Model.from_pretrained(path, device="cpu", dtype="float32")
+    cache = _build_cache(model, preset)
+    assert cache.sink_pages == 4 and cache.num_bytes() <= 100_000
+    assert cache.num_pages == preset.cache_pages()
+    generator = DynamicGenerator(model, cache, Tokenizer.from_pretrained(path))
+    assert PromptBuilder(preset).context_length == generator.max_seq_len
+    assert generator.max_seq_len == (cache.num_pages - 3) * cache.page_size
 
 
 def test_a_budget_below_one_page_is_refused(
