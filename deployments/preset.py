@@ -234,7 +234,7 @@ class EnginePreset:
     cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cache_center_keys: bool | None = None  # quantized keys less the model's key centers
     # pages kept unquantized for sequences' first blocks (engine/cache/page_table.py): one per
-    # running sequence with its own first page, so at least max_batch_size; torch ops only
+    # running sequence with its own first page, so at least max_batch_size
     cache_sink_pages: int = 0
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
     # tokens read one step late, the next forward fed on the device; None: on a GPU unless

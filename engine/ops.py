@@ -53,9 +53,6 @@ class OpSet:
     dtypes: tuple[torch.dtype, ...] | None = None
     # Compiles what a warm-up forward cannot reach: (config, dtype, device, page_size).
     warm_up_extra: Callable[[Any, torch.dtype, torch.device, int], None] | None = None
-    # Reads and writes the unquantized sink pages of a quantized cache (QuantPages.sinks).
-    # The kernels do not yet: they would read those pages' codes.
-    reads_sink_pages: bool = True
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return self.dtypes is None or dtype in self.dtypes
@@ -105,7 +102,6 @@ def cuda_ops() -> OpSet:
         supports_graphs=True,
         dtypes=KERNEL_DTYPES,
         warm_up_extra=_warm_up_split_merge,
-        reads_sink_pages=False,
     )
 
 

@@ -112,7 +112,7 @@ class PagedCache:
     centers (``Model.key_centers``) from every key before quantizing: exact for attention,
     smaller stored keys (engine/cache/quant.py). ``sink_pages`` (quantized modes only; default
     0) keeps that many pages unquantized as well, for sequences' first blocks ("attention
-    sinks": engine/cache/page_table.py); the torch ops read them, the CUDA kernels refuse them.
+    sinks": engine/cache/page_table.py).
     """
 
     def __init__(
@@ -198,15 +198,15 @@ def check_sink_pages(quant: str, sink_pages: int, num_pages: int) -> int:
     return sink_pages
 
 
-def kv_format(kv: KVPages) -> tuple[str, bool, bool]:
-    """(quant mode, rotate, center_keys) of existing storage, to allocate scratch pages like
-    it (the same kernel specialisations)."""
+def kv_format(kv: KVPages) -> tuple[str, bool, bool, bool]:
+    """(quant mode, rotate, center_keys, has sink pages) of existing storage, to allocate
+    scratch pages like it (the same kernel specialisations)."""
     k, v = kv[0]
     if not isinstance(k, QuantPages):
-        return "fp16", False, False
+        return "fp16", False, False, False
     bits = (k.bits, v.bits)
     quant = next(q for q, b in QUANT_BITS.items() if b == bits)
-    return quant, k.rotate, k.center is not None
+    return quant, k.rotate, k.center is not None, k.sinks is not None
 
 
 def center_bytes(config) -> int:

@@ -420,8 +420,12 @@ def _attention_kernel(  # noqa: C901, PLR0915
     min_blocks: int = _MIN_BLOCKS,
     shuffles: bool = not SIMULATOR,
     transposed_sums: bool = False,
+    sinks: bool = False,
 ):
-    """The attention kernel specialised on its compile-time constants. ``k_bits``/``v_bits``:
+    """The attention kernel specialised on its compile-time constants. ``sinks``: quantized
+    pages with sink pages (engine/cache/quant.py): a tile whose first block is a sink page
+    reads that block's keys from the unquantized rows first, then the rest as usual.
+    ``k_bits``/``v_bits``:
     the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
     ``kv_step_reader``; the scale arrays are not read for unquantized pages. Each key group
     takes ``keys_per_step`` keys per step (their loads are all issued before any is used);
@@ -448,6 +452,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     words = reads_words(k_bits, v_bits, DPL)
     DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
     LSTRIDE = DPL if words else 1
+    SINKS = sinks
     options = {}
     if not SIMULATOR and QV <= 32 and min_blocks > 0:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
@@ -459,7 +464,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     @cuda.jit(fastmath=True, **options)
     def attention(  # noqa: C901, PLR0915
         q, k_pages, v_pages, k_scales, v_scales, out, part_ml, part_o, block_tables, seq_lens,
-        query_start_loc, work, scale, window, min_chunk, num_splits,
+        query_start_loc, work, scale, window, min_chunk, num_splits, k_sinks, v_sinks,
     ):  # fmt: skip
         sm_m = cuda.shared.array(SM_ROWS, float32)
         sm_l = cuda.shared.array(SM_ROWS, float32)
@@ -515,13 +520,58 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     x *= scale
                 qv[r * DPL + i] = x
 
+        # Sink pages: this chunk's keys in the first block [lo, min(hi, PS)), when that block
+        # is a sink page, from its unquantized rows (one key per group per step); the steps
+        # below then start after them. (Uniform per block: every thread takes one branch.)
+        main_lo = lo
+        parity = 0
+        if SINKS:
+            first = block_tables[b, 0]
+            sink_hi = min(hi, PS)
+            if first >= 0 and first < k_sinks.shape[0] and lo < sink_hi:
+                main_lo = sink_hi
+                n_sink_steps = (sink_hi - lo + NG - 1) // NG
+                parity = n_sink_steps & 1
+                for step in range(n_sink_steps):
+                    jb = lo + step * NG + grp
+                    jc = min(jb, sink_hi - 1)
+                    for i in range(DPL):
+                        d = lane * LSTRIDE + DSTRIDE * i
+                        kf[i] = float32(k_sinks[first, jc, h, d])
+                        vf[i] = float32(v_sinks[first, jc, h, d])
+                    for r in range(R):
+                        dot = float32(0.0)
+                        if r // G < n_q:
+                            for i in range(DPL):
+                                dot += qv[r * DPL + i] * kf[i]
+                        s[r] = dot
+                        for u in range(1, KU):
+                            s[u * R + r] = 0.0
+                    row_sum(s, sm_red, tid, step & 1)
+                    for r in range(R):
+                        seen = r // G < n_q and _visible(jb, sink_hi, pos0 + r // G, window)
+                        mx = m[r]
+                        if seen:
+                            mx = max(mx, s[r])
+                        if QT > 1 or mx > m[r]:
+                            c = math.exp(m[r] - mx)
+                            l[r] *= c
+                            for i in range(DPL):
+                                acc[r * DPL + i] *= c
+                            m[r] = mx
+                        if seen:
+                            e = math.exp(s[r] - mx)
+                            l[r] += e
+                            for i in range(DPL):
+                                acc[r * DPL + i] += e * vf[i]
+
         # Step: keys base + u * NG + grp for u < KU (group grp takes every NG-th key). All KU
         # keys' K and V are read before any is used, so their loads are in flight together.
         n_steps = 0
-        if hi > lo:
-            n_steps = (hi - lo + NG * KU - 1) // (NG * KU)
+        if hi > main_lo:
+            n_steps = (hi - main_lo + NG * KU - 1) // (NG * KU)
         for step in range(n_steps):
-            base = lo + step * NG * KU + grp
+            base = main_lo + step * NG * KU + grp
             for u in range(KU):
                 # Every lane runs every step (the shuffles need the whole warp): a key past the
                 # end reads the chunk's last key and is masked below.
@@ -541,7 +591,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     if SCALED:
                         dot *= ks[u]
                     s[u * R + r] = dot
-            row_sum(s, sm_red, tid, step & 1)
+            row_sum(s, sm_red, tid, (step + parity) & 1)
             # Online softmax over the step's keys: one rescale per row, then s holds the weights
             # (0 for a masked key).
             for r in range(R):
@@ -853,6 +903,9 @@ class KVArgs:
     k_bits: int
     v_bits: int
     kv_heads: int
+    # the sink pages' unquantized rows [R, S, KV, D] (QuantPages.sinks); None: no sink pages
+    k_sinks: torch.Tensor | None = None
+    v_sinks: torch.Tensor | None = None
 
 
 def launch_attention(
@@ -879,6 +932,7 @@ def launch_attention(
         _MIN_BLOCKS if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
         _SHUFFLES,
         _transposed_sums(pages.k_bits, pages.v_bits, head_dim // plan.lanes),
+        pages.k_sinks is not None,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():
@@ -887,6 +941,9 @@ def launch_attention(
     dpl = head_dim // plan.lanes
     if reads_words(pages.k_bits, pages.v_bits, dpl):
         k_pages, v_pages = k_pages.view(word_dtype(dpl)), v_pages.view(word_dtype(dpl))
+    # (without sink pages the kernel never reads them: the scales stand in for the arguments)
+    k_sinks = pages.k_scales if pages.k_sinks is None else pages.k_sinks
+    v_sinks = pages.v_scales if pages.v_sinks is None else pages.v_sinks
     launch(
         kernel,
         (plan.num_items, kv_heads, plan.num_splits),
@@ -907,6 +964,8 @@ def launch_attention(
         sliding_window or 0,
         plan.min_chunk,
         plan.num_splits,
+        k_sinks,
+        v_sinks,
     )
     if plan.num_splits > 1:
         launch(

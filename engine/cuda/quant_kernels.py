@@ -88,6 +88,8 @@ def paged_attention_quant_cuda(
         k_pages.bits,
         v_pages.bits,
         k_pages.shape[2],
+        k_pages.sinks,
+        v_pages.sinks,
     )
     out = launch_attention(q, pages, batch, scale, sliding_window, num_splits)
     return rotate_groups(out) if k_pages.rotate else out
@@ -110,13 +112,15 @@ def paged_attention_quant_cuda(
 #    and its value in shared memory.
 # 4. Threads stride over output bytes: q = clamp(floor(x / s + 0.5), qmin, qmax) with the
 #    stored scale (1 where it is 0), int8 for 8 bits, two nibbles (q + 8) for 4 bits.
+# 5. On a sink page (page < R, k_pages.sinks), threads stride over the values once more and
+#    store them unquantized (after 1-2: centered and rotated) in the run dtype.
 # No fastmath: x / s must be the IEEE quotient the reference takes.
 # Padding tokens (negative slot) and slots past the pages rotate q and write nothing.
 # --------------------------------------------------------------------------------------------
 
 
 @functools.cache
-def _quant_write_kernel(
+def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
     dtype: torch.dtype,
     kv_heads: int,
     head_dim: int,
@@ -124,6 +128,7 @@ def _quant_write_kernel(
     v_bits: int,
     rotate: bool,
     centered: bool,
+    sinks: bool = False,
 ):
     io = _launch.NUMBA_DTYPES[dtype]
     KV, D = kv_heads, head_dim
@@ -132,11 +137,13 @@ def _quant_write_kernel(
     scale_step = _scale_step(N, D, k_bits, v_bits, rotate)
     write_k = _code_writer(k_bits, N, D)
     write_v = _code_writer(v_bits, N, D)
+    write_sinks = _sink_writer(dtype, N, D)
 
     @cuda.jit
     def kernel(
-        q, k, v, cos, sin, k_data, v_data, k_scales, v_scales, k_center, slot_mapping, q_out
-    ):
+        q, k, v, cos, sin, k_data, v_data, k_scales, v_scales, k_center, slot_mapping, q_out,
+        k_sinks, v_sinks,
+    ):  # fmt: skip
         # sm[0] = K values, sm[1] = K scales, sm[2] = V values, sm[3] = V scales (float32)
         sm = cuda.shared.array((4, N), float32)
         tmp = cuda.shared.array((2, N), float32)
@@ -181,8 +188,24 @@ def _quant_write_kernel(
             cuda.syncthreads()
             write_k(k_data, sm, 0, page, offset, tid, nt)
             write_v(v_data, sm, 2, page, offset, tid, nt)
+            if sinks and page < k_sinks.shape[0]:
+                write_sinks(k_sinks, v_sinks, sm, page, offset, tid, nt)
 
     return kernel
+
+
+@functools.cache
+def _sink_writer(dtype: torch.dtype, n: int, head_dim: int):
+    """Step 5 as a device function: a sink page's slot also gets its rows unquantized (sm[0]
+    and sm[2], centered and rotated), rounded to the run dtype as the reference stores them."""
+    io = _launch.NUMBA_DTYPES[dtype]
+
+    def write(k_sinks, v_sinks, sm, page, offset, tid, nt):
+        for e in range(tid, n, nt):
+            k_sinks[page, offset, e // head_dim, e % head_dim] = io(sm[0, e])
+            v_sinks[page, offset, e // head_dim, e % head_dim] = io(sm[2, e])
+
+    return cuda.jit(device=True)(write)
 
 
 @functools.cache
@@ -363,13 +386,21 @@ def quant_rotary_cache_write_cuda(
     while threads < work and threads < _MAX_THREADS and not _launch.SIMULATOR:
         threads *= 2
     centered = k_pages.center is not None
+    sinks = k_pages.sinks is not None
+    if sinks and (k_pages.sinks.dtype != q.dtype or v_pages.sinks is None):
+        raise ValueError(
+            f"quant_rotary_cache_write_cuda: sink rows must be {q.dtype} in K and V pages"
+        )
     kernel = _quant_write_kernel(
-        q.dtype, kv_heads, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate, centered
+        q.dtype, kv_heads, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate, centered, sinks
     )
     if _launch.SIMULATOR:  # the simulator copies arrays in as single buffers; a GPU takes views
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     # (not centered: the kernel never reads k_center; the scales stand in for its argument)
     center = k_pages.center if centered else k_pages.scales
     args = (q, k, v, cos, sin, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, center)
-    _launch.launch(kernel, tokens, threads, *args, slot_mapping.contiguous(), out)
+    # (without sink pages the kernel never writes them: the scales stand in for the arguments)
+    k_sinks = k_pages.sinks if sinks else k_pages.scales
+    v_sinks = v_pages.sinks if sinks else v_pages.scales
+    _launch.launch(kernel, tokens, threads, *args, slot_mapping.contiguous(), out, k_sinks, v_sinks)
     return out

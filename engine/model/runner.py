@@ -25,7 +25,6 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.kv_cache import KVPages, kv_format
-from engine.cache.quant import QuantPages
 from engine.inflight import TokenPatch
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.ops import OpSet
@@ -36,15 +35,6 @@ logger = logging.getLogger(__name__)
 
 GRAPHS_ENV = "ENGINE_CUDA_GRAPHS"
 PERSISTENT_BATCH_ENV = "ENGINE_PERSISTENT_BATCH"
-
-
-def _check_sink_pages(kv_pages: KVPages, ops: OpSet) -> None:
-    k_pages = kv_pages[0][0]
-    if isinstance(k_pages, QuantPages) and k_pages.sinks is not None and not ops.reads_sink_pages:
-        raise ValueError(
-            f"sink_pages: the {ops.name!r} ops do not read sink pages yet; use a cache "
-            "without them, or the torch ops (ENGINE_OPS=torch)"
-        )
 
 
 class ModelRunner:
@@ -70,7 +60,6 @@ class ModelRunner:
         self.page_size = page_size
         self.ops = model.ops if ops is None else ops
         self.device = model.device
-        _check_sink_pages(kv_pages, self.ops)
         if self.ops.compiles and self.device.type == "cuda":
             self.warm_up()
         self.decode_graphs = self._make_decode_graphs(cuda_graphs, max_batch_size, max_seq_len)
@@ -172,12 +161,13 @@ def warm_up(
     quant: str = "fp16",
     rotate: bool | None = None,
     center_keys: bool | None = None,
+    sink_pages: bool = False,
 ) -> None:
     """Run a prefill and a decode forward of ``model`` once with ``ops`` on scratch pages of
-    the cache's format (the prefill crosses a page boundary), then whatever the op set
-    compiles apart."""
+    the cache's format (the prefill crosses a page boundary; with ``sink_pages`` its first
+    page is one), then whatever the op set compiles apart."""
     pages = [0, 1, 2]  # covers page_size + 2 tokens for any page size
-    kv = model.allocate_kv(len(pages), page_size, quant, rotate, center_keys)
+    kv = model.allocate_kv(len(pages), page_size, quant, rotate, center_keys, int(sink_pages))
     prefill = SequenceInput([0] * (page_size + 1), num_cached=0, pages=pages)
     decode = SequenceInput([0], num_cached=page_size + 1, pages=pages)
     with torch.inference_mode():

@@ -221,10 +221,12 @@ def test_kv_format_names_the_storage_to_allocate_scratch_pages_like(tiny32):
     from engine.cache.kv_cache import kv_format
 
     model = tiny32.model
-    assert kv_format(PagedCache(model, 64, page_size=4).kv) == ("fp16", False, False)
-    assert kv_format(PagedCache(model, 64, page_size=4, quant="q6").kv) == ("q6", True, True)
+    assert kv_format(PagedCache(model, 64, page_size=4).kv) == ("fp16", False, False, False)
+    assert kv_format(PagedCache(model, 64, page_size=4, quant="q6").kv) == ("q6", True, True, False)
+    sinks = PagedCache(model, 64, page_size=4, quant="q4", sink_pages=2)
+    assert kv_format(sinks.kv) == ("q4", True, True, True)
     plain = PagedCache(model, 64, page_size=4, quant="q4", rotate=False, center_keys=False)
-    assert kv_format(plain.kv) == ("q4", False, False)
+    assert kv_format(plain.kv) == ("q4", False, False, False)
 
 
 def test_attention_reads_only_the_batch_pages():
@@ -365,12 +367,6 @@ def test_sink_pages_are_refused_where_they_cannot_work(tiny32):
         PagedCache(model, 64, 4, "fp16", sink_pages=2)
     with pytest.raises(ValueError, match=r"sink_pages must be in \[0, 16\]"):
         PagedCache(model, 64, 4, "q4", sink_pages=17)
-    cache = PagedCache(model, 64, 4, "q4", sink_pages=1)
-    cuda_like = dataclasses.replace(TORCH_OPS, name="cuda", reads_sink_pages=False)
-    from engine.model.runner import ModelRunner
-
-    with pytest.raises(ValueError, match="do not read sink pages"):
-        ModelRunner(model, cache.kv, 4, max_batch_size=2, max_seq_len=64, ops=cuda_like)
 
 
 def test_sink_pages_count_in_the_bytes_and_the_budget(tiny32):

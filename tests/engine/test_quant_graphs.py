@@ -19,24 +19,31 @@ def small32(tiny, tmp_path_factory):
     return simulator_model_folder(tiny, tmp_path_factory.mktemp("sim32"), hidden_size=64)
 
 
-def _greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool):
-    cache = PagedCache(model, 256, page_size=PAGE, quant=quant, rotate=rotate)
+def _greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool, sink_pages: int = 0):
+    cache = PagedCache(
+        model, 256, page_size=PAGE, quant=quant, rotate=rotate, sink_pages=sink_pages
+    )
     generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=8)
     settings = SamplerSettings.greedy()
     jobs = [DynamicJob(p, 3, gen_settings=settings, stop_conditions=[]) for p in prompts]
     return run_to_end(generator, jobs)
 
 
-def test_generator_on_q4_pages_through_kernels_matches_torch(small32, tiny, monkeypatch):
+@pytest.mark.parametrize("sink_pages", [0, 2])
+def test_generator_on_q4_pages_through_kernels_matches_torch(
+    small32, tiny, monkeypatch, sink_pages
+):
     # Unrotated: the kernel's codes equal the reference's bit for bit in float32, so the
-    # greedy picks must match exactly (chunked prefill: 9 tokens in chunks of 8).
+    # greedy picks must match exactly (chunked prefill: 9 tokens in chunks of 8); with sink
+    # pages the first page of each sequence is read from its unquantized rows.
     prompts = [[5, 9, 17, 3, 40, 2, 8, 8, 1], [5, 9, 17, 3, 11]]
+    args = (tiny.tokenizer, prompts, "q4", False, sink_pages)
     monkeypatch.setenv(OPS_ENV, "torch")
-    reference = _greedy(Model.from_pretrained(small32), tiny.tokenizer, prompts, "q4", False)
+    reference = _greedy(Model.from_pretrained(small32), *args)
     monkeypatch.setenv(OPS_ENV, "cuda")
     model = Model.from_pretrained(small32)
     assert model.ops.name == "cuda"
-    assert _greedy(model, tiny.tokenizer, prompts, "q4", False) == reference
+    assert _greedy(model, *args) == reference
 
 
 @pytest.mark.parametrize(("quant", "rotate"), [("q8", True), ("q6", False)])
@@ -55,3 +62,19 @@ def test_decode_graph_steps_on_quantized_pages(small32, monkeypatch, quant, rota
     assert got.shape == want.shape
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
     assert graphs.steps == 1
+
+
+def test_decode_graph_steps_on_sink_pages(small32, monkeypatch):
+    """First pages are sink pages (0 and 1), the rest quantized: the graph step reads both."""
+    from engine.batch import SequenceInput
+
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    model = Model.from_pretrained(small32)
+    kv = model.allocate_kv(8, PAGE, "q4", True, num_sink_pages=2)
+    graphs = DecodeGraphs(model, kv, PAGE, max_batch_size=3, max_seq_len=16, capture=False)
+    seqs = [SequenceInput([7], num_cached=3, pages=[1]), SequenceInput([8], 6, pages=[0, 5])]
+    _fill_cache(model, kv, seqs)
+    got = graphs.run(seqs)
+    want = _reference(model, kv, seqs)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
+    assert kv[0][0].sinks[:2].abs().sum() > 0 and graphs.steps == 1

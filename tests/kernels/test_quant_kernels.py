@@ -219,3 +219,100 @@ def test_attention_validates_inputs():
         paged_attention_quant_cuda(q, k_pages, other, batch, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
         paged_attention_quant_cuda(q[..., :16], k_pages, v_pages, batch, 1.0)
+
+
+# --- sink pages ---------------------------------------------------------------------------------
+
+
+def _sink_case(specs, quant, num_sinks, heads=2, kv_heads=1, dtype=torch.float32, head_dim=GROUP):
+    """Like ``_quantized_case`` with sink pages, laid out as the page table lays them out:
+    every sequence's first page below ``num_sinks``, no other page there."""
+    from engine.batch import SequenceInput, build_forward_batch
+
+    page_size = 4
+    gen = torch.Generator().manual_seed(7)
+    needed = [-(-(c + n) // page_size) for c, n in specs]
+    pool = num_sinks + sum(needed) + 2
+    firsts = torch.randperm(num_sinks, generator=gen).tolist()
+    rest = (num_sinks + torch.randperm(pool - num_sinks, generator=gen)).tolist()
+    seqs = []
+    for i, ((cached, new), n_pages) in enumerate(zip(specs, needed, strict=True)):
+        pages, rest = [firsts[i], *rest[: n_pages - 1]], rest[n_pages - 1 :]
+        seqs.append(SequenceInput(token_ids=[1] * new, num_cached=cached, pages=pages))
+    batch = build_forward_batch(seqs, page_size, DEVICE)
+    k_bits, v_bits = QUANT_BITS[quant]
+    center = torch.randn(kv_heads, head_dim, generator=gen).to(DEVICE)
+    k_pages, v_pages = (
+        allocate_quant_pages(
+            pool, page_size, kv_heads, head_dim, bits, True, DEVICE, c, num_sinks, dtype
+        )
+        for bits, c in ((k_bits, center), (v_bits, None))
+    )
+    slots = torch.arange(pool * page_size, device=DEVICE)
+    for pages in (k_pages, v_pages):
+        rows = 3 * torch.randn(pool * page_size, kv_heads, head_dim, generator=gen)
+        write_slots(pages, rows.to(DEVICE, dtype), slots)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen).to(DEVICE, dtype)
+    return q, k_pages, v_pages, batch
+
+
+@pytest.mark.parametrize(
+    ("specs", "quant", "splits", "window", "keys_per_step"),
+    [
+        ([(5, 1), (9, 1), (2, 1)], "q4", None, None, None),  # decode: sink keys, then codes
+        ([(0, 6), (3, 4)], "q8", None, None, None),  # prefill and chunked prefill
+        ([(2, 1), (13, 3)], "q6", 2, None, None),  # a split inside and one after the sink page
+        ([(9, 2), (1, 1)], "q4", 2, 3, 3),  # a window past the sink page; 3 keys per step
+    ],
+)
+def test_attention_reads_sink_pages_like_the_reference(
+    monkeypatch, specs, quant, splits, window, keys_per_step
+):
+    if keys_per_step is not None:
+        monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", keys_per_step)
+    q, k_pages, v_pages, batch = _sink_case(specs, quant, num_sinks=len(specs) + 1)
+    scale = GROUP**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, window, num_splits=splits)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+    # the sink rows were read: attention over the codes alone differs
+    codes_only = dataclasses.replace(k_pages, sinks=None), dataclasses.replace(v_pages, sinks=None)
+    other = quant_paged_attention_reference(q, *codes_only, batch, scale, window)
+    assert rel_error(other, ref) > 10 * TOL[torch.float32]
+
+
+def test_attention_reads_sink_pages_as_words_in_fp16(monkeypatch):
+    monkeypatch.setattr(attention, "_FORCE_LANES", 16)
+    specs = [(5, 1), (19, 3)]
+    q, k_pages, v_pages, batch = _sink_case(
+        specs, "q4", 3, heads=4, kv_heads=2, dtype=torch.float16, head_dim=64
+    )
+    assert reads_words(k_pages.bits, v_pages.bits, 64 // 16)
+    scale = 64**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=2)
+    ref = quant_paged_attention_reference(q.float(), k_pages, v_pages, batch, scale)
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize(("quant", "dtype"), [("q4", torch.float32), ("q8", torch.float16)])
+def test_cache_write_fills_sink_pages_like_the_reference(quant, dtype):
+    torch.manual_seed(2)
+    q, k, v, cos, sin, _, _ = make_inputs(3, 2, 1, 2 * GROUP, 4, 4, dtype)
+    center = torch.randn(1, 2 * GROUP, device=DEVICE)
+    k_bits, v_bits = QUANT_BITS[quant]
+    k_pages, v_pages = (
+        allocate_quant_pages(4, 4, 1, 2 * GROUP, bits, True, DEVICE, c, 2, dtype)
+        for bits, c in ((k_bits, center), (v_bits, None))
+    )
+    ref_k, ref_v = (
+        dataclasses.replace(_copy(p), sinks=p.sinks.clone()) for p in (k_pages, v_pages)
+    )
+    slots = torch.tensor([2, -1, 14], device=DEVICE)  # a sink page's slot, padding, an ordinary
+    quant_rotary_cache_write_reference(q, k, v, cos, sin, ref_k, ref_v, slots)
+    quant_rotary_cache_write_cuda(q, k, v, cos, sin, k_pages, v_pages, slots)
+    for got, want in ((k_pages, ref_k), (v_pages, ref_v)):
+        assert got.sinks.abs().sum() > 0
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert torch.allclose(got.sinks.float(), want.sinks.float(), rtol=tol, atol=tol)
+        written = got.sinks.reshape(8, -1).abs().sum(-1) > 0
+        assert written.tolist() == [False, False, True] + [False] * 5
