@@ -56,13 +56,17 @@ def test_ngram_speculation_on_quantized_pages_matches_plain_on_the_same_pages(ti
     assert run_to_end(speculating, jobs()) == run_to_end(generator(), jobs())
 
 
-def _q4_cache(model) -> PagedCache:
-    return PagedCache(model, 4096, page_size=4, quant="q4")
+def _q4_cache(model, sink_pages: int = 0) -> PagedCache:
+    return PagedCache(model, 4096, page_size=4, quant="q4", sink_pages=sink_pages)
 
 
-def test_draft_model_speculation_on_q4_pages_matches_plain_on_the_same_pages(tiny, tiny32) -> None:
-    """Target and draft both read 4-bit pages: the verified tokens are the target's own greedy
-    tokens on those pages, whatever the draft proposed."""
+@pytest.mark.parametrize("sink_pages", [0, 4])
+def test_draft_model_speculation_on_q4_pages_matches_plain_on_the_same_pages(
+    tiny, tiny32, sink_pages
+) -> None:
+    """Target and draft both read 4-bit pages (with sink pages: first pages unquantized in
+    both): the verified tokens are the target's own greedy tokens on those pages, whatever
+    the draft proposed."""
 
     def jobs() -> list[DynamicJob]:
         greedy = SamplerSettings.greedy()
@@ -71,13 +75,14 @@ def test_draft_model_speculation_on_q4_pages_matches_plain_on_the_same_pages(tin
         ]
 
     model = tiny32.model
-    plain = run_to_end(DynamicGenerator(model, _q4_cache(model), tiny32.tokenizer), jobs())
+    plain_cache = _q4_cache(model, sink_pages)
+    plain = run_to_end(DynamicGenerator(model, plain_cache, tiny32.tokenizer), jobs())
     speculating = DynamicGenerator(
         model,
-        _q4_cache(model),
+        _q4_cache(model, sink_pages),
         tiny32.tokenizer,
         draft_model=model,
-        draft_cache=_q4_cache(model),
+        draft_cache=_q4_cache(model, sink_pages),
         num_draft_tokens=3,
     )
     speculating.speculator.policy.max_step_tokens = 256  # every job drafts
