@@ -1005,9 +1005,10 @@ METHODS = {
     "timestamps in the window where all requests are past prefill and none has finished; "
     "e2e = wall time of the timed call, prefill included (for transformers also its manager "
     "thread start/stop); our side runs the same prompts through DynamicGenerator",
-    "kv_quant": "per KV-cache mode (fp16/q8/q6/q4), default op set: bytes per token, tokens "
-    "in fp16's bytes, Model.forward and paged_attention alone (every layer) on one decode "
-    "batch of quant_batch x quant_context over random K/V; see bench/kv_quant_decode.py",
+    "kv_quant": "per KV-cache mode (fp16/q8/q6/q4, q4 with sink pages), default op set: "
+    "bytes per token, tokens in fp16's bytes, Model.forward and paged_attention alone (every "
+    "layer) on one decode batch of quant_batch x quant_context over random K/V; see "
+    "bench/kv_quant_decode.py",
     "ops": "default = the op set Model picks (Numba CUDA kernels on CUDA) with decode steps in "
     "CUDA graphs; eager = the same kernels with ENGINE_CUDA_GRAPHS=0 (decode-gen rows only); "
     "torch = ENGINE_OPS=torch (torch references); matmuls are torch/cuBLAS in all",

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-MODES = ("fp16", "q8", "q6", "q4")
+# "q4+sinks": q4 with sink pages (PagedCache(sink_pages=...)): each sequence's first page
+# unquantized, laid out as the page table lays it out (first pages 0..B-1, the rest after)
+MODES = ("fp16", "q8", "q6", "q4", "q4+sinks")
 GOAL_ATTENTION_SPEEDUP = 1.5  # q4 decode attention tok/s / fp16's, batch 32 x 4k context
 GOAL_TOKENS_PER_BYTE = 3.5  # q4 tokens in fp16's bytes
 
@@ -59,13 +61,13 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
 
     size = wl.page_size
     per_seq = -(-(context + 1) // size)
-    kv = model.allocate_kv(batch * per_seq, size, quant)
+    mode, quant = quant, quant.removesuffix("+sinks")
+    sinks = batch if mode != quant else 0
+    kv = model.allocate_kv(batch * per_seq, size, quant, num_sink_pages=sinks)
     _fill(model, kv, batch * per_seq, size)
     seqs = [
-        SequenceInput(
-            [4 + b % 100], num_cached=context, pages=range(b * per_seq, (b + 1) * per_seq)
-        )
-        for b in range(batch)
+        SequenceInput([4 + b % 100], num_cached=context, pages=pages)
+        for b, pages in enumerate(_page_lists(batch, per_seq, sinks))
     ]
     fwd = build_forward_batch(seqs, size, model.device)
     cfg = model.config
@@ -86,7 +88,8 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     forward_s = _timed(forward, wl.decode_steps, wl.warmup_steps, timer)
     attention_s = _timed(attention, wl.decode_steps, wl.warmup_steps, timer)
     return {
-        "quant": quant,
+        "quant": mode,
+        "sink_pages": sinks,
         "batch": batch,
         "context": context,
         "steps": wl.decode_steps,
@@ -95,6 +98,15 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
         "decode_attention_tokens_per_s": tokens / attention_s,
         "attention_ms_per_step": 1000 * attention_s / wl.decode_steps,
     }
+
+
+def _page_lists(batch: int, per_seq: int, sinks: int) -> list[list[int]]:
+    """Each sequence's pages: consecutive runs, or with sink pages its first page below
+    ``sinks`` and the rest after them (as engine/cache/page_table.py hands them out)."""
+    if not sinks:
+        return [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    rest = per_seq - 1
+    return [[b, *range(sinks + b * rest, sinks + (b + 1) * rest)] for b in range(batch)]
 
 
 def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) -> dict:

@@ -62,10 +62,17 @@ def test_dry_run_report_has_every_section(dry_run: tuple[dict, str]) -> None:
         assert all(r["tokens_per_s"] > 0 and r["cached_prompt_tokens"] == 0 for r in prefill)
 
 
+def workload_batch(report: dict) -> int:
+    return report["workload"]["quant_batch"]
+
+
 def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None:
     report, stdout = dry_run
     rows = report["models"]["tiny"]["kv_quant"]
-    assert list(rows) == ["fp16", "q8", "q6", "q4"]
+    assert list(rows) == ["fp16", "q8", "q6", "q4", "q4+sinks"]
+    assert (
+        rows["q4+sinks"]["sink_pages"] == workload_batch(report) and rows["q4"]["sink_pages"] == 0
+    )
     workload = report["workload"]
     for row in rows.values():
         assert (row["batch"], row["context"]) == (
@@ -73,7 +80,7 @@ def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None
             workload["quant_context"],
         )
         assert row["decode_forward_tokens_per_s"] > 0 and row["decode_attention_tokens_per_s"] > 0
-    sizes = [rows[q]["bytes_per_token"] for q in rows]
+    sizes = [rows[q]["bytes_per_token"] for q in ("fp16", "q8", "q6", "q4")]
     assert sizes == sorted(sizes, reverse=True)
     assert rows["q4"]["tokens_vs_fp16"] >= 3.5  # fp32 on CPU: 7.1x
     goal = report["goals"]["q4_tokens_in_fp16_bytes"]
