@@ -400,6 +400,25 @@ def _chain_values(fns):
     return cuda.jit(device=True)(both)
 
 
+@functools.cache
+def _rescaler(dims_per_lane: int, q_tile: int):
+    """``rescale(m, l, acc, r, mx)``: row r's running max becomes ``mx``, its sum and
+    accumulator scaled to match (online softmax). Decode tiles skip it when the max holds
+    (most steps once a row has seen its largest scores); prefill tiles always take it (no
+    registers to spare for the test)."""
+    DPL, QT = dims_per_lane, q_tile
+
+    def rescale(m, l, acc, r, mx):  # noqa: E741
+        if QT > 1 or mx > m[r]:
+            c = math.exp(m[r] - mx)
+            l[r] *= c
+            for i in range(DPL):
+                acc[r * DPL + i] *= c
+            m[r] = mx
+
+    return cuda.jit(device=True, fastmath=True)(rescale)  # (the kernel's fast exp)
+
+
 @cuda.jit(device=True)
 def _visible(j, hi, p, window):
     """Whether key ``j`` counts for the query at position ``p``: inside this split's chunk
@@ -445,6 +464,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     SM_RED = 1 if shuffles else 2 * R * KU * NT
     NEG = _NEG
     row_sum = _row_sum_impl(R * KU, LT, NT, shuffles, transposed_sums)
+    rescale = _rescaler(DPL, QT)
     RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, DPL, LT)
     RAW = KU * RAW_W
     SR = R * KU  # scores, then weights, of a step: [u * R + r]
@@ -553,12 +573,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                         mx = m[r]
                         if seen:
                             mx = max(mx, s[r])
-                        if QT > 1 or mx > m[r]:
-                            c = math.exp(m[r] - mx)
-                            l[r] *= c
-                            for i in range(DPL):
-                                acc[r * DPL + i] *= c
-                            m[r] = mx
+                        rescale(m, l, acc, r, mx)
                         if seen:
                             e = math.exp(s[r] - mx)
                             l[r] += e
@@ -601,14 +616,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 for u in range(KU):
                     if live and _visible(base + u * NG, hi, p, window):
                         mx = max(mx, s[u * R + r])
-                # Decode tiles skip the rescale when the max holds (most steps once a row has
-                # seen its largest scores); prefill tiles always take it (no registers spare).
-                if QT > 1 or mx > m[r]:
-                    c = math.exp(m[r] - mx)
-                    l[r] *= c
-                    for i in range(DPL):
-                        acc[r * DPL + i] *= c
-                    m[r] = mx
+                rescale(m, l, acc, r, mx)
                 for u in range(KU):
                     e = float32(0.0)
                     if live and _visible(base + u * NG, hi, p, window):
