@@ -107,6 +107,14 @@ class DynamicGenerator:
         if max_batch_size is None:
             max_batch_size = max(1, min(MAX_DERIVED_BATCH_SIZE, cache.num_pages // 2))
         self.max_seq_len = _resolve_max_seq_len(max_seq_len, model, cache)
+        if 0 < cache.sink_pages < max_batch_size:
+            logger.warning(
+                "%d sink pages for max_batch_size %d: at most %d sequences with distinct "
+                "first pages run at once",
+                cache.sink_pages,
+                max_batch_size,
+                cache.sink_pages,
+            )
         config = SchedulerConfig(max_batch_size, max_chunk_size, max_q_size, max_skips)
         self.scheduler = Scheduler(config, cache.page_table)
         self.default_stop_tokens = frozenset(tokenizer.eos_token_ids) | frozenset(
