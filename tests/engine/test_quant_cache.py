@@ -398,3 +398,32 @@ def test_jobs_and_drafts_that_sink_pages_cannot_serve_are_refused(tiny32):
             draft_model=model,
             draft_cache=PagedCache(model, 256, 4, "q4", sink_pages=2),
         )
+
+
+def test_cfg_and_ngram_speculation_on_sink_pages(tiny32):
+    """A CFG pair takes a sink page per row; beside a speculating job it decodes the same
+    tokens as alone, and every page (sink pages included) comes back."""
+    from engine import DynamicGenerator, DynamicJob, SamplerSettings
+    from tests.engine.conftest import run_to_end
+
+    model, tokenizer = tiny32.model, tiny32.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text)[0].tolist()
+
+    def cfg_job() -> DynamicJob:
+        guided = SamplerSettings(temperature=0.0, cfg_scale=1.5)
+        return DynamicJob([ids("the cat sat on"), ids("a dog")], 8, gen_settings=guided)
+
+    def generator(**kwargs) -> DynamicGenerator:
+        cache = PagedCache(model, 256, 4, "q4", sink_pages=3)
+        return DynamicGenerator(model, cache, tokenizer, **kwargs)
+
+    alone = run_to_end(generator(), [cfg_job()])
+    speculating = generator(use_ngram_draft=True)
+    speculating.speculator.policy.max_step_tokens = 256
+    greedy = SamplerSettings.greedy()
+    repeating = DynamicJob(ids("a b c a b c a b c a"), 8, stop_conditions=[], gen_settings=greedy)
+    both = run_to_end(speculating, [cfg_job(), repeating])
+    assert both[0] == alone[0]
+    assert speculating.stats()["spec_draft_tokens_proposed"] > 0
