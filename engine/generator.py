@@ -632,6 +632,8 @@ class DynamicGenerator:
             "pages_in_use": table.num_referenced,
             "pages_cached": table.num_cached,
             "pages_free": table.num_free,
+            "sink_pages": table.num_sink_pages,  # (of pages_total: first blocks only)
+            "sink_pages_available": table.num_sink_available,  # free or cached
             "page_size": table.page_size,
             "jobs_running": len(self.scheduler.running),
             "jobs_waiting": len(self.scheduler.waiting),

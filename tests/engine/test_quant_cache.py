@@ -342,6 +342,8 @@ def test_every_first_block_is_a_sink_page_and_nothing_else_is(tiny32):
         assert len(generator.scheduler.running) <= 3  # one sink page each (distinct prompts)
     assert seen_first <= {0, 1, 2} and not seen_rest & {0, 1, 2}
     assert_no_pages_in_use(generator)
+    stats = generator.stats()
+    assert (stats["sink_pages"], stats["sink_pages_available"]) == (3, 3)
 
 
 def test_engine_subset_on_q4_pages_with_sink_pages(tiny32):
