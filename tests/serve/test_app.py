@@ -475,12 +475,15 @@ def test_prompt_embeds_give_the_librarys_greedy_tokens(
     from engine import MMEmbedding
 
     model = library[0]
-    rows = _random_rows(model.config.hidden_size, 40, seed=3)
+    # 136 rows: 8 full pages of 16, so the cached prefix outweighs a stale report of one
+    # request still in flight on that replica (the router's load_weight is 4 pages a request;
+    # with 2 pages such a report sent the second request to the other replica, CI twice)
+    rows = _random_rows(model.config.hidden_size, 136, seed=3)
     embedding = MMEmbedding(rows.to(model.dtype), model=model)
     expected = _library_greedy(library, list(embedding.placeholder_ids), 8, [embedding])
     body = {"prompt_embeds": encode_rows(rows), "ignore_eos": True}
     # the router weighs a replica's in-flight requests against uncached pages: a request still
-    # finishing from an earlier test (CI once) could send the second request elsewhere
+    # finishing from an earlier test could send the second request elsewhere
     assert all(r["requests_active"] == 0 for r in _wait_idle(base_url))
     served = [
         client.completions.create(
@@ -490,8 +493,8 @@ def test_prompt_embeds_give_the_librarys_greedy_tokens(
     ]
     assert served[0].choices[0].text == expected
     assert served[1].choices[0].text == expected
-    assert served[1].usage.prompt_tokens == 40
-    assert served[1].usage.prompt_tokens_details.cached_tokens == 32  # two full pages of 16
+    assert served[1].usage.prompt_tokens == 136
+    assert served[1].usage.prompt_tokens_details.cached_tokens == 128  # 8 full pages of 16
 
 
 def test_chat_input_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI, library) -> None:
