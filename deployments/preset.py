@@ -303,13 +303,6 @@ class EnginePreset:
             )
         return pages
 
-    def sequence_pages(self, num_pages: int) -> int:
-        """The most pages one sequence can hold: every page, or with sink pages one of those
-        (its first) and every ordinary page (``PagedCache.pages_for_rows``)."""
-        if not self.cache_sink_pages:
-            return num_pages
-        return num_pages - self.cache_sink_pages + 1
-
 
 def _cache_size(raw: Mapping[str, Any], page_size: int) -> tuple[int | None, int | None]:
     """(max_num_tokens, cache_bytes) from ``engine``: one of them, the default token count
@@ -498,42 +491,46 @@ class Preset:
     def context_length(self, max_position_embeddings: int) -> int:
         """Longest sequence (prompt + completion) a replica can hold: the model's positions,
         or the whole KV cache if that is smaller. Ingress and replicas both use this."""
-        sequence_tokens = self.engine.sequence_pages(self.cache_pages()) * self.engine.page_size
-        return min(max_position_embeddings, sequence_tokens)
+        from engine.cache.page_table import pages_for_rows
 
-    def kv_bytes_per_token(self, quant: str | None = None) -> int:
-        """The model's K/V bytes per token in ``engine.cache_quant`` (or ``quant``) at its run
-        dtype (reads the model's config; what ``PagedCache.bytes_per_token`` reports once it
-        is loaded)."""
+        engine = self.engine
+        pages = pages_for_rows(self.cache_pages(), engine.cache_sink_pages, 1)
+        return min(max_position_embeddings, pages * engine.page_size)
+
+    def kv_bytes_per_token(self) -> int:
+        """The model's K/V bytes per token in ``engine.cache_quant`` at its run dtype (reads
+        the model's config; what ``PagedCache.bytes_per_token`` reports once it is loaded)."""
         from engine.cache.kv_cache import kv_bytes_per_token
+
+        config, dtype = self._model_config_and_dtype()
+        return kv_bytes_per_token(config, dtype, self.engine.cache_quant)
+
+    def _model_config_and_dtype(self) -> tuple[Any, Any]:
         from engine.config import ModelConfig
         from engine.model.model import resolve_device, resolve_dtype
 
         config = ModelConfig.from_pretrained(self.model.resolve_path())
-        dtype = resolve_dtype(self.model.dtype, resolve_device(self.model.device))
-        return kv_bytes_per_token(config, dtype, quant or self.engine.cache_quant)
+        return config, resolve_dtype(self.model.dtype, resolve_device(self.model.device))
 
     def cache_pages(self) -> int:
         """Whole pages of each replica's cache (from engine.max_num_tokens, or from
-        engine.cache_bytes and the model's bytes per token)."""
+        engine.cache_bytes less what the budget holds besides the pages, as
+        ``PagedCache.from_budget`` takes it, and the model's bytes per token)."""
+        from engine.cache.kv_cache import kv_bytes_per_token, reserved_budget_bytes
+
         engine = self.engine
         if not engine.cache_bytes:
             return engine.num_pages()
-        return engine.num_pages(self.kv_bytes_per_token(), self._reserved_cache_bytes())
-
-    def _reserved_cache_bytes(self) -> int:
-        """What ``PagedCache.from_budget`` takes from a byte budget before its pages: the key
-        centers of a centered cache and the sink pages' unquantized rows."""
-        from engine.cache.kv_cache import center_bytes
-        from engine.cache.quant import check_center
-        from engine.config import ModelConfig
-
-        engine = self.engine
-        reserved = engine.cache_sink_pages * engine.page_size * self.kv_bytes_per_token("fp16")
-        if check_center(engine.cache_quant, engine.cache_center_keys):
-            config = ModelConfig.from_pretrained(self.model.resolve_path())
-            reserved += center_bytes(config)
-        return reserved
+        config, dtype = self._model_config_and_dtype()
+        reserved = reserved_budget_bytes(
+            config,
+            dtype,
+            engine.cache_quant,
+            engine.cache_center_keys,
+            engine.cache_sink_pages,
+            engine.page_size,
+        )
+        return engine.num_pages(kv_bytes_per_token(config, dtype, engine.cache_quant), reserved)
 
     def cache_tokens(self) -> int:
         """Tokens each replica's cache really holds: whole pages only."""

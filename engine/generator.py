@@ -203,10 +203,11 @@ class DynamicGenerator:
         # A job must fit the cache alone (a single row does by max_seq_len), or it would
         # preempt itself forever.
         pages = sum(-(-(len(ids) + job.max_new_tokens) // self.cache.page_size) for ids in rows)
-        if pages > self.cache.pages_for_rows(len(rows)):
+        room = self.cache.pages_for_rows(len(rows))
+        if pages > room:
             raise ValueError(
                 f"the CFG job's two rows need {pages} pages with max_new_tokens; the cache "
-                f"has {self.cache.pages_for_rows(len(rows))} for two rows"
+                f"has {room} for two rows"
             )
         if 0 < self.cache.sink_pages < len(rows):
             raise ValueError(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.cache.page_table import PageTable, budget_pages, whole_pages
+from engine.cache.page_table import PageTable, budget_pages, pages_for_rows, whole_pages
 from engine.cache.quant import (
     CACHE_QUANTS,
     GROUP,
@@ -153,9 +153,9 @@ class PagedCache:
         included) fits ``num_bytes``: a quantized mode holds proportionally more tokens in the
         same bytes."""
         per_token = kv_bytes_per_token(model.config, model.dtype, quant)
-        if check_center(quant, center_keys):
-            num_bytes -= center_bytes(model.config)
-        num_bytes -= sink_pages * page_size * kv_bytes_per_token(model.config, model.dtype)
+        num_bytes -= reserved_budget_bytes(
+            model.config, model.dtype, quant, center_keys, sink_pages, page_size
+        )
         try:
             pages = budget_pages(num_bytes, per_token, page_size)
         except ValueError as e:
@@ -163,11 +163,8 @@ class PagedCache:
         return cls(model, pages * page_size, page_size, quant, rotate, center_keys, sink_pages)
 
     def pages_for_rows(self, rows: int) -> int:
-        """The most pages ``rows`` sequences may hold at once: all of them, or with sink
-        pages one sink page each (first blocks) and every ordinary page."""
-        if not self.sink_pages:
-            return self.num_pages
-        return self.num_pages - self.sink_pages + min(self.sink_pages, rows)
+        """The most pages ``rows`` sequences may hold at once (``page_table.pages_for_rows``)."""
+        return pages_for_rows(self.num_pages, self.sink_pages, rows)
 
     def bytes_per_token(self) -> int:
         """Bytes one token really takes in this cache's storage, all layers, K and V."""
@@ -207,6 +204,22 @@ def kv_format(kv: KVPages) -> tuple[str, bool, bool, bool]:
     bits = (k.bits, v.bits)
     quant = next(q for q, b in QUANT_BITS.items() if b == bits)
     return quant, k.rotate, k.center is not None, k.sinks is not None
+
+
+def reserved_budget_bytes(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    quant: str,
+    center_keys: bool | None,
+    sink_pages: int,
+    page_size: int,
+) -> int:
+    """What a byte budget holds besides its pages: the key centers of a centered cache and
+    the sink pages' unquantized rows (``PagedCache.from_budget`` and the serving preset)."""
+    reserved = sink_pages * page_size * kv_bytes_per_token(config, dtype)
+    if check_center(quant, center_keys):
+        reserved += center_bytes(config)
+    return reserved
 
 
 def center_bytes(config) -> int:

@@ -251,3 +251,12 @@ def budget_pages(num_bytes: int, bytes_per_token: int, page_size: int) -> int:
             f"({bytes_per_token} bytes per token)"
         )
     return pages
+
+
+def pages_for_rows(num_pages: int, num_sink_pages: int, rows: int) -> int:
+    """The most pages ``rows`` sequences may hold at once in a table of ``num_pages``: all of
+    them, or with sink pages one sink page each (first blocks) and every ordinary page. The
+    one rule: the cache, the generator and the serving preset all size with it."""
+    if not num_sink_pages:
+        return num_pages
+    return num_pages - num_sink_pages + min(num_sink_pages, rows)
