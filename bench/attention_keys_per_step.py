@@ -4,9 +4,11 @@ The attention kernel's key groups take ``keys_per_step`` keys per step, reading 
 before using any, so more loads are in flight per warp; ``min_blocks`` is the launch bound the
 register cap is set for (4 resident 128-thread blocks per SM: 128 registers; 2: 255); ``lanes``
 per key group: 16 or 32; ``sums``: the row sums (transposed or a butterfly per row; ``auto``:
-the kernel's rule). This sweeps them at Llama-3-8B's attention shape, decode at
-batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode attention vs fp16's),
-and checks each output against the torch reference of its mode.
+the kernel's rule); ``splits``: the flash-decoding split count (0: the kernel's rule). Modes:
+the cache formats, and ``q4+sinks`` (q4 pages whose every sequence's first page is a sink page,
+read from unquantized rows: engine/cache/quant.py). This sweeps them at Llama-3-8B's attention
+shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode
+attention vs fp16's), and checks each output against the torch reference of its mode.
 
     time   one paged-attention op per call (quantized: with the q/out rotation it launches),
            a CUDA graph of --iters calls, CUDA events; kernel_ms: the attention launches alone
@@ -15,7 +17,7 @@ and checks each output against the torch reference of its mode.
 
 Prints a table and writes JSON to bench/results/attention_keys_per_step.json (--output).
 
-    python bench/attention_keys_per_step.py [--iters 50] [--configs 1:4,2:4,4:2:32]
+    python bench/attention_keys_per_step.py [--iters 50] [--configs 1:4,2:4,4:2:32,2:4:16:auto:8]
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from attention_kernel import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
-MODES = ("fp16", "q8", "q6", "q4")
+MODES = ("fp16", "q8", "q6", "q4", "q4+sinks")
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
 
@@ -54,6 +56,7 @@ class SweepRow:
     min_blocks: int
     lanes: int
     sums: str
+    splits: int  # the split count the kernel ran with
     time_ms: float
     kernel_ms: float  # the attention (+ merge) launches alone: no q/out rotation
     kv_bytes: int
@@ -64,21 +67,39 @@ class SweepRow:
 
 
 def quantized_case(mode: str, batch: int, context: int):
-    """The fp16 case's q and batch, its K/V written into ``mode``'s pages (default rotation)."""
+    """The fp16 case's q and batch, its K/V written into ``mode``'s pages (default rotation;
+    ``+sinks``: pages 0..batch-1 are sink pages and every sequence's first page one of them)."""
     from engine.cache.quant import QUANT_BITS, allocate_quant_pages, check_quant, write_slots
 
     q, k, v, fb = make_decode_case(batch, context)
+    mode, _, extra = mode.partition("+")
     if QUANT_BITS[mode] is None:
         return q, k, v, fb
+    sinks = batch if extra == "sinks" else 0
+    if sinks:
+        fb.block_tables.copy_(first_pages_first(fb.block_tables, k.shape[0]))
     rotate = check_quant(mode, None)
     pool = k.shape[0]
     slots = torch.arange(pool * PAGE, device=k.device)
     pages = []
     for bits, x in zip(QUANT_BITS[mode], (k, v), strict=True):
-        p = allocate_quant_pages(pool, PAGE, KV_HEADS, HEAD_DIM, bits, rotate, k.device)
+        p = allocate_quant_pages(pool, PAGE, KV_HEADS, HEAD_DIM, bits, rotate, k.device,
+                                 num_sink_pages=sinks, sink_dtype=x.dtype)  # fmt: skip
         write_slots(p, x.reshape(-1, KV_HEADS, HEAD_DIM), slots)
         pages.append(p)
     return q, pages[0], pages[1], fb
+
+
+def first_pages_first(table: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """``table`` with its page ids renamed so that sequence i's first page is page i (the
+    others keep their order): a bijection, so every sequence still reads distinct pages."""
+    firsts = table[:, 0].long()
+    rest = torch.ones(num_pages, dtype=torch.bool, device=table.device)
+    rest[firsts] = False
+    order = torch.cat((firsts, torch.nonzero(rest).flatten()))  # new id -> old id
+    rename = torch.empty_like(order)
+    rename[order] = torch.arange(num_pages, device=table.device)
+    return rename[table.long()].to(table.dtype)
 
 
 def kv_bytes(k, v, fb) -> int:
@@ -93,27 +114,28 @@ def kv_bytes(k, v, fb) -> int:
     return total
 
 
-def attention_op(mode: str, q, k, v, fb):
+def attention_op(mode: str, q, k, v, fb, splits: int | None = None):
     from engine.cuda.attention import paged_attention_cuda
     from engine.cuda.quant_kernels import paged_attention_quant_cuda
 
     scale = HEAD_DIM**-0.5
     op = paged_attention_cuda if mode == "fp16" else paged_attention_quant_cuda
-    return lambda: op(q, k, v, fb, scale)
+    return lambda: op(q, k, v, fb, scale, num_splits=splits)
 
 
-def kernel_op(mode: str, q, k, v, fb):
+def kernel_op(mode: str, q, k, v, fb, splits: int | None = None):
     """The attention launches alone, on a pre-rotated q for rotated pages: ``time_ms`` minus
     this is what rotating q and the output costs per call."""
     from engine.cache.quant import rotate_groups
     from engine.cuda.attention import KVArgs, launch_attention
 
     if mode == "fp16":
-        return attention_op(mode, q, k, v, fb)
+        return attention_op(mode, q, k, v, fb, splits)
     scale = HEAD_DIM**-0.5
-    args = KVArgs(k.data, v.data, k.scales, v.scales, k.bits, v.bits, k.shape[2])
+    args = KVArgs(k.data, v.data, k.scales, v.scales, k.bits, v.bits, k.shape[2], k.sinks,
+                  v.sinks)  # fmt: skip
     q_in = rotate_groups(q) if k.rotate else q
-    return lambda: launch_attention(q_in, args, fb, scale, None, None)
+    return lambda: launch_attention(q_in, args, fb, scale, None, splits)
 
 
 def reference(mode: str, q, k, v, fb) -> torch.Tensor:
@@ -134,39 +156,44 @@ def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]
     ref = reference(mode, q, k, v, fb).float()
     nbytes = kv_bytes(k, v, fb)
     rows = []
-    for keys, blocks, lanes, sums in configs:
+    for keys, blocks, lanes, sums, splits in configs:
         attention._FORCE_KEYS_PER_STEP, attention._FORCE_MIN_BLOCKS = keys, blocks
         attention._FORCE_LANES = lanes
         attention._FORCE_TRANSPOSED_SUMS = SUMS[sums]
         fb.attention.kernel.clear()  # the plan holds the lanes
         try:
-            fn = attention_op(mode, q, k, v, fb)
+            fn = attention_op(mode, q, k, v, fb, splits or None)
             err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            ran_splits = next(iter(fb.attention.kernel.values())).num_splits
             ms, _ = time_ms(fn, iters)
-            kernel_ms = ms if mode == "fp16" else time_ms(kernel_op(mode, q, k, v, fb), iters)[0]
+            kernel_fn = kernel_op(mode, q, k, v, fb, splits or None)
+            kernel_ms = ms if mode == "fp16" else time_ms(kernel_fn, iters)[0]
         finally:
             attention._FORCE_KEYS_PER_STEP = attention._FORCE_MIN_BLOCKS = None
             attention._FORCE_LANES = attention._FORCE_TRANSPOSED_SUMS = None
         gbs = nbytes / (ms / 1e3) / 1e9
-        row = SweepRow(mode, keys, blocks, lanes, sums, round(ms, 4), round(kernel_ms, 4),
+        row = SweepRow(mode, keys, blocks, lanes, sums, ran_splits, round(ms, 4),
+                       round(kernel_ms, 4),
                        nbytes, round(gbs, 1),
                        round(gbs / copy_gbs, 3), None, float(f"{err:.3g}"))  # fmt: skip
-        print(f"  {mode:<5} keys/step {keys:>2} min_blocks {blocks} lanes {lanes} sums {sums}: "
+        print(f"  {mode:<8} keys/step {keys:>2} min_blocks {blocks} lanes {lanes} sums {sums} "
+              f"splits {ran_splits}: "
               f"{ms:8.3f} ms (kernel {kernel_ms:.3f}) {gbs:7.0f} GB/s  err {err:.1e}",
               flush=True)  # fmt: skip
         rows.append(row)
     return rows
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int, str]]:
-    """``keys:min_blocks:lanes:sums`` items (left out: 4 blocks, 16 lanes, sums ``auto``)."""
+def parse_configs(text: str) -> list[tuple[int, int, int, str, int]]:
+    """``keys:min_blocks:lanes:sums:splits`` items (left out: 4 blocks, 16 lanes, sums
+    ``auto``, splits 0 = the kernel's rule)."""
     out = []
     for item in text.split(","):
-        keys, blocks, lanes, sums = ([*item.split(":"), "", "", ""])[:4]
+        keys, blocks, lanes, sums, splits = ([*item.split(":"), "", "", "", ""])[:5]
         sums = sums or "auto"
         if sums not in SUMS:
             raise SystemExit(f"sums must be one of {', '.join(SUMS)}, got {sums!r}")
-        out.append((int(keys), int(blocks or 4), int(lanes or 16), sums))
+        out.append((int(keys), int(blocks or 4), int(lanes or 16), sums, int(splits or 0)))
     return out
 
 
@@ -179,7 +206,7 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="1:4,2:4,4:2,2:4:16:transposed,2:4:16:butterfly,2:4:32",
-        help="keys_per_step:min_blocks:lanes:sums items; the first is the baseline",
+        help="keys_per_step:min_blocks:lanes:sums:splits items; the first is the baseline",
     )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -192,15 +219,16 @@ def main() -> None:
     for mode in args.modes.split(","):
         rows += sweep_mode(mode, configs, args.batch, args.context, args.iters, copy_gbs)
     base = [r.time_ms for r in rows if r.mode == "fp16" and (r.keys_per_step, r.min_blocks,
-            r.lanes, r.sums) == configs[0]]  # fmt: skip
+            r.lanes, r.sums) == configs[0][:4]]  # fmt: skip
     if base:
         rows = [SweepRow(**{**asdict(r), "vs_fp16_default": round(base[0] / r.time_ms, 3)})
                 for r in rows]  # fmt: skip
-    print(f"{'mode':<5} {'keys':>4} {'blocks':>6} {'lanes':>5} {'sums':>10} {'ms':>8} "
-          f"{'kernel':>8} {'GB/s':>7} {'vs fp16':>8} {'err':>8}")  # fmt: skip
+    print(f"{'mode':<8} {'keys':>4} {'blocks':>6} {'lanes':>5} {'sums':>10} {'splits':>6} "
+          f"{'ms':>8} {'kernel':>8} {'GB/s':>7} {'vs fp16':>8} {'err':>8}")  # fmt: skip
     for r in rows:
         vs = f"{r.vs_fp16_default:.2f}x" if r.vs_fp16_default else "-"
-        print(f"{r.mode:<5} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.sums:>10} "
+        print(f"{r.mode:<8} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.sums:>10} "
+              f"{r.splits:>6} "
               f"{r.time_ms:>8.3f} {r.kernel_ms:>8.3f} "
               f"{r.achieved_gbs:>7.0f} {vs:>8} {r.max_rel_error:>8.1e}")  # fmt: skip
     result = {
@@ -213,7 +241,7 @@ def main() -> None:
         "context": args.context,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
         "baseline": dict(
-            zip(("keys_per_step", "min_blocks", "lanes", "sums"), configs[0], strict=True)
+            zip(("keys_per_step", "min_blocks", "lanes", "sums", "splits"), configs[0], strict=True)
         ),
         "rows": [asdict(r) for r in rows],
     }

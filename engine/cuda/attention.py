@@ -22,9 +22,10 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
-from engine.cuda.kv_load import kv_step_reader, reads_words, word_dtype
+from engine.cuda.kv_load import as_rows, kv_step_reader, reads_words, word_dtype
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
+uint64 = cuda.uint64
 
 
 def paged_attention_reference(
@@ -473,6 +474,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
     LSTRIDE = DPL if words else 1
     SINKS = sinks
+    PS_U = np.uint64(PS)  # (an unsigned constant: unsigned row arithmetic stays unsigned)
     options = {}
     if not SIMULATOR and QV <= 32 and min_blocks > 0:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
@@ -505,6 +507,10 @@ def _attention_kernel(  # noqa: C901, PLR0915
         item = cuda.blockIdx.x
         h = cuda.blockIdx.y
         z = cuda.blockIdx.z
+        # Page arrays come as rows (kv_load.as_rows): row (page * PS + slot) * KV + h, all
+        # unsigned so that Numba adds no negative-index fix-ups (grid y = the KV heads).
+        row_head = uint64(h)
+        row_heads = uint64(cuda.gridDim.y)
         tid = cuda.threadIdx.x
         grp = tid // LT
         lane = tid % LT
@@ -548,17 +554,18 @@ def _attention_kernel(  # noqa: C901, PLR0915
         if SINKS:
             first = block_tables[b, 0]
             sink_hi = min(hi, PS)
-            if first >= 0 and first < k_sinks.shape[0] and lo < sink_hi:
+            if first >= 0 and first * PS * cuda.gridDim.y < k_sinks.shape[0] and lo < sink_hi:
                 main_lo = sink_hi
                 n_sink_steps = (sink_hi - lo + NG - 1) // NG
                 parity = n_sink_steps & 1
                 for step in range(n_sink_steps):
                     jb = lo + step * NG + grp
                     jc = min(jb, sink_hi - 1)
+                    row = (uint64(first) * PS_U + uint64(jc)) * row_heads + row_head
                     for i in range(DPL):
-                        d = lane * LSTRIDE + DSTRIDE * i
-                        kf[i] = float32(k_sinks[first, jc, h, d])
-                        vf[i] = float32(v_sinks[first, jc, h, d])
+                        d = uint64(lane * LSTRIDE + DSTRIDE * i)
+                        kf[i] = float32(k_sinks[row, d])
+                        vf[i] = float32(v_sinks[row, d])
                     for r in range(R):
                         dot = float32(0.0)
                         if r // G < n_q:
@@ -590,12 +597,10 @@ def _attention_kernel(  # noqa: C901, PLR0915
             for u in range(KU):
                 # Every lane runs every step (the shuffles need the whole warp): a key past the
                 # end reads the chunk's last key and is masked below.
-                jc = min(base + u * NG, hi - 1)
-                page = block_tables[b, jc // PS]
-                slot = jc % PS
-                read_kv(
-                    k_pages, k_scales, v_pages, v_scales, page, slot, h, lane, u, kr, ks, vr, vs
-                )
+                jc = uint64(min(base + u * NG, hi - 1))  # (>= 0: hi > main_lo >= 0)
+                page = uint64(block_tables[b, jc // PS_U])
+                row = (page * PS_U + jc % PS_U) * row_heads + row_head
+                read_kv(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs)
             for u in range(KU):
                 unpack_k(kr, u, lane, kf)  # codes times ks[u] when SCALED, else values
                 for r in range(R):
@@ -952,6 +957,7 @@ def launch_attention(
     # (without sink pages the kernel never reads them: the scales stand in for the arguments)
     k_sinks = pages.k_scales if pages.k_sinks is None else pages.k_sinks
     v_sinks = pages.v_scales if pages.v_sinks is None else pages.v_sinks
+    k_pages, v_pages, k_sinks, v_sinks = map(as_rows, (k_pages, v_pages, k_sinks, v_sinks))
     launch(
         kernel,
         (plan.num_items, kv_heads, plan.num_splits),
@@ -959,8 +965,8 @@ def launch_attention(
         q,
         k_pages,
         v_pages,
-        pages.k_scales,
-        pages.v_scales,
+        as_rows(pages.k_scales),
+        as_rows(pages.v_scales),
         out,
         plan.part_ml,
         plan.part_o,

@@ -1,6 +1,10 @@
 """Device functions the attention kernel reads K and V through, per page format.
 
-``kv_loader(bits)`` returns ``load(pages, scales, page, slot, head, d) -> float32``:
+``kv_loader(bits)`` returns ``load(pages, scales, row, d) -> float32``. The kernel gets every
+page array as rows: [P, S, KV, X] viewed as [P * S * KV, X], row ``(page * S + slot) * KV +
+head`` (unsigned), so that one index multiply serves a key's values and scales and no index
+is signed (Numba adds a negative-index fix-up per signed index and dimension: with 4-D indexing
+that was about a fifth of the decode loop's instructions on the H200).
 
 - bits 0: unquantized pages [P, S, KV, D] in the run dtype (``scales`` is not read);
 - bits 8: int8 codes [P, S, KV, D] times the group's fp16 scale;
@@ -38,6 +42,7 @@ from engine.cuda.bits import bits_float
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 int32 = cuda.int32
 int64 = cuda.int64
+uint64 = cuda.uint64  # page-array indices: unsigned, so Numba adds no negative-index fix-up
 GROUP = 32
 HALF = GROUP // 2
 
@@ -58,11 +63,11 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
     brings several keys' K and V into registers before it uses any of them (their loads
     overlap), then turns them into numbers.
 
-    ``read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs)``
-    stores key ``u``'s raw K and V of this lane in ``kr``/``vr`` (``raw_width`` entries of
-    ``raw_dtype`` per key) and, when ``scaled``, their group scales in ``ks``/``vs``;
-    ``unpack_k(kr, u, lane, out)`` (and ``unpack_v``) then write the lane's ``dpl`` float32
-    numbers of key ``u``.
+    ``read(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs)`` stores key
+    ``u``'s raw K and V (at ``row``, see the module docstring) of this lane in ``kr``/``vr``
+    (``raw_width`` entries of ``raw_dtype`` per key) and, when ``scaled``, their group scales
+    in ``ks``/``vs``; ``unpack_k(kr, u, lane, out)`` (and ``unpack_v``) then write the lane's
+    ``dpl`` float32 numbers of key ``u``.
 
     - Words (``reads_words``; ``scaled``): the lane's dims are ``lane * dpl + i``, one load and
       one scale per key and side; ``out`` gets the integer codes, exact in float32, and the
@@ -75,12 +80,12 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
         v_col, v_unpack = kv_word_parts(v_bits, dpl)
         lanes_per_group = GROUP // dpl
 
-        def read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs):
-            g = lane // lanes_per_group
-            kr[u] = k_pages[page, slot, head, k_col(lane)]
-            ks[u] = float32(k_scales[page, slot, head, g])
-            vr[u] = v_pages[page, slot, head, v_col(lane)]
-            vs[u] = float32(v_scales[page, slot, head, g])
+        def read(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs):
+            g = uint64(lane // lanes_per_group)
+            kr[u] = k_pages[row, uint64(k_col(lane))]
+            ks[u] = float32(k_scales[row, g])
+            vr[u] = v_pages[row, uint64(v_col(lane))]
+            vs[u] = float32(v_scales[row, g])
 
         def unpack_k(kr, u, lane, out):
             k_unpack(kr[u], lane, out)
@@ -94,10 +99,10 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
     else:
         load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
 
-        def read(k_pages, k_scales, v_pages, v_scales, page, slot, head, lane, u, kr, ks, vr, vs):
+        def read(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs):
             for i in range(dpl):
-                kr[u * dpl + i] = load_k(k_pages, k_scales, page, slot, head, lane + lanes * i)
-                vr[u * dpl + i] = load_v(v_pages, v_scales, page, slot, head, lane + lanes * i)
+                kr[u * dpl + i] = load_k(k_pages, k_scales, row, lane + lanes * i)
+                vr[u * dpl + i] = load_v(v_pages, v_scales, row, lane + lanes * i)
 
         def unpack_k(kr, u, lane, out):
             for i in range(dpl):
@@ -157,6 +162,11 @@ def kv_word_parts(bits: int, dpl: int):
     return jit(column), jit(unpack)
 
 
+def as_rows(pages: torch.Tensor) -> torch.Tensor:
+    """A page array [P, S, KV, X] as the kernels index it: [P * S * KV, X] (a view)."""
+    return pages.view(-1, pages.shape[-1])
+
+
 def word_dtype(dpl: int) -> torch.dtype:
     return {4: torch.int32, 8: torch.int64}[dpl]
 
@@ -165,24 +175,22 @@ def word_dtype(dpl: int) -> torch.dtype:
 def kv_loader(bits: int):
     if bits == 0:
 
-        def load(pages, scales, page, slot, head, d):
-            return float32(pages[page, slot, head, d])
+        def load(pages, scales, row, d):
+            return float32(pages[row, uint64(d)])
 
     elif bits == 8:
 
-        def load(pages, scales, page, slot, head, d):
-            return float32(pages[page, slot, head, d]) * float32(
-                scales[page, slot, head, d // GROUP]
-            )
+        def load(pages, scales, row, d):
+            return float32(pages[row, uint64(d)]) * float32(scales[row, uint64(d // GROUP)])
 
     elif bits == 4:
 
-        def load(pages, scales, page, slot, head, d):
+        def load(pages, scales, row, d):
             g = d // GROUP
             j = d - g * GROUP
-            byte = int32(pages[page, slot, head, g * HALF + j % HALF])
+            byte = int32(pages[row, uint64(g * HALF + j % HALF)])
             nibble = (byte >> 4) if j >= HALF else (byte & 15)
-            return float32(nibble - 8) * float32(scales[page, slot, head, g])
+            return float32(nibble - 8) * float32(scales[row, uint64(g)])
 
     else:
         raise ValueError(f"no K/V loader for {bits}-bit pages (0, 8 or 4)")

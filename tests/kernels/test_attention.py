@@ -298,28 +298,31 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from engine.cuda import attention as A
 
     PAGES = {0: "{dt}", 8: "int8", 4: "uint8"}
-    ARGS = (
-        "{dt}[:, :, ::1], {kt}[:, :, :, ::1], {vt}[:, :, :, ::1], {ks}[:, :, :, ::1], "
-        "{vs}[:, :, :, ::1], {dt}[:, :, ::1], "
+    ARGS = (  # (page arrays as rows: kv_load.as_rows)
+        "{dt}[:, :, ::1], {kt}[:, ::1], {vt}[:, ::1], {ks}[:, ::1], {vs}[:, ::1], {dt}[:, :, ::1], "
         "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], "
-        "int32[::1], int32[:, ::1], float32, int64, int64, int64"
+        "int32[::1], int32[:, ::1], float32, int64, int64, int64, {dt}[:, ::1], {dt}[:, ::1]"
     )
     # (run dtype, (D, page size, group, q tile, lanes), (K bits, V bits), spills accepted):
     # fp16 pages and the quantized formats (engine/cache/quant.py) at Llama-3-8B's head shape,
     # with the keys per step each tile takes. Two keys per step spill some registers for fp16
     # and q6 decode under the 128-register cap, and still ran faster than one key on the H200
     # (bench/results/attention_keys_per_step_h200_2026-11-26.json): accepted there only.
-    for dt, (d, ps, g, qt, lt), (kb, vb), spills_ok in [
-        ("float16", (128, 16, 4, 1, 16), (0, 0), True),
-        ("float16", (128, 16, 4, 2, 32), (0, 0), False),
-        ("float32", (128, 16, 8, 1, 32), (0, 0), False),
-        ("float16", (128, 16, 4, 1, 16), (8, 8), False),
-        ("float16", (128, 16, 4, 1, 16), (8, 4), True),
-        ("float16", (128, 16, 4, 1, 16), (4, 4), False),
-        ("float16", (128, 16, 4, 2, 32), (4, 4), False),
+    # The last two: quantized pages with sink pages (a first page read from unquantized rows).
+    for dt, (d, ps, g, qt, lt), (kb, vb), sinks, spills_ok in [
+        ("float16", (128, 16, 4, 1, 16), (0, 0), False, True),
+        ("float16", (128, 16, 4, 2, 32), (0, 0), False, False),
+        ("float32", (128, 16, 8, 1, 32), (0, 0), False, False),
+        ("float16", (128, 16, 4, 1, 16), (8, 8), False, False),
+        ("float16", (128, 16, 4, 1, 16), (8, 4), False, True),
+        ("float16", (128, 16, 4, 1, 16), (4, 4), False, False),
+        ("float16", (128, 16, 4, 2, 32), (4, 4), False, False),
+        ("float16", (128, 16, 4, 1, 16), (4, 4), True, False),
+        ("float16", (128, 16, 4, 1, 16), (8, 8), True, False),
     ]:
         kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt),
-                                     A._MIN_BLOCKS, True, A._transposed_sums(kb, vb, d // lt))
+                                     A._MIN_BLOCKS, True, A._transposed_sums(kb, vb, d // lt),
+                                     sinks)
         scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
         words = {4: "int32", 8: "int64"}[d // lt] if kb and vb else None  # kv_load words
         ARGS_NOW = ARGS.replace("{kt}", words or PAGES[kb]).replace("{vt}", words or PAGES[vb])
@@ -337,7 +340,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         log = linker.get_info_log()
         regs = re.search(r"Used (\\d+) registers", log).group(1)
         spills = re.search(r"(\\d+) bytes spill stores", log).group(1)
-        print(dt, d, ps, g, qt, lt, kb, vb, "registers", regs, "spill stores", spills)
+        print(dt, d, ps, g, qt, lt, kb, vb, sinks, "registers", regs, "spill stores", spills)
         assert spills_ok or spills == "0", log
     """
 )
