@@ -257,8 +257,14 @@ _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
 # per group. H200, Llama-3-8B shape, batch 32 x 4k, one key -> two, per layer (run 3 of
 # bench/results/attention_keys_per_step_h200_2026-11-26_*): fp16 0.55 -> 0.49 ms, q8 0.49 ->
 # 0.38, q4 0.44 -> 0.38. 4 or 8 keys under a 255-register cap (2 blocks per SM) were no faster,
-# 16 keys or 32 lanes per key slower for every mode (runs 1 and 2).
+# 16 keys or 32 lanes per key slower for every mode (runs 1 and 2). Since page arrays are
+# indexed as unsigned rows, quantized word pages take 4 keys (the 128-register cap holds them:
+# no spills for q8/q4, 16 bytes for q6 and sink pages); same GPU and shape, 2 -> 4 keys
+# (bench/results/attention_keys_per_step_h200_2026-11-27_rows.json): q8 0.306 -> 0.276 ms, q4
+# 0.318 -> 0.282, q4 + sink pages 0.315 -> 0.294 (q6 not measured), while fp16 went 0.277 ->
+# 0.336 ms.
 _DECODE_KEYS_PER_STEP = 2
+_DECODE_KEYS_PER_STEP_WORDS = 4
 _FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
 _MIN_BLOCKS = 4  # resident blocks per SM the register cap is set for (launch_bounds)
 _FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py
@@ -747,10 +753,13 @@ def _transposed_sums(k_bits: int, v_bits: int, dims_per_lane: int) -> bool:
     return reads_words(k_bits, v_bits, dims_per_lane)
 
 
-def _keys_per_step(q_tile: int) -> int:
+def _keys_per_step(q_tile: int, words: bool = False) -> int:
+    """Keys per group per step: ``words``, quantized pages read as words (kv_load)."""
     if _FORCE_KEYS_PER_STEP is not None:
         return _FORCE_KEYS_PER_STEP
-    return _DECODE_KEYS_PER_STEP if q_tile == 1 else 1
+    if q_tile > 1:
+        return 1
+    return _DECODE_KEYS_PER_STEP_WORDS if words else _DECODE_KEYS_PER_STEP
 
 
 @functools.lru_cache(maxsize=8)
@@ -933,6 +942,8 @@ def launch_attention(
     tokens, heads, head_dim = q.shape
     kv_heads = pages.kv_heads
     plan = _plan(batch, heads, kv_heads, head_dim, sliding_window, num_splits, q.device)
+    dpl = head_dim // plan.lanes
+    words = reads_words(pages.k_bits, pages.v_bits, dpl)
     kernel = _attention_kernel(
         head_dim,
         batch.page_size,
@@ -941,18 +952,17 @@ def launch_attention(
         plan.lanes,
         pages.k_bits,
         pages.v_bits,
-        _keys_per_step(plan.q_tile),
+        _keys_per_step(plan.q_tile, words),
         _MIN_BLOCKS if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
         _SHUFFLES,
-        _transposed_sums(pages.k_bits, pages.v_bits, head_dim // plan.lanes),
+        _transposed_sums(pages.k_bits, pages.v_bits, dpl),
         pages.k_sinks is not None,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():
         q = q.contiguous()  # the simulator copies arrays in as single buffers; a GPU takes views
     k_pages, v_pages = pages.k, pages.v
-    dpl = head_dim // plan.lanes
-    if reads_words(pages.k_bits, pages.v_bits, dpl):
+    if words:
         k_pages, v_pages = k_pages.view(word_dtype(dpl)), v_pages.view(word_dtype(dpl))
     # (without sink pages the kernel never reads them: the scales stand in for the arguments)
     k_sinks = pages.k_scales if pages.k_sinks is None else pages.k_sinks

@@ -42,6 +42,7 @@ float16 = nbt.float16
 float64 = nbt.float64
 int32 = nbt.int32
 _MAX_THREADS = 256
+_MAX_SHARED_BYTES = 48 * 1024  # static shared memory per block
 
 
 def _check_attention(q: torch.Tensor, k_pages, v_pages, batch: ForwardBatch, window, splits):
@@ -105,11 +106,13 @@ def paged_attention_quant_cuda(
 # 2. With rotation, each thread computes whole output elements of the 32-point Hadamard
 #    transform of its group (sum of +-x_j, sign = parity of popcount(i & j), times 1/sqrt(32))
 #    into the second buffer.
-# 3. One thread per (K|V, head, group) picks the scale: absmax / qmax (clamped to fp16's
-#    range), or for rotated 4-bit groups quant.search_scales' search (the first element m of
-#    largest magnitude; per divisor d in turn the fp16 scale -m / d and the group's squared
-#    error under it, in float64; the first least kept). It stores the fp16 scale in the pages
-#    and its value in shared memory.
+# 3. Each group's scale: absmax / qmax (clamped to fp16's range), or for rotated 4-bit groups
+#    quant.search_scales' search (the first element m of largest magnitude; per divisor d the
+#    fp16 scale -m / d and the group's squared error under it, in float64; the first least
+#    kept). One thread per (group, divisor) computes a trial into shared memory, then one
+#    thread per group picks, stores the fp16 scale in the pages and its value in shared
+#    memory. (One thread per group running the divisors in turn took ~57 us per layer for a
+#    32-token decode step on the H200, 8B shape: a long serial chain with 2 warps busy.)
 # 4. Threads stride over output bytes: q = clamp(floor(x / s + 0.5), qmin, qmax) with the
 #    stored scale (1 where it is 0), int8 for 8 bits, two nibbles (q + 8) for 4 bits.
 # 5. On a sink page (page < R, k_pages.sinks), threads stride over the values once more and
@@ -135,6 +138,8 @@ def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
     N = KV * D
     rotate_step = _hadamard_step(N)
     scale_step = _scale_step(N, D, k_bits, v_bits, rotate)
+    TRIALS = num_trials(k_bits, v_bits, rotate)
+    NG2 = 2 * N // GROUP  # K and V groups
     write_k = _code_writer(k_bits, N, D)
     write_v = _code_writer(v_bits, N, D)
     write_sinks = _sink_writer(dtype, N, D)
@@ -147,6 +152,8 @@ def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
         # sm[0] = K values, sm[1] = K scales, sm[2] = V values, sm[3] = V scales (float32)
         sm = cuda.shared.array((4, N), float32)
         tmp = cuda.shared.array((2, N), float32)
+        trial_error = cuda.shared.array((NG2, TRIALS), float64)
+        trial_scale = cuda.shared.array((NG2, TRIALS), float32)
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -184,7 +191,7 @@ def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
             cuda.syncthreads()
             if rotate:
                 rotate_step(sm, tmp, tid, nt)
-            scale_step(sm, k_scales, v_scales, page, offset, tid, nt)
+            scale_step(sm, trial_error, trial_scale, k_scales, v_scales, page, offset, tid, nt)
             cuda.syncthreads()
             write_k(k_data, sm, 0, page, offset, tid, nt)
             write_v(v_data, sm, 2, page, offset, tid, nt)
@@ -235,31 +242,60 @@ def _hadamard_step(n: int):
     return cuda.jit(device=True)(rotate_step)
 
 
+def write_shared_bytes(n: int, k_bits: int, v_bits: int, rotate: bool) -> int:
+    """Shared memory of the write kernel for n = KV * D values per side: sm and tmp (float32
+    [4, n] and [2, n]) and step 3's trials (float64 error + float32 scale per trial)."""
+    return 24 * n + 2 * (n // GROUP) * num_trials(k_bits, v_bits, rotate) * 12
+
+
+def num_trials(k_bits: int, v_bits: int, rotate: bool) -> int:
+    """Scale trials per group in step 3: the search's divisors where a side searches, else 1."""
+    return len(SEARCH_DIVISORS) if searches(k_bits, rotate) or searches(v_bits, rotate) else 1
+
+
 @functools.cache
 def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool):
     """Step 3: each group's fp16 scale into the pages, and its float32 value (1 for a zero
-    scale: the group quantizes to zeros) into sm[1] (K) / sm[3] (V)."""
+    scale: the group quantizes to zeros) into sm[1] (K) / sm[3] (V). ``trial_error`` (float64)
+    and ``trial_scale`` [2 * groups, trials]: each trial's squared error and scale."""
     groups = n // GROUP
     per_head = head_dim // GROUP
     k_top, v_top = float32(qmax(k_bits)), float32(qmax(v_bits))
     k_search, v_search = searches(k_bits, rotate), searches(v_bits, rotate)
+    trials_per_group = num_trials(k_bits, v_bits, rotate)
     scale_max = float32(FP16_MAX)
-    k_scale, v_scale = _searched_scale(k_bits), _searched_scale(v_bits)
+    k_trial, v_trial = _scale_trial(k_bits), _scale_trial(v_bits)
 
-    def scale_step(sm, k_scales, v_scales, page, offset, tid, nt):
-        for g in range(tid, 2 * groups, nt):
+    def scale_step(sm, trial_error, trial_scale, k_scales, v_scales, page, offset, tid, nt):
+        for t in range(tid, 2 * groups * trials_per_group, nt):
+            g = t // trials_per_group  # K groups, then V groups
+            c = t - g * trials_per_group
             w = g // groups
-            gg = g - w * groups
+            first = (g - w * groups) * GROUP
             if w == 0 and k_search:
-                stored = k_scale(sm, 0, gg * GROUP)
+                stored, error = k_trial(sm, 0, first, c)
             elif w == 1 and v_search:
-                stored = v_scale(sm, 2, gg * GROUP)
-            else:
+                stored, error = v_trial(sm, 2, first, c)
+            elif c == 0:
                 top = k_top if w == 0 else v_top
                 absmax = float32(0.0)
                 for jj in range(GROUP):
-                    absmax = max(absmax, abs(sm[2 * w, gg * GROUP + jj]))
-                stored = float16(min(absmax / top, scale_max))
+                    absmax = max(absmax, abs(sm[2 * w, first + jj]))
+                stored, error = float16(min(absmax / top, scale_max)), float64(0.0)
+            else:
+                continue
+            trial_error[g, c] = error
+            trial_scale[g, c] = float32(stored)  # (exact: an fp16)
+        cuda.syncthreads()
+        for g in range(tid, 2 * groups, nt):
+            w = g // groups
+            gg = g - w * groups
+            best = 0
+            if k_search if w == 0 else v_search:
+                for c in range(1, trials_per_group):  # the first least error, as the reference
+                    if trial_error[g, c] < trial_error[g, best]:
+                        best = c
+            stored = float16(trial_scale[g, best])
             if w == 0:
                 k_scales[page, offset, gg // per_head, gg % per_head] = stored
             else:
@@ -271,36 +307,32 @@ def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool):
 
 
 @functools.cache
-def _searched_scale(bits: int):
-    """``scale(sm, row, first) -> float16``: quant.search_scales for the group of 32 values
-    at sm[row, first:first + 32], in the same float32 / float64 operations."""
+def _scale_trial(bits: int):
+    """``trial(sm, row, first, c) -> (float16 scale, float64 error)``: quant.search_scales'
+    candidate c for the group of 32 values at sm[row, first:first + 32] (the scale -m / d_c,
+    m its first element of largest magnitude) and the group's squared error under it, in
+    the same float32 / float64 operations and order."""
     divisors = tuple(float32(-d) for d in SEARCH_DIVISORS)
-    num = len(divisors)
     scale_max = float32(FP16_MAX)
     code = _coder(bits)
 
-    def scale(sm, row, first):
+    def trial(sm, row, first, c):
         m = float32(0.0)
         for jj in range(GROUP):  # the first element of largest magnitude, as torch's argmax
             x = sm[row, first + jj]
             if abs(x) > abs(m):
                 m = x
-        best = float16(0.0)
-        best_error = float64(0.0)
-        for c in range(num):
-            stored = float16(min(max(m / divisors[c], -scale_max), scale_max))
-            s = float32(stored)
-            step = s if s != 0 else float32(1.0)
-            error = float64(0.0)
-            for jj in range(GROUP):
-                x = sm[row, first + jj]
-                r = float64(x - float32(code(x, step)) * s)
-                error += r * r
-            if c == 0 or error < best_error:
-                best, best_error = stored, error
-        return best
+        stored = float16(min(max(m / divisors[c], -scale_max), scale_max))
+        s = float32(stored)
+        step = s if s != 0 else float32(1.0)
+        error = float64(0.0)
+        for jj in range(GROUP):
+            x = sm[row, first + jj]
+            r = float64(x - float32(code(x, step)) * s)
+            error += r * r
+        return stored, error
 
-    return cuda.jit(device=True)(scale)
+    return cuda.jit(device=True)(trial)
 
 
 @functools.cache
@@ -358,6 +390,12 @@ def _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping) -> None:
         raise ValueError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q")
     if (k.shape[1], head_dim) != k_pages.shape[2:]:
         raise ValueError(f"{name}: k {tuple(k.shape)} does not fit pages {k_pages.shape}")
+    need = write_shared_bytes(k.shape[1] * head_dim, k_pages.bits, v_pages.bits, k_pages.rotate)
+    if need > _MAX_SHARED_BYTES:
+        raise ValueError(
+            f"{name}: kv_heads * head_dim = {k.shape[1]} * {head_dim} needs {need} bytes of "
+            f"shared memory per block, over the {_MAX_SHARED_BYTES} a block may hold"
+        )
     if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"{name}: cos/sin must be [T, D/2]")
     if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in _launch.NUMBA_INDEX_DTYPES:

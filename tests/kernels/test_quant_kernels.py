@@ -131,6 +131,17 @@ def test_q4_scale_search_matches_reference():
     assert torch.cat((_codes(ref_k), _codes(ref_v))).min() == 0  # code -8, never in absmax
 
 
+def test_cache_write_refuses_kv_rows_past_shared_memory():
+    """16 KV heads of 128 dims need more shared memory than a block holds (values, scratch
+    and the scale search's trials): a ValueError naming the shape, before any launch."""
+    q, k, v, cos, sin, _, _ = make_inputs(1, 16, 16, 128, 1, 4, torch.float16)
+    k_pages, v_pages = _pages("q4", True, 1, 4, 16, 128)
+    with pytest.raises(ValueError, match=r"16 \* 128 needs \d+ bytes of shared memory"):
+        quant_rotary_cache_write_cuda(
+            q, k, v, cos, sin, k_pages, v_pages, torch.zeros(1, dtype=torch.long, device=DEVICE)
+        )
+
+
 def _codes(p: QuantPages) -> torch.Tensor:
     if p.bits == 8:
         return p.data.int()
