@@ -9,17 +9,27 @@ already built by gpu_decode:
                          (tok/s), as gpu_decode's decode-fwd row
     decode_attention     the op set's paged_attention alone on the same batch and pages, once
                          per layer per step (tok/s): the part the page format changes
+    cache_write_ms       the op set's rotary + cache write of the step's B tokens, once per
+                         layer (ms per step): quantized pages pick scales and pack codes here
 
 Pages hold random K/V written through the cache-write op (quantized pages with real scales).
+On CUDA each timed step is captured once in a CUDA graph and replayed (``timing``:
+"cuda_graph"), so the rows measure the GPU, not Python's launches: eager rows of the same
+run swung by 30% with the host's load (H200, 2026-11-27: q8 attention 2947 vs 2111 tok/s in
+two runs, while the graph-timed sweep of bench/attention_keys_per_step.py held within 1%).
+Where capture fails the step runs eagerly ("eager"; always on CPU).
 Kept apart from gpu_decode.py (already long); it imports this module when it runs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # "q4+sinks": q4 with sink pages (PagedCache(sink_pages=...)): each sequence's first page
 # unquantized, laid out as the page table lays it out (first pages 0..B-1, the rest after)
@@ -46,13 +56,36 @@ def _fill(model: Any, kv: list, pages: int, page_size: int, chunk: int = 8192) -
             model.ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
 
 
-def _timed(step: Callable[[], None], steps: int, warmup: int, timer: Any) -> float:
+def _timed(step: Callable[[], None], steps: int, warmup: int, timer: Any) -> tuple[float, str]:
+    """Seconds for ``steps`` runs of ``step`` after ``warmup`` eager ones, and how they ran."""
     for _ in range(warmup):
         step()
+    graph = _captured(step) if torch.cuda.is_available() and timer.cuda else None
+    run = graph.replay if graph is not None else step
     with timer.measure() as elapsed:
         for _ in range(steps):
+            run()
+    return elapsed.seconds, "eager" if graph is None else "cuda_graph"
+
+
+def _captured(step: Callable[[], None]) -> Any:
+    """``step`` captured in a CUDA graph (after one run on a side stream, as torch asks), or
+    None where capture fails (the step then runs eagerly)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             step()
-    return elapsed.seconds
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        torch.cuda.synchronize()
+        return graph
+    except RuntimeError as exc:  # a host sync or an uncapturable op in the step
+        logger.warning("CUDA graph capture failed, timing eagerly: %s", exc)
+        torch.cuda.synchronize()
+        return None
 
 
 def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, timer: Any) -> dict:
@@ -84,9 +117,12 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
         for k_pages, v_pages in kv:
             model.ops.paged_attention(q, k_pages, v_pages, fwd, scale)
 
+    write = _cache_write_step(model, kv, fwd.slot_mapping.to(model.device))
+
     tokens = batch * wl.decode_steps
-    forward_s = _timed(forward, wl.decode_steps, wl.warmup_steps, timer)
-    attention_s = _timed(attention, wl.decode_steps, wl.warmup_steps, timer)
+    forward_s, forward_timing = _timed(forward, wl.decode_steps, wl.warmup_steps, timer)
+    attention_s, attention_timing = _timed(attention, wl.decode_steps, wl.warmup_steps, timer)
+    write_s, write_timing = _timed(write, wl.decode_steps, wl.warmup_steps, timer)
     return {
         "quant": mode,
         "sink_pages": sinks,
@@ -97,7 +133,27 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
         "decode_forward_tokens_per_s": tokens / forward_s,
         "decode_attention_tokens_per_s": tokens / attention_s,
         "attention_ms_per_step": 1000 * attention_s / wl.decode_steps,
+        "cache_write_ms_per_step": 1000 * write_s / wl.decode_steps,
+        "timing": {"forward": forward_timing, "attention": attention_timing, "write": write_timing},
     }
+
+
+def _cache_write_step(model: Any, kv: list, slots: torch.Tensor) -> Callable[[], None]:
+    """One decode step's rotary + cache writes (every layer) of random K/V at ``slots``."""
+    cfg, device, dtype = model.config, model.device, model.dtype
+    n = slots.numel()
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn((n, cfg.num_heads, cfg.head_dim), generator=gen, device=device).to(dtype)
+    k, v = torch.randn((2, n, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device)
+    k, v = k.to(dtype), v.to(dtype)
+    angle = torch.rand((n, cfg.head_dim // 2), generator=gen, device=device)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+
+    def write() -> None:
+        for k_pages, v_pages in kv:
+            model.ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
+
+    return write
 
 
 def _page_lists(batch: int, per_seq: int, sinks: int) -> list[list[int]]:
@@ -125,7 +181,8 @@ def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) 
             f"  kv {row['quant']:5s} batch {row['batch']} ctx {row['context']}: "
             f"{row['bytes_per_token']} B/token ({row['tokens_vs_fp16']:.2f}x tokens), "
             f"forward {row['decode_forward_tokens_per_s']:.1f} tok/s, attention "
-            f"{row['decode_attention_tokens_per_s']:.1f} tok/s ({row['attention_vs_fp16']:.2f}x)",
+            f"{row['decode_attention_tokens_per_s']:.1f} tok/s ({row['attention_vs_fp16']:.2f}x), "
+            f"cache write {row['cache_write_ms_per_step']:.2f} ms/step",
             flush=True,
         )
     return rows
