@@ -6,8 +6,10 @@
 #   3. bench/kernel_launch.py (host cost per kernel launch, Numba's path vs the fast path);
 #   4. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
 #   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth), then
-#      bench/attention_keys_per_step.py (decode attention per cache mode vs keys per step) and
-#      prefill through SDPA vs the kernel (1B shape, prefill rows only);
+#      bench/attention_keys_per_step.py (decode attention per cache mode vs keys per step),
+#      ncu on one decode attention call per mode (bench/attention_ncu.py), the kernels of a
+#      decode forward per cache mode (bench/kv_forward_profile.py) and prefill through SDPA vs
+#      the kernel (1B shape, prefill rows only);
 #   6. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
 #      modes at batch 32 x 4k: issue "Quantized KV cache"), then its baselines: prefill
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
@@ -66,6 +68,15 @@ fi
 if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per step
   step keys-per-step "${KEYS_CAP:-180}" $PY bench/attention_keys_per_step.py --iters 20 ${KEYS_ARGS:-} \
     --output "$OUT/attention_keys_per_step.json"
+  # the decode attention's hardware counters (ncu reads them on a Firecracker machine only),
+  # then where a decode forward's GPU time goes per cache mode
+  step attention-ncu "${NCU_CAP:-90}" bash -c "ncu --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis $PY bench/attention_ncu.py \
+    > $OUT/attention_ncu.txt 2>&1; grep -E 'Duration|Issued Warp|Occupancy  |Throughput' \
+    $OUT/attention_ncu.txt"
+  step kv-forward-profile "${PROFILE_CAP:-120}" $PY bench/kv_forward_profile.py \
+    --output "$OUT/kv_forward_profile.txt"
 fi
 
 # prefill through SDPA (as shipped) and through the kernel, side by side, prefill rows only

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
-from engine.cuda.kv_load import as_rows, kv_step_reader, reads_words, word_dtype
+from engine.cuda.kv_load import flat_pages, kv_step_reader, reads_words, word_dtype
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
+int32 = cuda.int32
+uint32 = cuda.uint32
 uint64 = cuda.uint64
 
 
@@ -277,6 +279,7 @@ _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in th
 _FORCE_TRANSPOSED_SUMS: bool | None = None
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
 _MAX_HEAD_DIM = 256
+_MAX_ROWS = 2**32 - 1  # page slots x KV heads of one layer's pages: 32-bit row arithmetic
 _MERGE_SMEM_BYTES = 16384  # shared memory for the end-of-block merge of the group outputs
 
 
@@ -472,7 +475,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     NEG = _NEG
     row_sum = _row_sum_impl(R * KU, LT, NT, shuffles, transposed_sums)
     rescale = _rescaler(DPL, QT)
-    RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, DPL, LT)
+    RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, D, LT)
     RAW = KU * RAW_W
     SR = R * KU  # scores, then weights, of a step: [u * R + r]
     # Quantized pages: each lane owns DPL consecutive dims and reads them as one word (kv_load)
@@ -480,7 +483,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
     DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
     LSTRIDE = DPL if words else 1
     SINKS = sinks
-    PS_U = np.uint64(PS)  # (an unsigned constant: unsigned row arithmetic stays unsigned)
+    PS_U = np.uint32(PS)  # (unsigned constants: unsigned row arithmetic stays unsigned)
+    SINK_W = np.uint64(D)  # a sink row's values
     options = {}
     if not SIMULATOR and QV <= 32 and min_blocks > 0:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
@@ -509,14 +513,15 @@ def _attention_kernel(  # noqa: C901, PLR0915
         vr = cuda.local.array(RAW, RAW_T)
         ks = cuda.local.array(KU, float32)
         vs = cuda.local.array(KU, float32)
+        key_seen = cuda.local.array(KU, int32)  # decode tiles: whether the step's key u counts
 
         item = cuda.blockIdx.x
         h = cuda.blockIdx.y
         z = cuda.blockIdx.z
-        # Page arrays come as rows (kv_load.as_rows): row (page * PS + slot) * KV + h, all
-        # unsigned so that Numba adds no negative-index fix-ups (grid y = the KV heads).
-        row_head = uint64(h)
-        row_heads = uint64(cuda.gridDim.y)
+        # Page arrays come flat (kv_load.flat_pages): row (page * PS + slot) * KV + h, in 32
+        # unsigned bits (launch_attention checks the rows fit), times the row's width.
+        row_head = uint32(h)
+        row_heads = uint32(cuda.gridDim.y)
         tid = cuda.threadIdx.x
         grp = tid // LT
         lane = tid % LT
@@ -560,18 +565,19 @@ def _attention_kernel(  # noqa: C901, PLR0915
         if SINKS:
             first = block_tables[b, 0]
             sink_hi = min(hi, PS)
-            if first >= 0 and first * PS * cuda.gridDim.y < k_sinks.shape[0] and lo < sink_hi:
+            if first >= 0 and first * PS * D * cuda.gridDim.y < k_sinks.shape[0] and lo < sink_hi:
                 main_lo = sink_hi
                 n_sink_steps = (sink_hi - lo + NG - 1) // NG
                 parity = n_sink_steps & 1
                 for step in range(n_sink_steps):
                     jb = lo + step * NG + grp
                     jc = min(jb, sink_hi - 1)
-                    row = (uint64(first) * PS_U + uint64(jc)) * row_heads + row_head
+                    row = uint32(uint32(first) * PS_U + uint32(jc)) * row_heads + row_head
+                    at = uint64(uint32(row)) * SINK_W
                     for i in range(DPL):
                         d = uint64(lane * LSTRIDE + DSTRIDE * i)
-                        kf[i] = float32(k_sinks[row, d])
-                        vf[i] = float32(v_sinks[row, d])
+                        kf[i] = float32(k_sinks[at + d])
+                        vf[i] = float32(v_sinks[at + d])
                     for r in range(R):
                         dot = float32(0.0)
                         if r // G < n_q:
@@ -595,7 +601,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
 
         # Step: keys base + u * NG + grp for u < KU (group grp takes every NG-th key). All KU
         # keys' K and V are read before any is used, so their loads are in flight together.
+        # Decode tiles: key j is visible iff j < hi and, with a window, j > pos0 - window (j <=
+        # pos0 holds for every j < hi = pos0 + 1), tested in 32 bits (positions fit).
+        hi32 = int32(hi)
+        win_lo32 = int32(-1)
+        if window > 0:
+            win_lo32 = int32(pos0 - window)
         n_steps = 0
+        last = uint32(hi - 1)
         if hi > main_lo:
             n_steps = (hi - main_lo + NG * KU - 1) // (NG * KU)
         for step in range(n_steps):
@@ -603,9 +616,9 @@ def _attention_kernel(  # noqa: C901, PLR0915
             for u in range(KU):
                 # Every lane runs every step (the shuffles need the whole warp): a key past the
                 # end reads the chunk's last key and is masked below.
-                jc = uint64(min(base + u * NG, hi - 1))  # (>= 0: hi > main_lo >= 0)
-                page = uint64(block_tables[b, jc // PS_U])
-                row = (page * PS_U + jc % PS_U) * row_heads + row_head
+                jc = min(uint32(base + u * NG), last)  # (>= 0: hi > main_lo >= 0)
+                page = uint32(block_tables[b, jc // PS_U])
+                row = uint32(uint32(page * PS_U + jc % PS_U) * row_heads + row_head)
                 read_kv(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs)
             for u in range(KU):
                 unpack_k(kr, u, lane, kf)  # codes times ks[u] when SCALED, else values
@@ -618,6 +631,10 @@ def _attention_kernel(  # noqa: C901, PLR0915
                         dot *= ks[u]
                     s[u * R + r] = dot
             row_sum(s, sm_red, tid, (step + parity) & 1)
+            if QT == 1:  # one query position: one 32-bit test per key, shared by the rows
+                for u in range(KU):
+                    j = int32(base + u * NG)
+                    key_seen[u] = j < hi32 and j > win_lo32
             # Online softmax over the step's keys: one rescale per row, then s holds the weights
             # (0 for a masked key).
             for r in range(R):
@@ -625,12 +642,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 live = r // G < n_q
                 mx = m[r]
                 for u in range(KU):
-                    if live and _visible(base + u * NG, hi, p, window):
+                    ok = key_seen[u] if QT == 1 else live and _visible(base + u * NG, hi, p, window)
+                    if ok:
                         mx = max(mx, s[u * R + r])
                 rescale(m, l, acc, r, mx)
                 for u in range(KU):
                     e = float32(0.0)
-                    if live and _visible(base + u * NG, hi, p, window):
+                    ok = key_seen[u] if QT == 1 else live and _visible(base + u * NG, hi, p, window)
+                    if ok:
                         e = math.exp(s[u * R + r] - mx)
                     s[u * R + r] = e
                     l[r] += e
@@ -941,6 +960,12 @@ def launch_attention(
     """The attention (+ merge) launches over checked inputs; returns a new [T, H, D]."""
     tokens, heads, head_dim = q.shape
     kv_heads = pages.kv_heads
+    rows = pages.k.shape[0] * batch.page_size * kv_heads
+    if rows > _MAX_ROWS:  # the kernel's row arithmetic is 32-bit (kv_load)
+        raise ValueError(
+            f"paged attention: {pages.k.shape[0]} pages x {batch.page_size} slots x {kv_heads} "
+            f"KV heads = {rows} rows, over the kernel's {_MAX_ROWS}"
+        )
     plan = _plan(batch, heads, kv_heads, head_dim, sliding_window, num_splits, q.device)
     dpl = head_dim // plan.lanes
     words = reads_words(pages.k_bits, pages.v_bits, dpl)
@@ -967,7 +992,7 @@ def launch_attention(
     # (without sink pages the kernel never reads them: the scales stand in for the arguments)
     k_sinks = pages.k_scales if pages.k_sinks is None else pages.k_sinks
     v_sinks = pages.v_scales if pages.v_sinks is None else pages.v_sinks
-    k_pages, v_pages, k_sinks, v_sinks = map(as_rows, (k_pages, v_pages, k_sinks, v_sinks))
+    k_pages, v_pages, k_sinks, v_sinks = map(flat_pages, (k_pages, v_pages, k_sinks, v_sinks))
     launch(
         kernel,
         (plan.num_items, kv_heads, plan.num_splits),
@@ -975,8 +1000,8 @@ def launch_attention(
         q,
         k_pages,
         v_pages,
-        as_rows(pages.k_scales),
-        as_rows(pages.v_scales),
+        flat_pages(pages.k_scales),
+        flat_pages(pages.v_scales),
         out,
         plan.part_ml,
         plan.part_o,

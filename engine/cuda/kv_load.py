@@ -1,10 +1,11 @@
 """Device functions the attention kernel reads K and V through, per page format.
 
-``kv_loader(bits)`` returns ``load(pages, scales, row, d) -> float32``. The kernel gets every
-page array as rows: [P, S, KV, X] viewed as [P * S * KV, X], row ``(page * S + slot) * KV +
-head`` (unsigned), so that one index multiply serves a key's values and scales and no index
-is signed (Numba adds a negative-index fix-up per signed index and dimension: with 4-D indexing
-that was about a fifth of the decode loop's instructions on the H200).
+``kv_loader(bits, head_dim)`` returns ``load(pages, scales, row, d) -> float32``. The kernel
+gets every page array flat (``flat_pages``): [P, S, KV, X] as [P * S * KV * X], read at
+``row * X + x`` for row ``(page * S + slot) * KV + head`` (uint32: the kernel computes it in 32
+bits) and X a compile-time constant (``row_widths``), every index unsigned. Numba adds a
+negative-index fix-up per signed index and dimension and multiplies by the runtime shape in
+64 bits: with 4-D indexing that was about a fifth of the q4 decode loop's instructions.
 
 - bits 0: unquantized pages [P, S, KV, D] in the run dtype (``scales`` is not read);
 - bits 8: int8 codes [P, S, KV, D] times the group's fp16 scale;
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from engine.cuda._launch import cuda
@@ -57,8 +59,22 @@ def reads_words(k_bits: int, v_bits: int, dpl: int) -> bool:
     return vector_dims(k_bits, dpl) and vector_dims(v_bits, dpl)
 
 
+def row_widths(bits: int, head_dim: int, dpl: int, words: bool) -> tuple[int, int]:
+    """(values, scales) per page row of one format as the kernel indexes them: words of
+    ``dpl`` bytes, or elements (run-dtype values, int8 codes, or bytes of two 4-bit codes)."""
+    if bits == 0:
+        return head_dim, head_dim  # (the scales argument repeats the values: never read)
+    width = head_dim * bits // 8  # bytes (engine/cache/quant.py data_width)
+    return (width // dpl if words else width), head_dim // GROUP
+
+
+def flat_pages(pages: torch.Tensor) -> torch.Tensor:
+    """A page array [P, S, KV, X] as the kernels index it: one flat view."""
+    return pages.view(-1)
+
+
 @functools.cache
-def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
+def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int):
     """``(raw_dtype, raw_width, scaled, read, unpack_k, unpack_v)``: how the attention kernel
     brings several keys' K and V into registers before it uses any of them (their loads
     overlap), then turns them into numbers.
@@ -67,7 +83,7 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
     ``u``'s raw K and V (at ``row``, see the module docstring) of this lane in ``kr``/``vr``
     (``raw_width`` entries of ``raw_dtype`` per key) and, when ``scaled``, their group scales
     in ``ks``/``vs``; ``unpack_k(kr, u, lane, out)`` (and ``unpack_v``) then write the lane's
-    ``dpl`` float32 numbers of key ``u``.
+    ``dpl = head_dim // lanes`` float32 numbers of key ``u``.
 
     - Words (``reads_words``; ``scaled``): the lane's dims are ``lane * dpl + i``, one load and
       one scale per key and side; ``out`` gets the integer codes, exact in float32, and the
@@ -75,17 +91,22 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
       of once per element: value = code * scale, the same product in another order.
     - Elements (not ``scaled``): dims ``lane + lanes * i``, dequantized as they are read.
     """
-    if reads_words(k_bits, v_bits, dpl):
+    dpl = head_dim // lanes
+    words = reads_words(k_bits, v_bits, dpl)
+    kw, ksw = (np.uint64(x) for x in row_widths(k_bits, head_dim, dpl, words))
+    vw, vsw = (np.uint64(x) for x in row_widths(v_bits, head_dim, dpl, words))
+    if words:
         k_col, k_unpack = kv_word_parts(k_bits, dpl)
         v_col, v_unpack = kv_word_parts(v_bits, dpl)
         lanes_per_group = GROUP // dpl
 
         def read(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs):
+            at = uint64(row)
             g = uint64(lane // lanes_per_group)
-            kr[u] = k_pages[row, uint64(k_col(lane))]
-            ks[u] = float32(k_scales[row, g])
-            vr[u] = v_pages[row, uint64(v_col(lane))]
-            vs[u] = float32(v_scales[row, g])
+            kr[u] = k_pages[at * kw + uint64(k_col(lane))]
+            ks[u] = float32(k_scales[at * ksw + g])
+            vr[u] = v_pages[at * vw + uint64(v_col(lane))]
+            vs[u] = float32(v_scales[at * vsw + g])
 
         def unpack_k(kr, u, lane, out):
             k_unpack(kr[u], lane, out)
@@ -97,7 +118,7 @@ def kv_step_reader(k_bits: int, v_bits: int, dpl: int, lanes: int):
         width = 1
         scaled = True
     else:
-        load_k, load_v = kv_loader(k_bits), kv_loader(v_bits)
+        load_k, load_v = kv_loader(k_bits, head_dim), kv_loader(v_bits, head_dim)
 
         def read(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs):
             for i in range(dpl):
@@ -162,36 +183,35 @@ def kv_word_parts(bits: int, dpl: int):
     return jit(column), jit(unpack)
 
 
-def as_rows(pages: torch.Tensor) -> torch.Tensor:
-    """A page array [P, S, KV, X] as the kernels index it: [P * S * KV, X] (a view)."""
-    return pages.view(-1, pages.shape[-1])
-
-
 def word_dtype(dpl: int) -> torch.dtype:
     return {4: torch.int32, 8: torch.int64}[dpl]
 
 
 @functools.cache
-def kv_loader(bits: int):
+def kv_loader(bits: int, head_dim: int):
+    if bits not in (0, 8, 4):
+        raise ValueError(f"no K/V loader for {bits}-bit pages (0, 8 or 4)")
+    w, sw = (np.uint64(x) for x in row_widths(bits, head_dim, 1, False))
     if bits == 0:
 
         def load(pages, scales, row, d):
-            return float32(pages[row, uint64(d)])
+            return float32(pages[uint64(row) * w + uint64(d)])
 
     elif bits == 8:
 
         def load(pages, scales, row, d):
-            return float32(pages[row, uint64(d)]) * float32(scales[row, uint64(d // GROUP)])
-
-    elif bits == 4:
-
-        def load(pages, scales, row, d):
-            g = d // GROUP
-            j = d - g * GROUP
-            byte = int32(pages[row, uint64(g * HALF + j % HALF)])
-            nibble = (byte >> 4) if j >= HALF else (byte & 15)
-            return float32(nibble - 8) * float32(scales[row, uint64(g)])
+            at = uint64(row)
+            scale = float32(scales[at * sw + uint64(d // GROUP)])
+            return float32(pages[at * w + uint64(d)]) * scale
 
     else:
-        raise ValueError(f"no K/V loader for {bits}-bit pages (0, 8 or 4)")
+
+        def load(pages, scales, row, d):
+            at = uint64(row)
+            g = d // GROUP
+            j = d - g * GROUP
+            byte = int32(pages[at * w + uint64(g * HALF + j % HALF)])
+            nibble = (byte >> 4) if j >= HALF else (byte & 15)
+            return float32(nibble - 8) * float32(scales[at * sw + uint64(g)])
+
     return cuda.jit(device=True)(load)

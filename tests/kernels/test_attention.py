@@ -298,25 +298,25 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from engine.cuda import attention as A
 
     PAGES = {0: "{dt}", 8: "int8", 4: "uint8"}
-    ARGS = (  # (page arrays as rows: kv_load.as_rows)
-        "{dt}[:, :, ::1], {kt}[:, ::1], {vt}[:, ::1], {ks}[:, ::1], {vs}[:, ::1], {dt}[:, :, ::1], "
+    ARGS = (  # (page arrays flat: kv_load.flat_pages)
+        "{dt}[:, :, ::1], {kt}[::1], {vt}[::1], {ks}[::1], {vs}[::1], {dt}[:, :, ::1], "
         "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], "
-        "int32[::1], int32[:, ::1], float32, int64, int64, int64, {dt}[:, ::1], {dt}[:, ::1]"
+        "int32[::1], int32[:, ::1], float32, int64, int64, int64, {dt}[::1], {dt}[::1]"
     )
     # (run dtype, (D, page size, group, q tile, lanes), (K bits, V bits), spills accepted):
     # fp16 pages and the quantized formats (engine/cache/quant.py) at Llama-3-8B's head shape,
-    # with the keys per step each tile takes. Four keys per step spill 12-16 bytes for q6 and
-    # for sink-page decode under the 128-register cap, and still ran faster than two on the
-    # H200 (q4; bench/results/attention_keys_per_step_h200_2026-11-27_rows.json): accepted
-    # there only. The last two: quantized pages with sink pages (a first page read from
-    # unquantized rows).
+    # with the keys per step each tile takes. Four keys per step spill 12-52 bytes for q4 and
+    # for sink-page decode under the 128-register cap (12-16 bytes when they were measured
+    # faster than two keys on the H200: bench/results/attention_keys_per_step_h200_2026-11-27_
+    # rows.json): accepted there only. The last two: quantized pages with sink pages (a first
+    # page read from unquantized rows).
     for dt, (d, ps, g, qt, lt), (kb, vb), sinks, spills_ok in [
         ("float16", (128, 16, 4, 1, 16), (0, 0), False, False),
         ("float16", (128, 16, 4, 2, 32), (0, 0), False, False),
         ("float32", (128, 16, 8, 1, 32), (0, 0), False, False),
         ("float16", (128, 16, 4, 1, 16), (8, 8), False, False),
         ("float16", (128, 16, 4, 1, 16), (8, 4), False, True),
-        ("float16", (128, 16, 4, 1, 16), (4, 4), False, False),
+        ("float16", (128, 16, 4, 1, 16), (4, 4), False, True),
         ("float16", (128, 16, 4, 2, 32), (4, 4), False, False),
         ("float16", (128, 16, 4, 1, 16), (4, 4), True, True),
         ("float16", (128, 16, 4, 1, 16), (8, 8), True, True),

@@ -1,0 +1,85 @@
+"""Where a decode forward's GPU time goes, per KV-cache mode (GPU only).
+
+Builds the Llama-3-8B shape with random fp16 weights (bench/gpu_decode.py), then for each
+mode runs eager decode forwards of batch B x C cached tokens under torch.profiler and prints
+the kernels with the most CUDA time (per forward: total time, calls, mean). This is how the
+quantized cache write's ~57 us per layer (one thread per group searching 4-bit scales) was
+found on the H200 on 2026-11-27. Writes the tables to --output (text).
+
+    python bench/kv_forward_profile.py [--modes fp16,q4,q4+sinks] [--batch 32] [--context 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_decode
+import kv_quant_decode
+
+RESULTS = Path(__file__).parent / "results" / "kv_forward_profile.txt"
+PAGE = 16
+
+
+def profile_mode(model, mode: str, batch: int, context: int, forwards: int, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
+
+    quant = mode.removesuffix("+sinks")
+    sinks = batch if mode != quant else 0
+    per_seq = -(-(context + 1) // PAGE)
+    kv = model.allocate_kv(batch * per_seq, PAGE, quant, num_sink_pages=sinks)
+    pages = kv_quant_decode._page_lists(batch, per_seq, sinks)
+    seqs = [SequenceInput([4 + b], num_cached=context, pages=p) for b, p in enumerate(pages)]
+    fwd = build_forward_batch(seqs, PAGE, model.device)
+
+    def forward() -> None:
+        fwd.attention = AttentionPlan()
+        with torch.inference_mode():
+            model.forward(fwd, kv)
+
+    for _ in range(3):  # compile and warm up
+        forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(forwards):
+            forward()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+    )
+    return f"===== {mode}: batch {batch} x {context}, {forwards} forwards\n{table}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--forwards", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=14)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kv_forward_profile needs a CUDA device")
+    spec = gpu_decode.gpu_specs()["llama3-8b"]
+    config, network = gpu_decode.build_network(spec, torch.float16, torch.device("cuda"))
+    model = gpu_decode.make_model(config, network, PAGE)
+    header = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}\n"
+    tables = []
+    for mode in args.modes.split(","):
+        tables.append(profile_mode(model, mode, args.batch, args.context, args.forwards, args.rows))
+        torch.cuda.empty_cache()  # (the mode's pages went with profile_mode)
+    text = header + "".join(tables)
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
