@@ -10,7 +10,7 @@ read from unquantized rows: engine/cache/quant.py). This sweeps them at Llama-3-
 shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode
 attention vs fp16's), and checks each output against the torch reference of its mode.
 
-    time   one paged-attention op per call (quantized: with the q/out rotation it launches),
+    time   one paged-attention op per call (quantized: the kernel rotates q and the output),
            a CUDA graph of --iters calls, CUDA events; kernel_ms: the attention launches alone
     GB/s   K/V bytes of the mode read (values + scales) / time
     error  max |out - reference| / max |reference|
@@ -58,7 +58,7 @@ class SweepRow:
     sums: str
     splits: int  # the split count the kernel ran with
     time_ms: float
-    kernel_ms: float  # the attention (+ merge) launches alone: no q/out rotation
+    kernel_ms: float  # the attention (+ merge) launches alone: no input checks
     kv_bytes: int
     achieved_gbs: float
     fraction_of_copy_bw: float
@@ -124,18 +124,17 @@ def attention_op(mode: str, q, k, v, fb, splits: int | None = None):
 
 
 def kernel_op(mode: str, q, k, v, fb, splits: int | None = None):
-    """The attention launches alone, on a pre-rotated q for rotated pages: ``time_ms`` minus
-    this is what rotating q and the output costs per call."""
-    from engine.cache.quant import rotate_groups
+    """The launches alone, without the op's input checks (the kernel rotates q and the
+    output of rotated word pages itself: before 2026-11-27, torch launches around it did,
+    and ``time_ms`` minus this was their cost)."""
     from engine.cuda.attention import KVArgs, launch_attention
 
     if mode == "fp16":
         return attention_op(mode, q, k, v, fb, splits)
     scale = HEAD_DIM**-0.5
     args = KVArgs(k.data, v.data, k.scales, v.scales, k.bits, v.bits, k.shape[2], k.sinks,
-                  v.sinks)  # fmt: skip
-    q_in = rotate_groups(q) if k.rotate else q
-    return lambda: launch_attention(q_in, args, fb, scale, None, splits)
+                  v.sinks, k.rotate)  # fmt: skip
+    return lambda: launch_attention(q, args, fb, scale, None, splits)
 
 
 def reference(mode: str, q, k, v, fb) -> torch.Tensor:

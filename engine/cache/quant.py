@@ -39,7 +39,8 @@ Optional rotation (``rotate``): each group is multiplied by the normalised 32-po
 matrix H (orthonormal and symmetric, so H^-1 = H) before quantizing. It spreads an outlier's
 energy over its group, shrinking the absmax and so the step. Attention never undoes it per key:
 q . k = (q H) . (k H), and sum_j p_j v_j = (sum_j p_j (v_j H)) H, so the query is rotated once
-and the output once (``rotate_groups``), and the kernel works in the rotated space throughout.
+and the output once (``rotate_groups`` here; the Numba kernel does both itself), and attention
+works in the rotated space throughout.
 """
 
 from __future__ import annotations

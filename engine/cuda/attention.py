@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
+from engine.cache.quant import rotate_groups
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
-from engine.cuda.kv_load import flat_pages, kv_step_reader, reads_words, word_dtype
+from engine.cuda.kv_load import GROUP, flat_pages, kv_step_reader, reads_words, word_dtype
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 int32 = cuda.int32
@@ -450,6 +451,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     shuffles: bool = not SIMULATOR,
     transposed_sums: bool = False,
     sinks: bool = False,
+    rotate: bool = False,
 ):
     """The attention kernel specialised on its compile-time constants. ``sinks``: quantized
     pages with sink pages (engine/cache/quant.py): a tile whose first block is a sink page
@@ -483,6 +485,18 @@ def _attention_kernel(  # noqa: C901, PLR0915
     DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
     LSTRIDE = DPL if words else 1
     SINKS = sinks
+    # Rotated pages (engine/cache/quant.py): q is rotated per group of 32 on entry and the
+    # output on the way out, here rather than by two torch launches around the kernel. Only
+    # for word reads, whose lane dims make H_32 = H_LPG (across lanes) x H_DPL (in a lane).
+    ROTATE = rotate
+    if ROTATE and not words:
+        raise ValueError("the attention kernel rotates q and the output for word reads only")
+    # q's rotation goes through sm_acc (free until the merge) where its rows fit
+    ROT_SIZE = R * D if ROTATE and R * D > SM_ACC else 1
+    rotate_q = _q_rotator(R, DPL, D) if ROTATE else None
+    rotate_lane = _lane_rotator(R, DPL) if ROTATE else None
+    LPG = GROUP // DPL  # lanes per group of 32 (word reads)
+    inv_sqrt = float32(1.0 / math.sqrt(GROUP))
     PS_U = np.uint32(PS)  # (unsigned constants: unsigned row arithmetic stays unsigned)
     SINK_W = np.uint64(D)  # a sink row's values
     options = {}
@@ -502,6 +516,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
         sm_l = cuda.shared.array(SM_ROWS, float32)
         sm_acc = cuda.shared.array(SM_ACC, float32)
         sm_red = cuda.shared.array(SM_RED, float32)
+        sm_rot = cuda.shared.array(ROT_SIZE, float32)
         qv = cuda.local.array(QV, float32)
         acc = cuda.local.array(QV, float32)
         m = cuda.local.array(R, float32)
@@ -556,6 +571,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     x = float32(q[row0 + r // G, h * G + r % G, lane * LSTRIDE + DSTRIDE * i])
                     x *= scale
                 qv[r * DPL + i] = x
+        if ROTATE:
+            rotate_q(qv, sm_rot if ROT_SIZE > 1 else sm_acc, grp, lane)
 
         # Sink pages: this chunk's keys in the first block [lo, min(hi, PS)), when that block
         # is a sink page, from its unquantized rows (one key per group per step); the steps
@@ -662,6 +679,10 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     for i in range(DPL):
                         acc[r * DPL + i] += e * vf[i]
 
+        # Rotated pages: the output is H_32 acc per group of 32 = H_LPG (x) H_DPL; the lane's
+        # part here, the part across lanes (linear, so over the summed groups) below.
+        if ROTATE:
+            rotate_lane(acc, kf)
         # Merge the NG group states through shared memory, RB rows per round.
         if lane == 0:
             for r in range(R):
@@ -689,7 +710,17 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     o = float32(0.0)
                     for g in range(NG):
                         total += sm_l[g * R + r] * math.exp(sm_m[g * R + r] - mx)
-                        o += sm_acc[((idx // D) * NG + g) * D + d]
+                        at = ((idx // D) * NG + g) * D
+                        if ROTATE:  # element d mixes dim d % DPL of its group's LPG lanes
+                            la = (d // DPL) % LPG
+                            src = at + d - la * DPL
+                            for lb in range(LPG):
+                                x = sm_acc[src + lb * DPL]
+                                o += -x if _odd_parity(la & lb) else x
+                        else:
+                            o += sm_acc[at + d]
+                    if ROTATE:
+                        o *= inv_sqrt
                     row = row0 + r // G
                     head = h * G + r % G
                     if num_splits == 1:
@@ -704,6 +735,69 @@ def _attention_kernel(  # noqa: C901, PLR0915
             cuda.syncthreads()
 
     return attention
+
+
+@cuda.jit(device=True)
+def _odd_parity(x):
+    """popcount(x) & 1 for x < 32: the sign bit of Sylvester's H_32 entry (a, b) is that of
+    a & b."""
+    return (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3) ^ (x >> 4)) & 1
+
+
+@functools.cache
+def _q_rotator(rows: int, dims_per_lane: int, head_dim: int):
+    """``rotate_q(qv, buf, grp, lane)``: each row's q (this lane's ``dims_per_lane``
+    consecutive dims of every row, as word reads own them) multiplied per group of 32 by the
+    normalised Hadamard matrix H_32, in float32. A group's index a = (lane % LPG) * DPL + i
+    splits into lane bits and dim bits, so H_32 = H_LPG (x) H_DPL: the lane's own part first
+    (constant signs), then the group's LPG lanes through ``buf`` [rows * head_dim] (key group
+    0 writes; every group holds the same q). All threads must call it."""
+    R, DPL, D = rows, dims_per_lane, head_dim
+    LPG = GROUP // DPL
+    inv_sqrt = float32(1.0 / math.sqrt(GROUP))
+
+    def rotate_q(qv, buf, grp, lane):
+        if grp == 0:
+            for r in range(R):
+                for i in range(DPL):
+                    z = float32(0.0)
+                    for j in range(DPL):
+                        x = qv[r * DPL + j]
+                        z += -x if _odd_parity(i & j) else x
+                    buf[r * D + lane * DPL + i] = z
+        cuda.syncthreads()
+        first = lane - lane % LPG
+        la = lane % LPG
+        for r in range(R):
+            for i in range(DPL):
+                y = float32(0.0)
+                for lb in range(LPG):
+                    zb = buf[r * D + (first + lb) * DPL + i]
+                    y += -zb if _odd_parity(la & lb) else zb
+                qv[r * DPL + i] = y * inv_sqrt
+        cuda.syncthreads()  # (buf is reused at the end)
+
+    return cuda.jit(device=True)(rotate_q)
+
+
+@functools.cache
+def _lane_rotator(rows: int, dims_per_lane: int):
+    """``rotate_lane(x, tmp)``: each row's ``dims_per_lane`` values of this lane (x[r * DPL +
+    i]) multiplied by the unnormalised H_DPL (constant signs); tmp: DPL scratch floats."""
+    R, DPL = rows, dims_per_lane
+
+    def rotate_lane(x, tmp):
+        for r in range(R):
+            for i in range(DPL):
+                z = float32(0.0)
+                for j in range(DPL):
+                    v = x[r * DPL + j]
+                    z += -v if _odd_parity(i & j) else v
+                tmp[i] = z
+            for i in range(DPL):
+                x[r * DPL + i] = tmp[i]
+
+    return cuda.jit(device=True)(rotate_lane)
 
 
 @functools.cache
@@ -947,6 +1041,9 @@ class KVArgs:
     # the sink pages' unquantized rows [R, S, KV, D] (QuantPages.sinks); None: no sink pages
     k_sinks: torch.Tensor | None = None
     v_sinks: torch.Tensor | None = None
+    # pages stored rotated per group of 32 (QuantPages.rotate): q goes in rotated and the
+    # output comes out rotated back (in the kernel for word reads, else by torch around it)
+    rotate: bool = False
 
 
 def launch_attention(
@@ -969,6 +1066,9 @@ def launch_attention(
     plan = _plan(batch, heads, kv_heads, head_dim, sliding_window, num_splits, q.device)
     dpl = head_dim // plan.lanes
     words = reads_words(pages.k_bits, pages.v_bits, dpl)
+    rotate_around = pages.rotate and not words  # (the kernel rotates for word reads only)
+    if rotate_around:
+        q = rotate_groups(q)
     kernel = _attention_kernel(
         head_dim,
         batch.page_size,
@@ -982,6 +1082,7 @@ def launch_attention(
         _SHUFFLES,
         _transposed_sums(pages.k_bits, pages.v_bits, dpl),
         pages.k_sinks is not None,
+        pages.rotate and words,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():
@@ -1026,7 +1127,7 @@ def launch_attention(
             out,
             plan.num_splits,
         )
-    return out
+    return rotate_groups(out) if rotate_around else out
 
 
 def warm_up_split_merge(

@@ -3,9 +3,10 @@
 - ``paged_attention_quant_cuda``: the paged attention kernel of attention.py, specialised on
   the K and V page formats: each lane dequantizes the elements it owns as it loads them
   (kv_load.py), so a q4 page moves a quarter of fp16's bytes and nothing is dequantized into a
-  buffer. With rotated pages the query is rotated once before the launch and the output once
-  after (torch matmuls over [T, H, D / 32, 32]; graph-capturable): the kernel itself works in
-  the rotated space and never inverts anything per key.
+  buffer. With rotated pages the kernel rotates the query once on entry and the output once
+  on the way out (word reads; attention.py's ``_q_rotator`` and the merge), and works in the
+  rotated space in between, never inverting anything per key (element reads: torch matmuls
+  around the launch).
 - ``quant_rotary_cache_write_cuda``: rotary on q and k fused with the quantized write of k and
   v (one launch, one block per token; see the comment above the kernel).
 
@@ -28,7 +29,6 @@ from engine.cache.quant import (
     QuantPages,
     qmax,
     qmin,
-    rotate_groups,
     searches,
 )
 from engine.cuda import _launch
@@ -79,8 +79,6 @@ def paged_attention_quant_cuda(
 ) -> torch.Tensor:
     """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D]."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
-    if k_pages.rotate:
-        q = rotate_groups(q)
     pages = KVArgs(
         k_pages.data,
         v_pages.data,
@@ -91,9 +89,9 @@ def paged_attention_quant_cuda(
         k_pages.shape[2],
         k_pages.sinks,
         v_pages.sinks,
+        k_pages.rotate,
     )
-    out = launch_attention(q, pages, batch, scale, sliding_window, num_splits)
-    return rotate_groups(out) if k_pages.rotate else out
+    return launch_attention(q, pages, batch, scale, sliding_window, num_splits)
 
 
 # --------------------------------------------------------------------------------------------

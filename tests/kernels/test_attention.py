@@ -305,26 +305,26 @@ _COMPILE_SCRIPT = textwrap.dedent(
     )
     # (run dtype, (D, page size, group, q tile, lanes), (K bits, V bits), spills accepted):
     # fp16 pages and the quantized formats (engine/cache/quant.py) at Llama-3-8B's head shape,
-    # with the keys per step each tile takes. Four keys per step spill 12-52 bytes for q4 and
-    # for sink-page decode under the 128-register cap (12-16 bytes when they were measured
-    # faster than two keys on the H200: bench/results/attention_keys_per_step_h200_2026-11-27_
-    # rows.json): accepted there only. The last two: quantized pages with sink pages (a first
-    # page read from unquantized rows).
+    # with the keys per step each tile takes (quantized word pages rotated in the kernel).
+    # Four keys per step spill 8-12 bytes for q6 and sink-page decode under the 128-register
+    # cap, as they did when measured faster than two keys on the H200 (bench/results/
+    # attention_keys_per_step_h200_2026-11-27_rows.json): accepted there only. The last two:
+    # quantized pages with sink pages (a first page read from unquantized rows).
     for dt, (d, ps, g, qt, lt), (kb, vb), sinks, spills_ok in [
         ("float16", (128, 16, 4, 1, 16), (0, 0), False, False),
         ("float16", (128, 16, 4, 2, 32), (0, 0), False, False),
         ("float32", (128, 16, 8, 1, 32), (0, 0), False, False),
         ("float16", (128, 16, 4, 1, 16), (8, 8), False, False),
         ("float16", (128, 16, 4, 1, 16), (8, 4), False, True),
-        ("float16", (128, 16, 4, 1, 16), (4, 4), False, True),
+        ("float16", (128, 16, 4, 1, 16), (4, 4), False, False),
         ("float16", (128, 16, 4, 2, 32), (4, 4), False, False),
         ("float16", (128, 16, 4, 1, 16), (4, 4), True, True),
         ("float16", (128, 16, 4, 1, 16), (8, 8), True, True),
     ]:
-        keys = A._keys_per_step(qt, A.reads_words(kb, vb, d // lt))
-        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, keys,
+        words = A.reads_words(kb, vb, d // lt)  # (quantized word pages: rotated, as by default)
+        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt, words),
                                      A._MIN_BLOCKS, True, A._transposed_sums(kb, vb, d // lt),
-                                     sinks)
+                                     sinks, words)
         scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
         words = {4: "int32", 8: "int64"}[d // lt] if kb and vb else None  # kv_load words
         ARGS_NOW = ARGS.replace("{kt}", words or PAGES[kb]).replace("{vt}", words or PAGES[vb])
