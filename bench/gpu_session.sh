@@ -2,7 +2,8 @@
 # One lent-GPU session's checks, in priority order, each under its own time cap so that one
 # slow or hung step cannot eat the others' device time:
 #   1. the machine (GPU, driver, python, torch, numba, numba-cuda);
-#   2. the kernel tests on the real device (no simulator) and the CUDA-graph test;
+#   2. the kernel tests on the real device (no simulator) and the CUDA-graph tests (fp16 and
+#      quantized pages);
 #   3. bench/kernel_launch.py (host cost per kernel launch, Numba's path vs the fast path);
 #   4. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
 #   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth), then
@@ -52,7 +53,7 @@ print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
 if [ -z "$DRY" ]; then
   step kernel-tests "${KERNEL_CAP:-240}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
     --durations=15 --continue-on-collection-errors \
-    ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py} 2>&1 | tee $OUT/pytest.log"
+    ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py tests/engine/test_quant_graphs.py} 2>&1 | tee $OUT/pytest.log"
 fi
 
 step kernel-launch "${LAUNCH_CAP:-90}" $PY bench/kernel_launch.py $dry --output "$OUT/kernel_launch.json"
