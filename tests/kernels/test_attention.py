@@ -273,6 +273,15 @@ def test_bad_batch_and_window_raise():
         paged_attention_cuda(q, k, v, batch, 0.25)
 
 
+def test_pages_past_the_kernels_32_bit_rows_raise(monkeypatch):
+    """The kernel's row arithmetic is 32-bit: a layer's pages with more slot-heads than that
+    are refused by name (here with the limit lowered to the case's 2 KV heads x 1 page)."""
+    q, k, v, batch = make_case([(2, 1), (5, 1)], 4, 2, 16, torch.float32)
+    monkeypatch.setattr(attention, "_MAX_ROWS", 2 * batch.page_size - 1)
+    with pytest.raises(ValueError, match=r"KV heads = \d+ rows, over the kernel's"):
+        paged_attention_cuda(q, k, v, batch, 0.25)
+
+
 # --- GPU-free compile gate: the real kernels compiled for sm_90 ------------------------------
 
 _COMPILE_SCRIPT = textwrap.dedent(
