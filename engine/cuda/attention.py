@@ -572,7 +572,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     x *= scale
                 qv[r * DPL + i] = x
         if ROTATE:
-            rotate_q(qv, sm_rot if ROT_SIZE > 1 else sm_acc, grp, lane)
+            rotate_q(qv, kf, sm_rot if ROT_SIZE > 1 else sm_acc, grp, lane)
 
         # Sink pages: this chunk's keys in the first block [lo, min(hi, PS)), when that block
         # is a sink page, from its unquantized rows (one key per group per step); the steps
@@ -746,25 +746,24 @@ def _odd_parity(x):
 
 @functools.cache
 def _q_rotator(rows: int, dims_per_lane: int, head_dim: int):
-    """``rotate_q(qv, buf, grp, lane)``: each row's q (this lane's ``dims_per_lane``
+    """``rotate_q(qv, tmp, buf, grp, lane)``: each row's q (this lane's ``dims_per_lane``
     consecutive dims of every row, as word reads own them) multiplied per group of 32 by the
     normalised Hadamard matrix H_32, in float32. A group's index a = (lane % LPG) * DPL + i
     splits into lane bits and dim bits, so H_32 = H_LPG (x) H_DPL: the lane's own part first
-    (constant signs), then the group's LPG lanes through ``buf`` [rows * head_dim] (key group
-    0 writes; every group holds the same q). All threads must call it."""
+    (``_lane_rotator``; tmp: its DPL scratch floats), then the group's LPG lanes through
+    ``buf`` [rows * head_dim] (key group 0 writes; every group holds the same q). All threads
+    must call it."""
     R, DPL, D = rows, dims_per_lane, head_dim
     LPG = GROUP // DPL
     inv_sqrt = float32(1.0 / math.sqrt(GROUP))
+    rotate_lane = _lane_rotator(R, DPL)
 
-    def rotate_q(qv, buf, grp, lane):
+    def rotate_q(qv, tmp, buf, grp, lane):
+        rotate_lane(qv, tmp)
         if grp == 0:
             for r in range(R):
                 for i in range(DPL):
-                    z = float32(0.0)
-                    for j in range(DPL):
-                        x = qv[r * DPL + j]
-                        z += -x if _odd_parity(i & j) else x
-                    buf[r * D + lane * DPL + i] = z
+                    buf[r * D + lane * DPL + i] = qv[r * DPL + i]
         cuda.syncthreads()
         first = lane - lane % LPG
         la = lane % LPG
