@@ -1,5 +1,5 @@
-"""Bit casts between float32 and int32 for device code: libdevice on a GPU, numpy in the
-simulator (where libdevice returns None)."""
+"""Bit casts between float32 and int32, and byte permutes, for device code: libdevice on a
+GPU, numpy in the simulator (where libdevice returns None)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,18 @@ def _bits_float_sim(b):
     return np.array(b, dtype=np.int32).view(np.float32)[()]
 
 
+def _byte_perm_sim(x, y, s):
+    pool = (int(x) & 0xFFFFFFFF) | ((int(y) & 0xFFFFFFFF) << 32)  # bytes 0-3: x, 4-7: y
+    out = 0
+    for k in range(4):
+        out |= ((pool >> (8 * ((int(s) >> (4 * k)) & 7))) & 255) << (8 * k)
+    return np.array(out, dtype=np.uint32).view(np.int32)[()]
+
+
 if SIMULATOR:
     float_bits = cuda.jit(device=True)(_float_bits_sim)
     bits_float = cuda.jit(device=True)(_bits_float_sim)
+    byte_perm = cuda.jit(device=True)(_byte_perm_sim)
 else:  # pragma: no cover - needs a GPU
     from numba.cuda import libdevice
 
@@ -33,3 +42,9 @@ else:  # pragma: no cover - needs a GPU
     def bits_float(b):
         """The float32 whose bits are the int32 ``b``."""
         return libdevice.int_as_float(int32(b))
+
+    @cuda.jit(device=True)
+    def byte_perm(x, y, s):
+        """Byte k of the result is byte (s >> 4k) & 7 of y:x (one PRMT instruction; the
+        selectors' sign-replicate bit is not used)."""
+        return libdevice.byte_perm(int32(x), int32(y), int32(s))

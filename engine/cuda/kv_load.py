@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from engine.cuda._launch import cuda
-from engine.cuda.bits import bits_float
+from engine.cuda.bits import bits_float, byte_perm
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 int32 = cuda.int32
@@ -139,9 +139,13 @@ def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int):
 
 # Integer codes to float32 without an int-to-float conversion (a quarter-rate instruction):
 # the bits 0x4B000000 | c (c < 2^23) are the float 2^23 + c, so subtracting 2^23 + bias gives
-# c - bias exactly.
+# c - bias exactly. One byte permute (PRMT) builds those bits from a word's byte k and the
+# magic's three upper bytes (y:x bytes 5, 6, 7 of ``byte_perm(word, _MAGIC_BITS, ...)``).
 _MAGIC_BITS = 0x4B000000
 _MAGIC = 8388608.0  # 2^23
+_MAGIC_OF_BYTE = tuple(0x7650 | k for k in range(4))  # byte_perm selectors: byte k + magic
+_LOW_NIBBLES = 0x0F0F0F0F
+_SIGN_BITS = 0x80808080
 
 
 @functools.cache
@@ -159,10 +163,13 @@ def kv_word_parts(bits: int, dpl: int):
             return lane
 
         def unpack(w, lane, out):
-            # byte ^ 0x80 is the int8 code + 128 (0..255) for either sign
+            # byte ^ 0x80 is the int8 code + 128 (0..255) for either sign; per 4 bytes
+            w = int64(w)  # (4-byte words too: the masks below are 32-bit)
+            lo = (w & 0xFFFFFFFF) ^ _SIGN_BITS
+            hi = ((w >> 32) & 0xFFFFFFFF) ^ _SIGN_BITS
             for i in range(dpl):
-                b = ((w >> (8 * i)) & 255) ^ 128
-                out[i] = bits_float(_MAGIC_BITS | b) - offset
+                half = lo if i < 4 else hi
+                out[i] = bits_float(byte_perm(half, _MAGIC_BITS, _MAGIC_OF_BYTE[i % 4])) - offset
 
     else:
         offset = _MAGIC + 8.0
@@ -175,9 +182,12 @@ def kv_word_parts(bits: int, dpl: int):
         def unpack(w, lane, out):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl
-            w >>= 4 if j0 >= HALF else 0  # once: the shifts below are constants
+            w = int64(w) >> (4 if j0 >= HALF else 0)  # the lane's nibbles to the bytes' low halves
+            lo = w & _LOW_NIBBLES
+            hi = (w >> 32) & _LOW_NIBBLES
             for i in range(dpl):
-                out[i] = bits_float(_MAGIC_BITS | ((w >> (8 * i)) & 15)) - offset
+                half = lo if i < 4 else hi
+                out[i] = bits_float(byte_perm(half, _MAGIC_BITS, _MAGIC_OF_BYTE[i % 4])) - offset
 
     jit = cuda.jit(device=True)
     return jit(column), jit(unpack)
