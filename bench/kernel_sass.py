@@ -1,0 +1,175 @@
+"""The decode-attention kernel's SASS without a GPU: instructions in its key loop, per key.
+
+Compiles the real (non-simulator) attention kernel for sm_90 with NVVM + nvJitLink (the dev
+extras) at Llama-3-8B's head shape (head_dim 128, page 16, 4 query heads per KV head, one
+query per sequence), as each cache mode's decode tile runs it (keys per step, rotation, sink
+pages), disassembles the cubin with ``cuobjdump -sass`` and finds the loop over keys: the
+backward branch whose body holds the most global loads. Prints, per mode, registers, spill
+bytes, the loop's instruction count, instructions per key (the loop body covers keys_per_step
+keys per key group) and the loop's most frequent opcodes; writes JSON to --output.
+
+A kernel bound by instructions, as this one was on the H200 (ncu, 2026-11-27), runs about as
+fast as its loop is short, so this is a cheap proxy for a change when no GPU is lent; it is
+no substitute for timing one (bench/attention_keys_per_step.py).
+
+Needs ``cuobjdump`` and ``nvdisasm`` on PATH, or the wheels that carry them:
+``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``.
+
+    python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "kernel_sass.json"
+BITS = {"fp16": (0, 0), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4)}
+HEAD_DIM, PAGE, GROUP_HEADS, LANES = 128, 16, 4, 16  # decode tiles at the 8B shape
+ARGS = (  # the kernel's signature (page arrays flat: kv_load.flat_pages)
+    "float16[:, :, ::1], {kt}[::1], {vt}[::1], {ks}[::1], {vs}[::1], float16[:, :, ::1], "
+    "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], int32[::1], "
+    "int32[:, ::1], float32, int64, int64, int64, float16[::1], float16[::1]"
+)
+INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+BRANCH = re.compile(r"BRA\s+0x([0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class KernelSass:
+    mode: str
+    keys_per_step: int
+    registers: int
+    spill_bytes: int
+    instructions: int  # the whole kernel
+    loop_instructions: int  # the key loop's body
+    per_key: float  # loop_instructions / keys_per_step (one key group's keys per iteration)
+    top_opcodes: dict[str, int]
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for entry in sys.path:  # the nvidia-cuda-* wheels put their binaries under nvidia/cu*/bin
+        for candidate in Path(entry).glob(f"nvidia/cu*/bin/{name}"):
+            return str(candidate)
+    raise SystemExit(f"{name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+
+
+def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
+    """(cubin path, keys per step, registers, spill bytes) of ``mode``'s decode kernel."""
+    import numba.cuda.dispatcher as dispatcher
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba import cuda
+
+    class Device:  # kernels calling device functions ask for the current device
+        compute_capability = (9, 0)
+        id = 0
+
+    dispatcher.get_current_device = lambda: Device()
+    from engine.cuda import attention as A
+
+    kb, vb = BITS[mode.removesuffix("+sinks")]
+    dpl = HEAD_DIM // LANES
+    words = A.reads_words(kb, vb, dpl)
+    keys = A._keys_per_step(1, words)
+    kernel = A._attention_kernel(
+        HEAD_DIM, PAGE, GROUP_HEADS, 1, LANES, kb, vb, keys, A._MIN_BLOCKS, True,
+        A._transposed_sums(kb, vb, dpl), mode.endswith("+sinks"), words,
+    )  # fmt: skip
+    pages = {0: "float16", 8: "int8", 4: "uint8"}
+    word = {4: "int32", 8: "int64"}[dpl] if words else None
+    signature = ARGS.format(
+        kt=word or pages[kb], vt=word or pages[vb],
+        ks="float16", vs="float16",
+    )  # fmt: skip
+    options = kernel.targetoptions
+    ltoir, _ = cuda.compile(
+        kernel.py_func, f"void({signature})", cc=(9, 0), output="ltoir", device=False,
+        abi="numba", fastmath=options.get("fastmath", False),
+        launch_bounds=options.get("launch_bounds"),
+    )  # fmt: skip
+    linker = Linker(
+        ObjectCode.from_ltoir(ltoir),
+        options=LinkerOptions(arch="sm_90", link_time_optimization=True, verbose=True),
+    )
+    cubin = linker.link("cubin")
+    log = linker.get_info_log()
+    path = out_dir / f"attention_{mode.replace('+', '_')}.cubin"
+    path.write_bytes(bytes(cubin.code))
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    return path, keys, registers, spills
+
+
+def key_loop(cubin: Path) -> tuple[int, list[str]]:
+    """(instructions in the kernel, the key loop's opcodes)."""
+    env = {**os.environ, "PATH": f"{Path(_tool('nvdisasm')).parent}:{os.environ['PATH']}"}
+    text = subprocess.run(
+        [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, env=env,
+        check=True,
+    ).stdout  # fmt: skip
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in map(INSTRUCTION.match,
+            text.splitlines()) if m]  # fmt: skip
+    loops = []
+    for addr, op in code:
+        branch = BRANCH.search(op)
+        if branch and int(branch.group(1), 16) < addr:
+            start = int(branch.group(1), 16)
+            loops.append([o for a, o in code if start <= a <= addr])
+    body = max(loops, key=lambda ops: sum("LDG" in o for o in ops))
+    return len(code), [_opcode(o) for o in body]
+
+
+def _opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def measure(mode: str, out_dir: Path) -> KernelSass:
+    cubin, keys, registers, spills = compile_kernel(mode, out_dir)
+    total, body = key_loop(cubin)
+    counts = collections.Counter(body)
+    return KernelSass(mode, keys, registers, spills, total, len(body),
+                      round(len(body) / keys, 1), dict(counts.most_common(12)))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        raise SystemExit("kernel_sass compiles the real kernels: unset NUMBA_ENABLE_CUDASIM")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [measure(mode, Path(tmp)) for mode in args.modes.split(",")]
+    print(f"{'mode':<9} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
+          f"{'per key':>7}  top opcodes")  # fmt: skip
+    for r in rows:
+        top = " ".join(f"{k}:{v}" for k, v in list(r.top_opcodes.items())[:8])
+        print(f"{r.mode:<9} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
+              f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7}  {top}")  # fmt: skip
+    result = {
+        "benchmark": "kernel_sass",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "target": "sm_90 (compiled here, no GPU)",
+        "shape": {"head_dim": HEAD_DIM, "page_size": PAGE, "group": GROUP_HEADS, "lanes": LANES},
+        "rows": [asdict(r) for r in rows],
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
