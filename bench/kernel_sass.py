@@ -120,8 +120,14 @@ def key_loop(cubin: Path) -> tuple[int, list[str]]:
         [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, env=env,
         check=True,
     ).stdout  # fmt: skip
+    return loop_of_most_loads(text)
+
+
+def loop_of_most_loads(sass: str) -> tuple[int, list[str]]:
+    """(instructions in ``sass``, the opcodes of the loop -- a backward branch and the code
+    from its target to it -- that holds the most global loads)."""
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in map(INSTRUCTION.match,
-            text.splitlines()) if m]  # fmt: skip
+            sass.splitlines()) if m]  # fmt: skip
     loops = []
     for addr, op in code:
         branch = BRANCH.search(op)
