@@ -82,7 +82,7 @@ def _captured(step: Callable[[], None]) -> Any:
             step()
         torch.cuda.synchronize()
         return graph
-    except RuntimeError as exc:  # a host sync or an uncapturable op in the step
+    except Exception as exc:  # (torch's RuntimeError, Numba's CudaAPIError, ...): time eagerly
         logger.warning("CUDA graph capture failed, timing eagerly: %s", exc)
         torch.cuda.synchronize()
         return None
