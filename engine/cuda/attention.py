@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from engine.batch import ForwardBatch
 from engine.cache.quant import rotate_groups
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
+from engine.cuda.bits import odd_parity
 from engine.cuda.kv_load import GROUP, flat_pages, kv_step_reader, reads_words, word_dtype
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
@@ -708,15 +709,15 @@ def _attention_kernel(  # noqa: C901, PLR0915
                         mx = max(mx, sm_m[g * R + r])
                     total = float32(0.0)
                     o = float32(0.0)
+                    la = (d // DPL) % LPG  # rotated: d mixes dim d % DPL of its group's lanes
                     for g in range(NG):
                         total += sm_l[g * R + r] * math.exp(sm_m[g * R + r] - mx)
                         at = ((idx // D) * NG + g) * D
-                        if ROTATE:  # element d mixes dim d % DPL of its group's LPG lanes
-                            la = (d // DPL) % LPG
+                        if ROTATE:
                             src = at + d - la * DPL
                             for lb in range(LPG):
                                 x = sm_acc[src + lb * DPL]
-                                o += -x if _odd_parity(la & lb) else x
+                                o += -x if odd_parity(la & lb) else x
                         else:
                             o += sm_acc[at + d]
                     if ROTATE:
@@ -735,13 +736,6 @@ def _attention_kernel(  # noqa: C901, PLR0915
             cuda.syncthreads()
 
     return attention
-
-
-@cuda.jit(device=True)
-def _odd_parity(x):
-    """popcount(x) & 1 for x < 32: the sign bit of Sylvester's H_32 entry (a, b) is that of
-    a & b."""
-    return (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3) ^ (x >> 4)) & 1
 
 
 @functools.cache
@@ -772,7 +766,7 @@ def _q_rotator(rows: int, dims_per_lane: int, head_dim: int):
                 y = float32(0.0)
                 for lb in range(LPG):
                     zb = buf[r * D + (first + lb) * DPL + i]
-                    y += -zb if _odd_parity(la & lb) else zb
+                    y += -zb if odd_parity(la & lb) else zb
                 qv[r * DPL + i] = y * inv_sqrt
         cuda.syncthreads()  # (buf is reused at the end)
 
@@ -791,7 +785,7 @@ def _lane_rotator(rows: int, dims_per_lane: int):
                 z = float32(0.0)
                 for j in range(DPL):
                     v = x[r * DPL + j]
-                    z += -v if _odd_parity(i & j) else v
+                    z += -v if odd_parity(i & j) else v
                 tmp[i] = z
             for i in range(DPL):
                 x[r * DPL + i] = tmp[i]

@@ -26,6 +26,13 @@ def _byte_perm_sim(x, y, s):
     return np.array(out, dtype=np.uint32).view(np.int32)[()]
 
 
+@cuda.jit(device=True)
+def odd_parity(x):
+    """popcount(x) & 1 for 0 <= x < 32: the sign bit of Sylvester's H_32 entry (a, b) is that
+    of a & b."""
+    return (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3) ^ (x >> 4)) & 1
+
+
 if SIMULATOR:
     float_bits = cuda.jit(device=True)(_float_bits_sim)
     bits_float = cuda.jit(device=True)(_bits_float_sim)

@@ -149,6 +149,20 @@ _SIGN_BITS = 0x80808080
 
 
 @functools.cache
+def _bytes_to_floats(dpl: int, bias: float):
+    """``convert(lo, hi, out)``: out[i] = byte i of the word lo:hi (bytes 0-3 of lo, then of
+    hi) less ``bias``, as a float32: one byte permute and one add each."""
+    offset = _MAGIC + bias
+
+    def convert(lo, hi, out):
+        for i in range(dpl):
+            half = lo if i < 4 else hi
+            out[i] = bits_float(byte_perm(half, _MAGIC_BITS, _MAGIC_OF_BYTE[i % 4])) - offset
+
+    return cuda.jit(device=True)(convert)
+
+
+@functools.cache
 def kv_word_parts(bits: int, dpl: int):
     """``(column, unpack)`` for word reads: ``column(lane)`` is the word holding the lane's
     ``dpl`` dims; ``unpack(word, lane, out)`` writes ``out[i]`` = the code of element
@@ -156,8 +170,8 @@ def kv_word_parts(bits: int, dpl: int):
     if not vector_dims(bits, dpl):
         raise ValueError(f"no word loader for {bits}-bit pages with {dpl} dims per lane")
     lanes_per_group = GROUP // dpl
+    bytes_to_floats = _bytes_to_floats(dpl, 128.0 if bits == 8 else 8.0)
     if bits == 8:
-        offset = _MAGIC + 128.0
 
         def column(lane):
             return lane
@@ -167,12 +181,9 @@ def kv_word_parts(bits: int, dpl: int):
             w = int64(w)  # (4-byte words too: the masks below are 32-bit)
             lo = (w & 0xFFFFFFFF) ^ _SIGN_BITS
             hi = ((w >> 32) & 0xFFFFFFFF) ^ _SIGN_BITS
-            for i in range(dpl):
-                half = lo if i < 4 else hi
-                out[i] = bits_float(byte_perm(half, _MAGIC_BITS, _MAGIC_OF_BYTE[i % 4])) - offset
+            bytes_to_floats(lo, hi, out)
 
     else:
-        offset = _MAGIC + 8.0
 
         def column(lane):
             g = lane // lanes_per_group
@@ -183,11 +194,7 @@ def kv_word_parts(bits: int, dpl: int):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl
             w = int64(w) >> (4 if j0 >= HALF else 0)  # the lane's nibbles to the bytes' low halves
-            lo = w & _LOW_NIBBLES
-            hi = (w >> 32) & _LOW_NIBBLES
-            for i in range(dpl):
-                half = lo if i < 4 else hi
-                out[i] = bits_float(byte_perm(half, _MAGIC_BITS, _MAGIC_OF_BYTE[i % 4])) - offset
+            bytes_to_floats(w & _LOW_NIBBLES, (w >> 32) & _LOW_NIBBLES, out)
 
     jit = cuda.jit(device=True)
     return jit(column), jit(unpack)

@@ -33,6 +33,7 @@ from engine.cache.quant import (
 )
 from engine.cuda import _launch
 from engine.cuda.attention import KVArgs, launch_attention
+from engine.cuda.bits import odd_parity
 from engine.cuda.quant_reference import check_pair
 
 cuda = _launch.cuda
@@ -226,10 +227,8 @@ def _hadamard_step(n: int):
             i = r % GROUP
             acc = float32(0.0)
             for jj in range(GROUP):
-                m = i & jj
-                parity = (m ^ (m >> 1) ^ (m >> 2) ^ (m >> 3) ^ (m >> 4)) & 1
                 x = sm[2 * w, base + jj]
-                acc += -x if parity else x
+                acc += -x if odd_parity(i & jj) else x
             tmp[w, r] = acc * inv_sqrt
         cuda.syncthreads()
         for e in range(tid, 2 * n, nt):
