@@ -7,7 +7,8 @@ The model runs in float32. For each cache mode (``--modes``; default all):
     fp16, bf16   the unquantized cache with every written K/V row rounded to that dtype (what
                  a 16-bit cache stores): the noise floor a 16-bit cache alone costs
     q8, q6, q4   the quantized caches (engine/cache/quant.py), "+rot" with the 32-point
-                 Hadamard rotation per group
+                 Hadamard rotation per group; "-exact": ``exact_chunks=False`` (a prompt chunk
+                 reads its own K/V through their codes too, not exactly)
     ...+bal      EXPERIMENT, bench only (bench/kv_balance.py, not an engine option): keys
                  (and values with --balance-alpha-v) divided per channel by scales derived
                  from the weights, q and the output multiplied back (exact without
@@ -24,16 +25,18 @@ it measures
     perplexity   next-token perplexity over the first TEXT_TOKENS tokens of a fixed text that
                  ships in the repo (bench/data/kv_quality_text.txt: a snapshot of the README
                  and two sources; ``--text`` for another; the JSON records its sha256),
-                 prefilled in chunks through a cache of that mode, every position's logits
-                 scored. Each chunk's attention reads the stored K/V of the earlier chunks and
-                 of itself.
+                 prefilled in chunks of ``--chunk`` tokens (prompt chunks) through a cache of
+                 that mode, every position's logits scored. Each chunk's attention reads the
+                 stored K/V of the earlier chunks, and its own exactly (exact_chunks) or
+                 through their codes ("-exact").
     agreement    greedy continuations of 32 prompts (slices of the same text) through the
                  generator: per prompt, the fraction of the NEW_TOKENS positions before the
                  first token that differs from the reference's (fp32), and from fp16's when
                  fp16 is measured; averaged over the prompts.
     attention    per layer, max |out - out_fp32| / max |out_fp32| of the attention output
                  over the text's first ATTENTION_TOKENS tokens (real q, K, V; each layer fed
-                 the reference path's input); max and mean over the layers.
+                 the reference path's input), every key read through its code (what decode
+                 reads); max and mean over the layers.
 
     python bench/kv_quant_quality.py                   # writes bench/results/kv_quant_quality.json
     python bench/kv_quant_quality.py --modes fp32,q4,q4+rot --tokens 1024 --prompts 8 \
@@ -67,7 +70,7 @@ from bench import kv_sinks  # noqa: E402
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings  # noqa: E402
 from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
 from engine.cache.kv_cache import kv_bytes_per_token  # noqa: E402
-from engine.cache.quant import QUANT_BITS, check_center  # noqa: E402
+from engine.cache.quant import QUANT_BITS, check_center, check_exact_chunks  # noqa: E402
 from engine.ops import OpSet  # noqa: E402
 
 logger = logging.getLogger("kv_quant_quality")
@@ -104,6 +107,8 @@ class Mode:
     # the engine's sink pages: each sequence's first page kept unquantized
     # (``PagedCache(sink_pages=...)``; modes "q4+rot+sinkpage" and the like)
     sink_page: bool = False
+    # the engine's ``exact_chunks`` (None: its default, on for quantized modes; "-exact": off)
+    exact_chunks: bool | None = None
 
 
 BASELINES = {
@@ -113,19 +118,24 @@ BASELINES = {
 }
 
 
-def _engine_mode(quant: str, rotate: bool, center: bool) -> Mode:
-    name = f"{quant}{'+rot' if rotate else ''}{'' if center else '-ctr'}"
-    return Mode(name, quant, rotate, center=center)
+def _engine_mode(quant: str, rotate: bool, center: bool, exact: bool = True) -> Mode:
+    name = f"{quant}{'+rot' if rotate else ''}{'' if center else '-ctr'}{'' if exact else '-exact'}"
+    return Mode(name, quant, rotate, center=center, exact_chunks=None if exact else False)
 
 
-# "q4+rot": the engine's default (keys centered); "q4+rot-ctr": center_keys=False
+# "q4+rot": the engine's default (keys centered, exact chunks); "q4+rot-ctr":
+# center_keys=False; "q4+rot-exact": exact_chunks=False
 MODES = {
     **BASELINES,
     **{
         mode.name: mode
         for quant in ("q8", "q6", "q4")
         for rotate in (False, True)
-        for mode in (_engine_mode(quant, rotate, True), _engine_mode(quant, rotate, False))
+        for mode in (
+            _engine_mode(quant, rotate, True),
+            _engine_mode(quant, rotate, True, exact=False),
+            _engine_mode(quant, rotate, False, exact=False),
+        )
     },
 }
 # Named on the command line only (the default run is MODES): "q4+rot+ctr", "q8+bal", ... on
@@ -136,7 +146,7 @@ EXPERIMENT_MODES = {
     )
     for mode in MODES.values()
     if mode.quant != "fp16" and mode.center is False
-    for name in [mode.name.removesuffix("-ctr")]
+    for name in [mode.name.removesuffix("-exact").removesuffix("-ctr")]
     for adjust in (("bal",), ("ctr",), ("ctr", "bal"), ("cal",), ("ctr", "cal"))
 }
 # bench/kv_zero_point.py: 4-bit groups with a zero point, emulated on an unquantized cache (keys
@@ -194,6 +204,7 @@ class ModeResult:
     quant: str
     rotate: bool
     center: bool  # keys less the model's key centers (the engine's center_keys)
+    exact_chunks: bool  # prompt chunks read their own K/V exactly (the engine's exact_chunks)
     bytes_per_token: int  # of the storage the mode stands for (a 16-bit cache: 2 per value)
     perplexity: float
     perplexity_vs_fp32: float | None = None  # relative change, 0.01 = +1%
@@ -304,7 +315,13 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...], quant: str = "q4
 
 def allocate(model: Model, pages: int, mode: Mode):
     # (one sequence over pages 0..: its first page is page 0, the sink page)
-    return model.allocate_kv(pages, PAGE_SIZE, *storage(mode), num_sink_pages=int(mode.sink_page))
+    return model.allocate_kv(
+        pages,
+        PAGE_SIZE,
+        *storage(mode),
+        num_sink_pages=int(mode.sink_page),
+        exact_chunks=exact_chunks(mode),
+    )
 
 
 def storage(mode: Mode) -> tuple[str, bool | None, bool | None]:
@@ -313,6 +330,12 @@ def storage(mode: Mode) -> tuple[str, bool | None, bool | None]:
     if emulated(mode):
         return "fp16", None, None
     return mode.quant, mode.rotate, mode.center
+
+
+def exact_chunks(mode: Mode) -> bool | None:
+    """The ``exact_chunks`` of the cache a mode runs on (the emulated modes' unquantized cache
+    has none: they read what they stored, their codes' values)."""
+    return False if emulated(mode) else mode.exact_chunks
 
 
 def emulated(mode: Mode) -> bool:
@@ -348,7 +371,8 @@ def text_scores(
     with mode_ops(model, mode):
         for start in range(0, len(ids) - 1, CHUNK):
             end = min(start + CHUNK, len(ids) - 1)
-            row = SequenceInput(ids[start:end], start, range(pages), logits_rows=end - start)
+            chunk = ids[start:end]
+            row = SequenceInput(chunk, start, range(pages), end - start, prompt_chunk=True)
             logits = model.forward(build_forward_batch([row], PAGE_SIZE, model.device), kv)
             targets = torch.tensor(ids[start + 1 : end + 1])
             total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
@@ -408,7 +432,14 @@ def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
 def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> list[list[int]]:
     tokens = len(prompts) * (PROMPT_TOKENS + new_tokens + PAGE_SIZE)
     sink_pages = len(prompts) if mode.sink_page else 0  # one first page per prompt
-    cache = PagedCache(model, tokens, PAGE_SIZE, *storage(mode), sink_pages=sink_pages)
+    cache = PagedCache(
+        model,
+        tokens,
+        PAGE_SIZE,
+        *storage(mode),
+        sink_pages=sink_pages,
+        exact_chunks=exact_chunks(mode),
+    )
     with mode_ops(model, mode):
         generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
         jobs = [
@@ -494,7 +525,8 @@ def measure(
             reference = logprobs if mode.name == REFERENCE else reference
         center = check_center(mode.quant, mode.center)  # (the zero-point modes: centered)
         size = storage_bytes_per_token(model, mode)
-        result = ModeResult(mode.name, mode.quant, bool(mode.rotate), center, size, ppl)
+        exact = check_exact_chunks(mode.quant, exact_chunks(mode))
+        result = ModeResult(mode.name, mode.quant, bool(mode.rotate), center, exact, size, ppl)
         result.kl_vs_fp32 = kl
         if scores and attention_tokens and mode.name != REFERENCE:
             result.add_attention(attention_errors(model, ids[:attention_tokens], mode))
@@ -562,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; fp32 first")
     parser.add_argument("--text", type=Path, default=TEXT, help="UTF-8 text to score")
     parser.add_argument("--tokens", type=int, default=TEXT_TOKENS)
+    parser.add_argument(
+        "--chunk", type=int, default=CHUNK, help="prefill chunk of the perplexity run (tokens)"
+    )
     parser.add_argument("--prompts", type=int, default=NUM_PROMPTS)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument(
@@ -621,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    global CHUNK
+    CHUNK = args.chunk
     CALIBRATION.update(
         stat=args.cal_stat,
         alpha=args.cal_alpha,
@@ -665,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "page_size": PAGE_SIZE,
         "chunk": CHUNK,
+        "chunk_note": "prompt chunks: with exact_chunks each reads its own K/V exactly",
         "attention_tokens": args.attention_tokens,
         "kl_tokens": args.kl_tokens,
         "balance_alpha": dict(BALANCE_ALPHA),  # +bal modes only

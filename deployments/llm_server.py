@@ -63,6 +63,7 @@ def configure_torch_threads(option: int | None, device: torch.device) -> None:
 def _cache_mode(cache: PagedCache) -> str:
     """'q4+rotate+center' and the like, for the log."""
     flags = ("+rotate" if cache.rotate else "") + ("+center" if cache.center_keys else "")
+    flags += "+exact chunks" if cache.exact_chunks else ""
     sinks = f"+{cache.sink_pages} sink pages" if cache.sink_pages else ""
     return cache.quant + flags + sinks
 
@@ -72,10 +73,10 @@ def _build_cache(model: Model, preset: Preset) -> PagedCache:
     ``engine.cache_bytes`` holds in ``engine.cache_quant`` (a quantized mode gets more)."""
     engine = preset.engine
     layout = (engine.page_size, engine.cache_quant, engine.cache_rotate, engine.cache_center_keys)
-    sinks = engine.cache_sink_pages
+    extra = {"sink_pages": engine.cache_sink_pages, "exact_chunks": engine.cache_exact_chunks}
     if engine.cache_bytes is None:
-        return PagedCache(model, int(engine.max_num_tokens or 0), *layout, sink_pages=sinks)
-    cache = PagedCache.from_budget(model, engine.cache_bytes, *layout, sink_pages=sinks)
+        return PagedCache(model, int(engine.max_num_tokens or 0), *layout, **extra)
+    cache = PagedCache.from_budget(model, engine.cache_bytes, *layout, **extra)
     logger.info(
         "engine.cache_bytes %d: %d tokens at %d bytes per token",
         engine.cache_bytes,

@@ -236,6 +236,8 @@ class EnginePreset:
     # pages kept unquantized for sequences' first blocks (engine/cache/page_table.py): one per
     # running sequence with its own first page, so at least max_batch_size
     cache_sink_pages: int = 0
+    # prompt chunks read their own K/V exactly (quantized modes; None: on), see PagedCache
+    cache_exact_chunks: bool | None = None
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
     # tokens read one step late, the next forward fed on the device; None: on a GPU unless
     # speculating (engine/inflight.py)
@@ -259,6 +261,9 @@ class EnginePreset:
         cache_sink_pages = _int(raw, "cache_sink_pages", "engine", 0, 0)
         if cache_sink_pages and cache_quant == "fp16":
             raise ValueError("engine.cache_sink_pages needs a quantized engine.cache_quant")
+        cache_exact_chunks = _bool(raw, "cache_exact_chunks", "engine")
+        if cache_exact_chunks and cache_quant == "fp16":
+            raise ValueError("engine.cache_exact_chunks: true needs a quantized engine.cache_quant")
         speculative = NgramSpeculation.parse(raw.get("speculative"))
         async_scheduling = _bool(raw, "async_scheduling", "engine")
         if async_scheduling and speculative is not None:
@@ -276,6 +281,7 @@ class EnginePreset:
             cache_rotate=cache_rotate,
             cache_center_keys=cache_center_keys,
             cache_sink_pages=cache_sink_pages,
+            cache_exact_chunks=cache_exact_chunks,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
             async_scheduling=async_scheduling,
             speculative=speculative,

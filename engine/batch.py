@@ -37,6 +37,9 @@ class SequenceInput:
     logits_rows: int = 1  # logits wanted for this many trailing new tokens (0: none)
     # the job's embedding containers, when its placeholder ids may be among token_ids
     embeddings: Sequence[MMEmbedding] = ()
+    # every one of token_ids is a prompt token (no generated token, no draft): a quantized
+    # cache's ``exact_chunks`` lets such a chunk read its own K/V exactly
+    prompt_chunk: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -84,6 +87,9 @@ class ForwardBatch:
     attention: AttentionPlan = field(default_factory=AttentionPlan)
     # rows that replace placeholder tokens in the embedding step (None: plain tokens only)
     embeddings: EmbeddingTable | None = None
+    # per sequence: its new tokens are all prompt tokens (``SequenceInput.prompt_chunk``);
+    # () for none
+    prompt_chunks: tuple[bool, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -145,6 +151,7 @@ def build_forward_batch(
         seq_lens_host=seq_lens,
         page_size=page_size,
         embeddings=None if embeds is None else embeds.build(device),
+        prompt_chunks=tuple(s.prompt_chunk for s in seqs),
     )
 
 

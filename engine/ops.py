@@ -94,7 +94,7 @@ def cuda_ops() -> OpSet:
         ),
         paged_attention=by_storage(
             by_query_length(paged_attention_cuda, paged_attention_reference),
-            paged_attention_quant_cuda,
+            by_query_length(paged_attention_quant_cuda, quant_paged_attention_reference),
             pages_arg=1,
         ),
         silu_mul=silu_mul_cuda,
@@ -106,13 +106,16 @@ def cuda_ops() -> OpSet:
 
 
 def by_query_length(kernel: Callable, reference: Callable) -> Callable:
-    """Attention on fp16/fp32 pages: decode batches (one query token per sequence) on the
-    Numba kernel, which CUDA graphs capture; batches with a longer query (prefill, chunked
-    prefill, draft verification) on the torch reference, whose SDPA uses the tensor cores.
-    Measured on an H200 (bench/kernel_launch.py, 1B shape): prefill of 2048 tokens 2.66 ms in
-    the kernel (CUDA cores, one key per lane group per step) vs 0.18 ms; decode at batch 64
-    x 1k about equal (138 vs 135 us). ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel
-    for every batch."""
+    """Attention: decode batches (one query token per sequence) on the Numba kernel, which
+    CUDA graphs capture; batches with a longer query (prefill, chunked prefill, draft
+    verification) on the torch reference, whose SDPA uses the tensor cores. Measured on an
+    H200 for fp16/fp32 pages (bench/kernel_launch.py, 1B shape): prefill of 2048 tokens
+    2.66 ms in the kernel (CUDA cores, one key per lane group per step) vs 0.18 ms; decode at
+    batch 64 x 1k about equal (138 vs 135 us). Quantized pages go the same way (not timed on a
+    GPU yet): the reference dequantizes the batch's pages for SDPA, as ExLlamaV2 does for
+    every step, and reads a prompt chunk's own K/V exactly (engine/cuda/quant_reference.py),
+    which the kernel does not. ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel for every
+    batch (a quantized prompt chunk then reads its own K/V through their codes)."""
     if prefill_attention_choice() == "kernel":
         return kernel
 

@@ -46,6 +46,7 @@ class _Rows:
     q_lens: list[int] = field(default_factory=list)  # new tokens (drafts included)
     logits_rows: list[int] = field(default_factory=list)
     one_logit_each: bool = True  # every row wants exactly one logits row (the common case)
+    prompt_chunks: list[bool] = field(default_factory=list)  # (ForwardBatch.prompt_chunks)
     max_pages: int = 0
     # (first batch row, the row's new ids, its embedding containers) of rows that have some
     embedded: list[tuple[int, list[int], Sequence]] = field(default_factory=list)
@@ -116,6 +117,7 @@ class PersistentBatch:
                 input_ids.extend(drafts)
             starts.append(start)
             q_lens.append(q)
+            rows.prompt_chunks.append(q > 1 and entry.prompt_chunk)
             wanted = len(drafts) + 1 if start + n == len(tokens) else 0
             logits_rows.append(wanted)
             if wanted != 1:
@@ -186,6 +188,7 @@ class PersistentBatch:
             seq_lens_host=tuple(seq_lens.tolist()),
             page_size=ps,
             embeddings=embeddings,
+            prompt_chunks=tuple(rows.prompt_chunks),
         )
 
     def _upload(self, longs: list[np.ndarray], ints: list[np.ndarray]) -> list[torch.Tensor]:

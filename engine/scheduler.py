@@ -75,8 +75,12 @@ class SeqState:
     # Draft tokens the speculator would like verified in the next decode step (a wish: the
     # scheduler grants what budget, max_q_size and free pages allow, see StepEntry.lookahead).
     lookahead: int = 0
+    # tokens of the prompt (the first ones); -1: all the tokens it was created with
+    prompt_len: int = -1
 
     def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.tokens)
         if self.max_skips is not None and (
             not isinstance(self.max_skips, int) or self.max_skips < 0
         ):
@@ -114,6 +118,11 @@ class StepEntry:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the tokens, so its logits are sampled."""
         return self.start + self.num_tokens == len(self.seq.tokens)
+
+    @property
+    def prompt_chunk(self) -> bool:
+        """True when every token this entry computes is a prompt token (no drafts)."""
+        return not self.drafts and self.start + self.num_tokens <= self.seq.prompt_len
 
     @property
     def logits_rows(self) -> int:

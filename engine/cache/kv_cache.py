@@ -21,6 +21,7 @@ from engine.cache.quant import (
     QuantPages,
     allocate_quant_pages,
     check_center,
+    check_exact_chunks,
     check_head_dim,
     check_quant,
     data_width,
@@ -50,11 +51,13 @@ def allocate_kv_pages(
     rotate: bool | None = None,
     key_centers: Sequence[torch.Tensor] | None = None,
     num_sink_pages: int = 0,
+    exact_chunks: bool = False,
 ) -> KVPages:
     """Zeroed K/V page storage for every layer (``quant``/``rotate``: see ``PagedCache``).
     ``key_centers``: per layer, the [KV, D] vector the quantized K pages subtract from every
     key (``QuantPages.center``); None: keys stored as they come. ``num_sink_pages``: pages
-    0..R-1 also keep their rows unquantized (``QuantPages.sinks``)."""
+    0..R-1 also keep their rows unquantized (``QuantPages.sinks``). ``exact_chunks``: the K
+    pages keep each forward's written rows for its attention (``QuantPages.written``)."""
     if num_pages <= 0:
         raise ValueError(f"num_pages must be positive, got {num_pages}")
     if page_size <= 0:
@@ -67,6 +70,8 @@ def allocate_kv_pages(
             raise ValueError(f"key centers need a quantized cache, not {quant!r}")
         if num_sink_pages:
             raise ValueError(f"sink pages need a quantized cache, not {quant!r}")
+        if exact_chunks:
+            raise ValueError(f"exact_chunks needs a quantized cache, not {quant!r}")
         return [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -81,7 +86,9 @@ def allocate_kv_pages(
     sinks = {"num_sink_pages": num_sink_pages, "sink_dtype": dtype}
     return [
         (
-            allocate_quant_pages(*shape, k_bits, rotate, device, center, **sinks),
+            allocate_quant_pages(
+                *shape, k_bits, rotate, device, center, **sinks, exact_chunks=exact_chunks
+            ),
             allocate_quant_pages(*shape, v_bits, rotate, device, **sinks),
         )
         for center in centers
@@ -112,7 +119,11 @@ class PagedCache:
     centers (``Model.key_centers``) from every key before quantizing: exact for attention,
     smaller stored keys (engine/cache/quant.py). ``sink_pages`` (quantized modes only; default
     0) keeps that many pages unquantized as well, for sequences' first blocks ("attention
-    sinks": engine/cache/page_table.py).
+    sinks": engine/cache/page_table.py). ``exact_chunks`` (quantized modes only; default on):
+    a sequence with several tokens in a forward (a prompt chunk, a draft to verify) attends
+    to the K/V those tokens wrote exactly, and only to earlier tokens through their codes,
+    as ExLlamaV2 does; off, every read goes through the codes, so a token's numerics never
+    depend on how its prompt was chunked (engine/cuda/quant_reference.py).
     """
 
     def __init__(
@@ -124,9 +135,11 @@ class PagedCache:
         rotate: bool | None = None,
         center_keys: bool | None = None,
         sink_pages: int = 0,
+        exact_chunks: bool | None = None,
     ):
         self.rotate = check_quant(quant, rotate)
         self.center_keys = check_center(quant, center_keys)
+        self.exact_chunks = check_exact_chunks(quant, exact_chunks)
         self.model = model
         self.page_size = page_size
         self.quant = quant
@@ -134,7 +147,13 @@ class PagedCache:
         self.max_num_tokens = self.num_pages * page_size
         self.sink_pages = check_sink_pages(quant, sink_pages, self.num_pages)
         self.kv: KVPages = model.allocate_kv(
-            self.num_pages, page_size, quant, self.rotate, self.center_keys, sink_pages
+            self.num_pages,
+            page_size,
+            quant,
+            self.rotate,
+            self.center_keys,
+            sink_pages,
+            self.exact_chunks,
         )
         self.page_table = PageTable(self.num_pages, page_size, sink_pages)
 
@@ -148,6 +167,7 @@ class PagedCache:
         rotate: bool | None = None,
         center_keys: bool | None = None,
         sink_pages: int = 0,
+        exact_chunks: bool | None = None,
     ) -> PagedCache:
         """The largest cache of whole pages whose K/V storage (key centers and sink pages
         included) fits ``num_bytes``: a quantized mode holds proportionally more tokens in the
@@ -160,7 +180,8 @@ class PagedCache:
             pages = budget_pages(num_bytes, per_token, page_size)
         except ValueError as e:
             raise ValueError(f"{e} in a {quant} cache") from None
-        return cls(model, pages * page_size, page_size, quant, rotate, center_keys, sink_pages)
+        layout = (quant, rotate, center_keys, sink_pages, exact_chunks)
+        return cls(model, pages * page_size, page_size, *layout)
 
     def pages_for_rows(self, rows: int) -> int:
         """The most pages ``rows`` sequences may hold at once (``page_table.pages_for_rows``)."""

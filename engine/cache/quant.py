@@ -46,7 +46,7 @@ works in the rotated space throughout.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,6 +98,17 @@ def check_center(quant: str, center: bool | None) -> bool:
     return True if center is None else bool(center)
 
 
+def check_exact_chunks(quant: str, exact_chunks: bool | None) -> bool:
+    """Validate ``exact_chunks`` for a cache mode; returns whether a forward's multi-token
+    rows read the K/V they wrote exactly (default: yes when quantized;
+    engine/cuda/quant_reference.py has why and what it costs)."""
+    if QUANT_BITS.get(quant) is None:
+        if exact_chunks:
+            raise ValueError(f"exact_chunks=True needs a quantized cache, not {quant!r}")
+        return False
+    return True if exact_chunks is None else bool(exact_chunks)
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim % GROUP:
         raise ValueError(f"a quantized cache needs head_dim divisible by {GROUP}, got {head_dim}")
@@ -117,6 +128,41 @@ def data_dtype(bits: int) -> torch.dtype:
 
 
 @dataclass(frozen=True, slots=True)
+class WrittenRows:
+    """The K/V rows one forward's cache write took, as they came (before rotary, centering,
+    rotation and quantization), so that the same forward's attention can read them exactly
+    instead of through their codes (as ExLlamaV2 does: a prompt's tokens attend to each other
+    unquantized). ``slot_mapping`` is the write's own argument, the batch's tensor: attention
+    uses the rows only with the batch that holds this very tensor, so rows never reach
+    another forward."""
+
+    slot_mapping: torch.Tensor  # [T] long (negative: padding, not written)
+    k: torch.Tensor  # [T, KV, D]
+    v: torch.Tensor  # [T, KV, D]
+    cos: torch.Tensor  # [T, D / 2]
+    sin: torch.Tensor  # [T, D / 2]
+
+
+class RowStash:
+    """Where a layer's cache write leaves its ``WrittenRows`` for that layer's attention,
+    which takes them (one forward, one layer: write, then attention)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: WrittenRows | None = None
+
+    def put(self, rows: WrittenRows) -> None:
+        self.rows = rows
+
+    def take(self, slot_mapping: torch.Tensor) -> WrittenRows | None:
+        """The rows written with this very ``slot_mapping`` (None: none, or another
+        forward's, which are dropped); the stash is empty afterwards either way."""
+        rows, self.rows = self.rows, None
+        return rows if rows is not None and rows.slot_mapping is slot_mapping else None
+
+
+@dataclass(frozen=True, slots=True)
 class QuantPages:
     """One layer's K (or V) pages, quantized. ``shape`` is the logical [P, S, KV, D]."""
 
@@ -131,6 +177,9 @@ class QuantPages:
     # first blocks: engine/cache/page_table.py) keep their rows unquantized here, centered
     # and rotated like the codes, and are read from here; None: every page is quantized
     sinks: torch.Tensor | None = None
+    # K pages with ``exact_chunks``: the current forward's written rows, for its attention;
+    # None: attention reads every row through its code
+    written: RowStash | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_sink_pages(self) -> int:
@@ -162,6 +211,7 @@ def allocate_quant_pages(
     center: torch.Tensor | None = None,
     num_sink_pages: int = 0,
     sink_dtype: torch.dtype = torch.float16,
+    exact_chunks: bool = False,
 ) -> QuantPages:
     check_head_dim(head_dim)
     if not 0 <= num_sink_pages <= num_pages:
@@ -186,6 +236,7 @@ def allocate_quant_pages(
             if num_sink_pages
             else None
         ),
+        written=RowStash() if exact_chunks else None,
     )
 
 

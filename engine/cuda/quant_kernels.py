@@ -27,6 +27,7 @@ from engine.cache.quant import (
     GROUP,
     SEARCH_DIVISORS,
     QuantPages,
+    WrittenRows,
     qmax,
     qmin,
     searches,
@@ -409,8 +410,12 @@ def quant_rotary_cache_write_cuda(
     v_pages: QuantPages,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """``quant_rotary_cache_write_reference`` in one launch; returns the rotated q (new)."""
+    """``quant_rotary_cache_write_reference`` in one launch; returns the rotated q (new). The
+    rows are also left in ``k_pages.written`` (when the pages keep them) for the attention of
+    this forward's prompt chunks (engine/cuda/quant_reference.py)."""
     _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping)
+    if k_pages.written is not None:
+        k_pages.written.put(WrittenRows(slot_mapping, k, v, cos, sin))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     tokens, heads, head_dim = q.shape
     if tokens == 0:

@@ -19,9 +19,14 @@ def rotary_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, KV, D], cos/sin: [T, D/2] (already in q's dtype) -> rotated q, k."""
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotary_rows(q, cos, sin), rotary_rows(k, cos, sin)
+
+
+def rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, N, D] rotated as ``rotary_reference`` rotates q and k."""
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(x.dtype)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.key_centers import key_centers
 from engine.cache.kv_cache import KVPages, allocate_kv_pages
-from engine.cache.quant import check_center, check_quant
+from engine.cache.quant import check_center, check_exact_chunks, check_quant
 from engine.config import ModelConfig
 from engine.gguf_file import find_gguf_file, open_gguf
 from engine.model.llama import LlamaForCausalLM
@@ -119,10 +119,12 @@ class Model:
         rotate: bool | None = None,
         center_keys: bool | None = None,
         num_sink_pages: int = 0,
+        exact_chunks: bool | None = None,
     ) -> KVPages:
         """Paged K/V storage for this model on its device, in its dtype (or quantized: see
         ``PagedCache``; quantized keys are centered by default, ``key_centers``)."""
         check_quant(quant, rotate)
+        exact_chunks = check_exact_chunks(quant, exact_chunks)
         centers = self.key_centers() if check_center(quant, center_keys) else None
         return allocate_kv_pages(
             self.config,
@@ -134,6 +136,7 @@ class Model:
             rotate,
             centers,
             num_sink_pages,
+            exact_chunks,
         )
 
     def key_centers(self) -> list[torch.Tensor]:

@@ -85,6 +85,7 @@ class QuantTiny(Tiny):
     quant: str = "fp16"
     rotate: bool | None = None
     sink_pages: int = 0
+    exact_chunks: bool | None = None
 
     def generator(self, max_num_tokens: int = 4096, page_size: int = 4, **kwargs):
         cache = PagedCache(
@@ -94,6 +95,7 @@ class QuantTiny(Tiny):
             self.quant,
             self.rotate,
             sink_pages=self.sink_pages,
+            exact_chunks=self.exact_chunks,
         )
         return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
 

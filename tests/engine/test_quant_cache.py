@@ -27,9 +27,11 @@ from tests.engine.conftest import QuantTiny, assert_no_pages_in_use
 QUANTS = ["q8", "q6", "q4"]
 
 
-def _with(tiny32: QuantTiny, quant: str, rotate: bool | None = None) -> QuantTiny:
+def _with(
+    tiny32: QuantTiny, quant: str, rotate: bool | None = None, exact_chunks: bool | None = None
+) -> QuantTiny:
     q = QuantTiny(tiny32.model, tiny32.tokenizer, tiny32.folder)
-    q.quant, q.rotate = quant, rotate
+    q.quant, q.rotate, q.exact_chunks = quant, rotate, exact_chunks
     return q
 
 
@@ -246,22 +248,65 @@ def test_attention_reads_only_the_batch_pages():
 # --- the engine, unchanged, on quantized pages ---------------------------------------------
 
 
+# With exact_chunks (the default) a prompt chunk reads its own K/V exactly, so a token's
+# numerics depend on how its prompt was chunked and batched (as in ExLlamaV2); the tests that
+# compare runs chunked differently turn it off, which makes every read go through the codes.
+
+
 def test_engine_subset_on_q4_pages(tiny32):
     # The existing engine tests, unchanged, on the most aggressive mode.
-    q = _with(tiny32, "q4")
+    q = _with(tiny32, "q4", exact_chunks=False)
     gen_tests.test_batched_equals_alone(q)
     gen_tests.test_same_prompt_twice_hits_the_cache(q)
     gen_tests.test_follow_up_turn_reuses_generated_pages(q)
     gen_tests.test_tiny_cache_preempts_and_matches_large_cache(q)
 
 
+def test_engine_on_q4_pages_with_exact_chunks(tiny32):
+    """Prefix reuse, follow-ups and preemption run on the default: every job completes, its
+    pages come back, and a prompt prefilled in one chunk decodes as it would alone."""
+    q = _with(tiny32, "q4")
+    gen_tests.test_follow_up_turn_reuses_generated_pages(q)
+    prompts = gen_tests._prompts(q.tokenizer, count=8, seed=5)
+    small_gen = q.generator(max_num_tokens=26 * 4, page_size=4, max_chunk_size=32)
+    small = gen_tests._run(small_gen, prompts, max_new_tokens=12)
+    assert small_gen.stats()["preemptions"] > 0
+    assert [len(gen_tests._tokens(r)) for r in small] == [12] * len(prompts)
+    assert_no_pages_in_use(small_gen)
+    together = gen_tests._run(q.generator(), prompts[:4])  # each prompt one chunk
+    for ids, batched in zip(prompts[:4], together, strict=True):
+        (alone,) = gen_tests._run(q.generator(), [ids])
+        assert gen_tests._tokens(alone) == gen_tests._tokens(batched)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_one_chunk_prefill_is_exact_with_exact_chunks(tiny32, quant):
+    """A prompt prefilled in one chunk reads only its own rows: its logits are those of the
+    unquantized cache; through the codes they are not."""
+    model = tiny32.model
+    ids = list(range(5, 28))
+    row = SequenceInput(ids, 0, range(8), logits_rows=len(ids), prompt_chunk=True)
+
+    def logits(**layout) -> torch.Tensor:
+        kv = model.allocate_kv(8, 4, **layout)
+        with torch.inference_mode():
+            return model.forward(build_forward_batch([row], 4), kv)
+
+    plain = logits()
+    exact = logits(quant=quant)
+    codes = logits(quant=quant, exact_chunks=False)
+    torch.testing.assert_close(exact, plain, atol=1e-4, rtol=1e-4)
+    assert (codes - plain).abs().max() > 100 * (exact - plain).abs().max()
+
+
 @pytest.mark.parametrize(("quant", "rotate"), [("q8", True), ("q6", False)])
 def test_preemption_and_prefix_reuse_on_other_modes(tiny32, quant, rotate):
-    gen_tests.test_tiny_cache_preempts_and_matches_large_cache(_with(tiny32, quant, rotate))
+    q = _with(tiny32, quant, rotate, exact_chunks=False)
+    gen_tests.test_tiny_cache_preempts_and_matches_large_cache(q)
 
 
 def test_chunked_prefill_equals_one_chunk(tiny32):
-    q = _with(tiny32, "q4", False)
+    q = _with(tiny32, "q4", False, exact_chunks=False)
     prompts = gen_tests._prompts(q.tokenizer, count=4, seed=7)
     runs = [gen_tests._run(q.generator(max_chunk_size=size), prompts) for size in (2048, 5)]
     whole, chunked = ([gen_tests._tokens(r) for r in run] for run in runs)
@@ -349,7 +394,7 @@ def test_every_first_block_is_a_sink_page_and_nothing_else_is(tiny32):
 def test_engine_subset_on_q4_pages_with_sink_pages(tiny32):
     """Batching, prefix reuse, follow-ups and preemption with sink pages: the numerics of a
     token never depend on which pages were free (first blocks are always sink pages)."""
-    q = _with(tiny32, "q4")
+    q = _with(tiny32, "q4", exact_chunks=False)
     q.sink_pages = 8
     gen_tests.test_batched_equals_alone(q)
     gen_tests.test_same_prompt_twice_hits_the_cache(q)

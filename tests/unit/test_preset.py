@@ -74,6 +74,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "cache_center_keys", 1, "engine.cache_center_keys must be true or false, got 1"),
         ("engine", "cache_sink_pages", 4, "engine.cache_sink_pages needs a quantized"),
         ("engine", "cache_sink_pages", -1, "engine.cache_sink_pages must be >= 0, got -1"),
+        ("engine", "cache_exact_chunks", True, "engine.cache_exact_chunks: true needs a quantized"),
+        ("engine", "cache_exact_chunks", "no", "engine.cache_exact_chunks must be true or false"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
         (
             "engine",
