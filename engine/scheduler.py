@@ -444,6 +444,7 @@ class Scheduler:
         if not 1 <= length <= len(seq.tokens):
             raise ValueError(f"cannot truncate {len(seq.tokens)} tokens to {length}")
         del seq.tokens[length:]
+        seq.prompt_len = min(seq.prompt_len, length)  # tokens regrown past it are generated
         seq.hash_cache = None  # keyed by length: a regrown sequence must not reuse it
         keep = min(seq.num_computed, length - 1)
         first_dropped = keep // self.page_size

@@ -9,7 +9,7 @@ import pytest
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
 from engine.model.cuda_graphs import DecodeGraphs
-from engine.ops import OPS_ENV
+from engine.ops import OPS_ENV, PREFILL_ATTENTION_ENV
 from tests.engine.conftest import run_to_end, simulator_model_folder
 from tests.engine.test_decode_graphs import PAGE, _decode_inputs, _fill_cache, _reference
 
@@ -19,9 +19,17 @@ def small32(tiny, tmp_path_factory):
     return simulator_model_folder(tiny, tmp_path_factory.mktemp("sim32"), hidden_size=64)
 
 
-def _greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool, sink_pages: int = 0):
+def _greedy(
+    model: Model, tokenizer, prompts, quant: str, rotate: bool, sink_pages: int, exact: bool
+):
     cache = PagedCache(
-        model, 256, page_size=PAGE, quant=quant, rotate=rotate, sink_pages=sink_pages
+        model,
+        256,
+        page_size=PAGE,
+        quant=quant,
+        rotate=rotate,
+        sink_pages=sink_pages,
+        exact_chunks=exact,
     )
     generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=8)
     settings = SamplerSettings.greedy()
@@ -29,15 +37,19 @@ def _greedy(model: Model, tokenizer, prompts, quant: str, rotate: bool, sink_pag
     return run_to_end(generator, jobs)
 
 
-@pytest.mark.parametrize("sink_pages", [0, 2])
+@pytest.mark.parametrize(("sink_pages", "exact"), [(0, True), (2, True), (0, False)])
 def test_generator_on_q4_pages_through_kernels_matches_torch(
-    small32, tiny, monkeypatch, sink_pages
+    small32, tiny, monkeypatch, sink_pages, exact
 ):
     # Unrotated: the kernel's codes equal the reference's bit for bit in float32, so the
     # greedy picks must match exactly (chunked prefill: 9 tokens in chunks of 8); with sink
-    # pages the first page of each sequence is read from its unquantized rows.
+    # pages the first page of each sequence is read from its unquantized rows. With exact
+    # chunks the prompt chunks go to the reference on the rows the write kernel left; without,
+    # every batch goes to the attention kernel (ENGINE_PREFILL_ATTENTION=kernel).
     prompts = [[5, 9, 17, 3, 40, 2, 8, 8, 1], [5, 9, 17, 3, 11]]
-    args = (tiny.tokenizer, prompts, "q4", False, sink_pages)
+    args = (tiny.tokenizer, prompts, "q4", False, sink_pages, exact)
+    if not exact:
+        monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
     monkeypatch.setenv(OPS_ENV, "torch")
     reference = _greedy(Model.from_pretrained(small32), *args)
     monkeypatch.setenv(OPS_ENV, "cuda")

@@ -63,6 +63,21 @@ def test_plan_rows_carry_the_entries_chunks_and_logits_rows():
     assert list(first.token_ids) == [3, 4, 5] and first.num_cached == 2
     assert first.pages is a.pages and first.logits_rows == 1  # reaches the end: samples
     assert list(second.token_ids) == [9, 8, 7, 6] and second.logits_rows == 0  # mid-prompt
+    assert first.prompt_chunk and second.prompt_chunk  # (all their tokens: the prompt)
+
+
+def test_plan_rows_mark_only_multi_token_prompt_chunks():
+    """Generated tokens (recomputed after a preemption), drafts to verify and single tokens
+    are no prompt chunk: they read their own K/V as decode does (exact_chunks)."""
+    seq = SeqState(tokens=[1, 2, 3, 4, 5, 6], pages=[0, 1], prompt_len=4)
+    entries = [
+        StepEntry(seq, 0, 4),  # the prompt
+        StepEntry(seq, 0, 6),  # the prompt and two generated tokens
+        StepEntry(seq, 5, 1, lookahead=2, drafts=(7, 8)),  # a token and drafts to verify
+        StepEntry(seq, 2, 1),  # one prompt token
+    ]
+    marks = [row.prompt_chunk for row in plan_rows(StepPlan(entries=entries))]
+    assert marks == [True, False, False, False]
 
 
 def test_eager_runner_matches_model_forward(tiny):

@@ -36,6 +36,7 @@ def assert_same_batch(got: ForwardBatch, want: ForwardBatch) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a, b)
         assert torch.equal(a, b), (name, a, b)
     assert got.q_lens == want.q_lens
+    assert got.prompt_chunks == want.prompt_chunks
     assert got.seq_lens_host == want.seq_lens_host
     assert got.page_size == want.page_size
     if want.embeddings is None:
