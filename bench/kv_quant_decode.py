@@ -11,6 +11,12 @@ already built by gpu_decode:
                          per layer per step (tok/s): the part the page format changes
     cache_write_ms       the op set's rotary + cache write of the step's B tokens, once per
                          layer (ms per step): quantized pages pick scales and pack codes here
+    prefill_chunk_ms     one prompt chunk (min(chunk_size, prefill_len) new tokens after the
+                         C cached ones of one sequence): cache write + attention, once per
+                         layer, eager; per route: "reference" (the op set's choice for a
+                         prompt chunk: dequantize the batch's pages + SDPA, the chunk's own
+                         rows exact with exact_chunks) and on CUDA "kernel" (the Numba
+                         attention kernel, ENGINE_PREFILL_ATTENTION=kernel)
 
 Pages hold random K/V written through the cache-write op (quantized pages with real scales).
 On CUDA each timed step is captured once in a CUDA graph and replayed (``timing``:
@@ -56,11 +62,14 @@ def _fill(model: Any, kv: list, pages: int, page_size: int, chunk: int = 8192) -
             model.ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
 
 
-def _timed(step: Callable[[], None], steps: int, warmup: int, timer: Any) -> tuple[float, str]:
-    """Seconds for ``steps`` runs of ``step`` after ``warmup`` eager ones, and how they ran."""
+def _timed(
+    step: Callable[[], None], steps: int, warmup: int, timer: Any, graph: bool = True
+) -> tuple[float, str]:
+    """Seconds for ``steps`` runs of ``step`` after ``warmup`` eager ones, and how they ran
+    (``graph``: captured in a CUDA graph where the device allows)."""
     for _ in range(warmup):
         step()
-    graph = _captured(step) if torch.cuda.is_available() and timer.cuda else None
+    graph = _captured(step) if graph and torch.cuda.is_available() and timer.cuda else None
     run = graph.replay if graph is not None else step
     with timer.measure() as elapsed:
         for _ in range(steps):
@@ -123,6 +132,7 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     forward_s, forward_timing = _timed(forward, wl.decode_steps, wl.warmup_steps, timer)
     attention_s, attention_timing = _timed(attention, wl.decode_steps, wl.warmup_steps, timer)
     write_s, write_timing = _timed(write, wl.decode_steps, wl.warmup_steps, timer)
+    prefill = measure_prefill(model, quant, context, min(wl.chunk_size, wl.prefill_len), wl, timer)
     return {
         "quant": mode,
         "sink_pages": sinks,
@@ -135,7 +145,62 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
         "attention_ms_per_step": 1000 * attention_s / wl.decode_steps,
         "cache_write_ms_per_step": 1000 * write_s / wl.decode_steps,
         "timing": {"forward": forward_timing, "attention": attention_timing, "write": write_timing},
+        "prefill_chunk_tokens": prefill.pop("tokens"),
+        "prefill_chunk_ms": prefill,
     }
+
+
+def measure_prefill(model: Any, quant: str, context: int, chunk: int, wl: Any, timer: Any) -> dict:
+    """ms of one prompt chunk's cache write + attention over every layer, per attention route
+    (eager: the reference's masks follow host values, so no graph)."""
+    from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
+
+    size = wl.page_size
+    pages = -(-(context + chunk) // size)
+    kv = model.allocate_kv(pages, size, quant)
+    _fill(model, kv, pages, size)
+    row = SequenceInput([5] * chunk, context, list(range(pages)), 1, prompt_chunk=True)
+    fwd = build_forward_batch([row], size, model.device)
+    cfg, device, dtype = model.config, model.device, model.dtype
+    gen = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn((chunk, cfg.num_heads, cfg.head_dim), generator=gen, device=device).to(dtype)
+    k, v = torch.randn((2, chunk, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device)
+    k, v = k.to(dtype), v.to(dtype)
+    angle = torch.rand((chunk, cfg.head_dim // 2), generator=gen, device=device)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    scale = cfg.head_dim**-0.5
+
+    def step(attention: Callable) -> Callable[[], None]:
+        def run() -> None:
+            fwd.attention = AttentionPlan()
+            for k_pages, v_pages in kv:
+                rotated = model.ops.rotary_cache_write(
+                    q, k, v, cos, sin, k_pages, v_pages, fwd.slot_mapping
+                )
+                attention(rotated, k_pages, v_pages, fwd, scale)
+
+        return run
+
+    routes = {"reference": model.ops.paged_attention}
+    if device.type == "cuda":
+        routes["kernel"] = _attention_kernel(quant)
+    out: dict[str, Any] = {"tokens": chunk}
+    for name, attention in routes.items():
+        seconds, _ = _timed(step(attention), wl.decode_steps, wl.warmup_steps, timer, graph=False)
+        out[name] = 1000 * seconds / wl.decode_steps
+    return out
+
+
+def _attention_kernel(quant: str) -> Callable:
+    """The Numba attention kernel for pages of ``quant`` (what ENGINE_PREFILL_ATTENTION=kernel
+    runs for every batch)."""
+    if quant == "fp16":
+        from engine.cuda.attention import paged_attention_cuda
+
+        return paged_attention_cuda
+    from engine.cuda.quant_kernels import paged_attention_quant_cuda
+
+    return paged_attention_quant_cuda
 
 
 def _cache_write_step(model: Any, kv: list, slots: torch.Tensor) -> Callable[[], None]:
@@ -182,7 +247,9 @@ def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) 
             f"{row['bytes_per_token']} B/token ({row['tokens_vs_fp16']:.2f}x tokens), "
             f"forward {row['decode_forward_tokens_per_s']:.1f} tok/s, attention "
             f"{row['decode_attention_tokens_per_s']:.1f} tok/s ({row['attention_vs_fp16']:.2f}x), "
-            f"cache write {row['cache_write_ms_per_step']:.2f} ms/step",
+            f"cache write {row['cache_write_ms_per_step']:.2f} ms/step, prefill chunk of "
+            f"{row['prefill_chunk_tokens']}: "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["prefill_chunk_ms"].items()),
             flush=True,
         )
     return rows

@@ -80,6 +80,11 @@ def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None
             workload["quant_context"],
         )
         assert row["decode_forward_tokens_per_s"] > 0 and row["decode_attention_tokens_per_s"] > 0
+        # a prompt chunk through the op set's route (no kernel route without CUDA)
+        chunk = min(workload["chunk_size"], workload["prefill_len"])
+        assert row["prefill_chunk_tokens"] == chunk
+        assert list(row["prefill_chunk_ms"]) == ["reference"]
+        assert row["prefill_chunk_ms"]["reference"] > 0
     sizes = [rows[q]["bytes_per_token"] for q in ("fp16", "q8", "q6", "q4")]
     assert sizes == sorted(sizes, reverse=True)
     assert rows["q4"]["tokens_vs_fp16"] >= 3.5  # fp32 on CPU: 7.1x
