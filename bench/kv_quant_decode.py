@@ -161,14 +161,8 @@ def measure_prefill(model: Any, quant: str, context: int, chunk: int, wl: Any, t
     _fill(model, kv, pages, size)
     row = SequenceInput([5] * chunk, context, list(range(pages)), 1, prompt_chunk=True)
     fwd = build_forward_batch([row], size, model.device)
-    cfg, device, dtype = model.config, model.device, model.dtype
-    gen = torch.Generator(device=device).manual_seed(2)
-    q = torch.randn((chunk, cfg.num_heads, cfg.head_dim), generator=gen, device=device).to(dtype)
-    k, v = torch.randn((2, chunk, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device)
-    k, v = k.to(dtype), v.to(dtype)
-    angle = torch.rand((chunk, cfg.head_dim // 2), generator=gen, device=device)
-    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
-    scale = cfg.head_dim**-0.5
+    q, k, v, cos, sin = _random_rows(model, chunk, seed=2)
+    scale = model.config.head_dim**-0.5
 
     def step(attention: Callable) -> Callable[[], None]:
         def run() -> None:
@@ -182,7 +176,7 @@ def measure_prefill(model: Any, quant: str, context: int, chunk: int, wl: Any, t
         return run
 
     routes = {"reference": model.ops.paged_attention}
-    if device.type == "cuda":
+    if model.device.type == "cuda":
         routes["kernel"] = _attention_kernel(quant)
     out: dict[str, Any] = {"tokens": chunk}
     for name, attention in routes.items():
@@ -205,20 +199,23 @@ def _attention_kernel(quant: str) -> Callable:
 
 def _cache_write_step(model: Any, kv: list, slots: torch.Tensor) -> Callable[[], None]:
     """One decode step's rotary + cache writes (every layer) of random K/V at ``slots``."""
-    cfg, device, dtype = model.config, model.device, model.dtype
-    n = slots.numel()
-    gen = torch.Generator(device=device).manual_seed(1)
-    q = torch.randn((n, cfg.num_heads, cfg.head_dim), generator=gen, device=device).to(dtype)
-    k, v = torch.randn((2, n, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device)
-    k, v = k.to(dtype), v.to(dtype)
-    angle = torch.rand((n, cfg.head_dim // 2), generator=gen, device=device)
-    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    q, k, v, cos, sin = _random_rows(model, slots.numel(), seed=1)
 
     def write() -> None:
         for k_pages, v_pages in kv:
             model.ops.rotary_cache_write(q, k, v, cos, sin, k_pages, v_pages, slots)
 
     return write
+
+
+def _random_rows(model: Any, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v and rotary tables (cos, sin) for ``n`` tokens, in the model's dtype."""
+    cfg, device, dtype = model.config, model.device, model.dtype
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn((n, cfg.num_heads, cfg.head_dim), generator=gen, device=device).to(dtype)
+    k, v = torch.randn((2, n, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device)
+    angle = torch.rand((n, cfg.head_dim // 2), generator=gen, device=device)
+    return q, k.to(dtype), v.to(dtype), angle.cos().to(dtype), angle.sin().to(dtype)
 
 
 def _page_lists(batch: int, per_seq: int, sinks: int) -> list[list[int]]:
