@@ -64,6 +64,9 @@ class AttentionPlan:
     kernel: dict[KernelPlanKey, KernelPlan] = field(default_factory=dict)
     # torch reference: the sequences padded together (row maps, pages, masks per window)
     groups: list[AttentionGroup] | None = None
+    # torch reference over quantized pages: the flat rows of the prompt chunks of more than one
+    # token, which read their own K/V exactly (exact_chunks)
+    prompt_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

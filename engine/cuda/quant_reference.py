@@ -122,10 +122,10 @@ def own_rows(
     if k_pages.written is None:
         return None
     written = k_pages.written.take(batch.slot_mapping)
-    if written is None or not any(batch.prompt_chunks) or batch.max_query_len <= 1:
+    if written is None or not any(batch.prompt_chunks):
         return None
-    keep = _prompt_chunk_rows(batch, written.slot_mapping)
-    if not bool(keep.any()):
+    keep = _prompt_chunk_rows(batch)
+    if keep.numel() == 0:
         return None
     slots = written.slot_mapping[keep].long()
     k = rotary_rows(written.k[keep], written.cos[keep], written.sin[keep]).float()
@@ -138,15 +138,19 @@ def own_rows(
     return OwnRows(slots[order], k[order].to(dtype), v[order].to(dtype))
 
 
-def _prompt_chunk_rows(batch: ForwardBatch, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """[T] bool: the rows of prompt chunks of more than one token, with a real slot."""
-    q_lens = torch.tensor(batch.q_lens)
-    chunks = torch.tensor(batch.prompt_chunks, dtype=torch.bool) & (q_lens > 1)
-    multi = torch.repeat_interleave(chunks, q_lens).to(slot_mapping.device)
-    rows = slot_mapping.shape[0]
-    if multi.shape[0] < rows:  # padding rows past the sequences' (static batches)
-        multi = torch.cat((multi, multi.new_zeros(rows - multi.shape[0])))
-    return multi[:rows] & (slot_mapping >= 0)
+def _prompt_chunk_rows(batch: ForwardBatch) -> torch.Tensor:
+    """[N] long: the flat rows of the batch's prompt chunks of more than one token, from host
+    values (no device sync), once per forward (the plan keeps them for every layer)."""
+    plan = batch.attention
+    if plan.prompt_rows is None:
+        rows: list[int] = []
+        start = 0
+        for q_len, prompt in zip(batch.q_lens, batch.prompt_chunks, strict=True):
+            if prompt and q_len > 1:
+                rows.extend(range(start, start + q_len))
+            start += q_len
+        plan.prompt_rows = torch.tensor(rows, dtype=torch.long).to(batch.slot_mapping.device)
+    return plan.prompt_rows
 
 
 def _context(gathered: torch.Tensor) -> torch.Tensor:
