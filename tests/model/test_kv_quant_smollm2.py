@@ -8,6 +8,7 @@ test is a short text; the full 4k-token text and 32-prompt agreement are ``slow`
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,6 +28,19 @@ from bench.kv_quant_quality import (
     text_scores,
 )
 from engine import Model, Tokenizer
+
+
+@contextmanager
+def chunk_size(tokens: int):
+    """The perplexity runs' prefill chunk set to ``tokens`` while inside."""
+    import bench.kv_quant_quality as quality
+
+    saved, quality.CHUNK = quality.CHUNK, tokens
+    try:
+        yield
+    finally:
+        quality.CHUNK = saved
+
 
 GGUF_FILE = smollm2_file()
 pytestmark = pytest.mark.skipif(
@@ -60,7 +74,7 @@ def test_divergences_carry_the_reference_margin(model, tokenizer):
     ids = text_ids(tokenizer, 256)
     prompts = [ids[i : i + 16] for i in range(0, 128, 16)]
     fp32, q4 = measure(
-        model, tokenizer, ids[:64], prompts, 8, parse_modes("fp32,q4-ctr"), attention_tokens=0
+        model, tokenizer, ids[:64], prompts, 8, parse_modes("fp32,q4-ctr-exact"), attention_tokens=0
     )
     quantiles = fp32.margin_quantiles
     assert 0 <= quantiles["min"] <= quantiles["p01"] <= quantiles["p05"] <= quantiles["median"]
@@ -70,9 +84,10 @@ def test_divergences_carry_the_reference_margin(model, tokenizer):
 
 def test_kl_against_fp32_orders_the_caches(model, tokenizer):
     """The KL yardstick: 0 for fp32 against itself (the same run twice), above 0 for a rounded
-    cache, and q4's 16 levels well past q8's 256."""
+    cache, and q4's 16 levels well past q8's 256 (read through their codes: with exact chunks
+    this one-chunk text would read only its own rows, exactly)."""
     ids = text_ids(tokenizer, 96)
-    modes = parse_modes("fp32,fp16,q8+rot,q4+rot")
+    modes = parse_modes("fp32,fp16,q8+rot-exact,q4+rot-exact")
     fp32, fp16, q8, q4 = measure(model, tokenizer, ids, [], 0, modes, kl_tokens=64)
     assert fp32.kl_vs_fp32 is None
     reference = text_scores(model, ids, MODES["fp32"], None, 64)[2]
@@ -90,7 +105,19 @@ def test_q8_perplexity_matches_fp16_on_a_short_text(model, tokenizer):
     # A q8 step is absmax / 127 per 32 values: the perplexity moves by well under 1%.
     ids = text_ids(tokenizer, 128)
     fp32 = perplexity(model, ids, MODES["fp32"])
-    assert abs(perplexity(model, ids, MODES["q8+rot"]) / fp32 - 1) < 0.01
+    assert abs(perplexity(model, ids, MODES["q8+rot-exact"]) / fp32 - 1) < 0.01
+
+
+def test_exact_chunks_read_a_chunk_exactly_and_earlier_chunks_through_codes(model, tokenizer):
+    """One chunk with exact chunks is the fp32 run; in chunks of 32 the later chunks read the
+    earlier ones through their codes: between fp32 and reading every row through codes."""
+    ids = text_ids(tokenizer, 128)
+    fp32 = perplexity(model, ids, MODES["fp32"])
+    assert perplexity(model, ids, MODES["q4+rot"]) == pytest.approx(fp32, rel=1e-5)
+    codes = perplexity(model, ids, MODES["q4+rot-exact"])
+    with chunk_size(32):
+        chunked = perplexity(model, ids, MODES["q4+rot"])
+    assert abs(chunked / fp32 - 1) < abs(codes / fp32 - 1) / 2
 
 
 def test_a_rounded_16_bit_cache_changes_the_run(model, tokenizer):
@@ -107,8 +134,10 @@ def test_a_rounded_16_bit_cache_changes_the_run(model, tokenizer):
 def test_quality_goals_on_the_full_text(model, tokenizer):
     ids = text_ids(tokenizer, TEXT_TOKENS)
     prompts = prompts_from(ids, NUM_PROMPTS)
-    modes = parse_modes("fp32,q8+rot,q4,q4+rot,q4+rot-ctr")
-    fp32, q8, q4, q4_rot, q4_rot_uncentered = measure(model, tokenizer, ids, prompts, 32, modes)
+    modes = parse_modes("fp32,q8+rot-exact,q4-exact,q4+rot-exact,q4+rot-ctr-exact,q4+rot")
+    fp32, q8, q4, q4_rot, q4_rot_uncentered, q4_exact_chunks = measure(
+        model, tokenizer, ids, prompts, 32, modes
+    )
     # The issue's goal is 0.99; measured 0.93 (28 of 32 prompts identical over 32 tokens, while
     # an fp16 or bf16 cache changes none; each divergence at a near-tie of fp32's two best
     # logits): a shortfall on this model, held here so it cannot drop.
@@ -120,3 +149,5 @@ def test_quality_goals_on_the_full_text(model, tokenizer):
     # scales, uncentered)
     assert q4_rot.perplexity / fp32.perplexity < 1.05
     assert q4_rot.perplexity < q4_rot_uncentered.perplexity
+    # the issue's goal, met with exact chunks (the default; chunks of 1024): measured +0.87%
+    assert q4_exact_chunks.perplexity / fp32.perplexity < 1.02
