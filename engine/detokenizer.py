@@ -127,6 +127,16 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(self._decode(self._prefix_offset, end), end)
 
+    def pending_text(self) -> str:
+        """What ``flush()`` would emit now, without emitting it (the stream goes on)."""
+        end = len(self._ids)
+        if end == self._read_offset:
+            return ""
+        window = self._decode(self._prefix_offset, end)
+        if window == self._prefix_text:
+            return ""
+        return window[_common_prefix_len(window, self._prefix_text) :]
+
     def _is_settled(self, window: str, end: int) -> bool:
         return (
             not window.endswith(REPLACEMENT_CHAR)

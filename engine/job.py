@@ -371,6 +371,9 @@ class DynamicJob:
             result = self.base_result("streaming")
             self._held_tokens.append([data, len(self._held_text)])
         if token in self.stop_tokens and len(self.new_token_ids) > self.min_new_tokens:
+            banned_at = self._banned_start(self._held_text, final=True)
+            if banned_at is not None:  # the pending bytes' text would complete one
+                return self._roll_back(result, banned_at)
             text = self._held_text + self._detok.flush()
             self._held_text = ""
             return self._finish(result, text, "stop_token", stop_token=token)
@@ -411,7 +414,7 @@ class DynamicJob:
             len(self.new_token_ids) >= self.min_new_tokens
         )
         match = self._matcher.find(held) if stop_checks else None
-        banned_at = self._banned.find(held) if self._banned is not None else None
+        banned_at = self._banned_start(held, final=match is None and self._finishing())
         if banned_at is not None and (match is None or banned_at < match[0]):
             return self._roll_back(result, banned_at)
         if match is not None:
@@ -434,6 +437,25 @@ class DynamicJob:
         if n is not None:
             self._release_tokens(result, n, keep)
         return result
+
+    def _finishing(self) -> bool:
+        """Whether the job ends at this token by its grammar or ``max_new_tokens`` (its held
+        bytes are then flushed into the text)."""
+        stopped = self.constraint is not None and self.constraint.is_stopped()
+        return stopped or len(self.new_token_ids) >= self.max_new_tokens
+
+    def _banned_start(self, held: str, final: bool) -> int | None:
+        """Where a banned string begins in the held text (None: nowhere). ``final``: the job
+        ends here, so the text of bytes still pending (U+FFFD for an incomplete character)
+        counts too; a string that begins in it is taken back with the tokens that pend."""
+        if self._banned is None:
+            return None
+        found = self._banned.find(held)
+        if found is not None or not final:
+            return found
+        pending = self._detok.pending_text()
+        found = self._banned.find(held + pending) if pending else None
+        return None if found is None else min(found, len(held))
 
     def _token_boundary(self, limit: int) -> tuple[int, int]:
         """(n, end): the first n held tokens render exactly the held text[:end], the longest

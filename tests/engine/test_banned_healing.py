@@ -116,6 +116,29 @@ def test_rollback_keeps_text_held_before_the_banned_string(tiny):
     _check_stream(tiny, job, results)
 
 
+@pytest.mark.parametrize("ending", ["max_new_tokens", "stop_token"])
+def test_a_banned_string_completed_by_the_final_flush_is_rolled_back(tiny, ending):
+    """A job that ends with an incomplete character flushes it as U+FFFD: that text counts,
+    so a banned string it completes is taken back like any other (hypothesis found the job
+    emitting one: the check had only seen the text before the flush)."""
+    encode = lambda text: tiny.tokenizer.encode(text)[0].tolist()  # noqa: E731
+    lead_byte = encode("\u00e9")[0]  # the first of its two bytes: an incomplete character
+    stop = tiny.tokenizer.eos_token_id
+    length = 3 if ending == "max_new_tokens" else 50
+    job = DynamicJob([1, 2, 3], length, banned_strings=["b\ufffd"], stop_conditions=[stop])
+    job.bind(0, tiny.tokenizer, default_stop_tokens=())
+    tokens = encode("a") + encode("b") + [lead_byte] + ([stop] if ending == "stop_token" else [])
+    results = [job.receive_token(t) for t in tokens]
+    assert "suppressed_tokens" in results[-1] and not results[-1]["eos"]
+    assert job.new_token_ids == encode("a") and job.rewind_to == 3 + 1
+    results += [job.receive_token(t) for t in encode("cd")]
+    if ending == "stop_token":
+        results.append(job.receive_token(stop))
+    assert results[-1]["eos"] and results[-1]["eos_reason"] == ending
+    assert job.full_completion == "acd"
+    _check_stream(tiny, job, results)
+
+
 def test_banned_strings_with_a_filter_and_min_new_tokens(tiny):
     """The filter's matcher rolls back with the job: the banned choice is never produced."""
     generator = tiny.generator()

@@ -368,8 +368,10 @@ def test_detokenizer_flush_renders_invalid_bytes(tok: Tokenizer) -> None:
     ids = [*tok.encode("ok")[0].tolist(), lead]
     det = tok.detokenizer()
     assert "".join(det.add(i) for i in ids) == "ok"
+    assert det.pending_text() == det.pending_text() == "\ufffd"  # (emits nothing)
+    assert det.text == "ok"
     assert det.flush() == "\ufffd" and det.text == tok.decode(ids)
-    assert det.flush() == ""
+    assert det.flush() == "" and det.pending_text() == ""
 
 
 def test_detokenizer_long_byte_runs_stream_and_stay_bounded(
