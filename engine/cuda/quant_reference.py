@@ -13,10 +13,10 @@ token (``ForwardBatch.prompt_chunks``) reads the K/V its own tokens wrote in thi
 exactly, from the rows the write left in ``k_pages.written``, and only the earlier tokens
 through their codes. ExLlamaV2 attends so (its prompt chunk sits unquantized in the fp16
 buffer it attends over); on SmolLM2 it takes q4+rot's perplexity increase over the 4096-token
-bench text, prefilled in chunks of 1024, from +3.6% to under 1%
-(bench/results/kv_quant_quality.json). Every other row reads all keys through their codes:
-a decode row, as the Numba decode kernel does, so CPU and GPU decode agree; a row with
-drafts to verify or with generated tokens (recomputed after a preemption), so that
+bench text, prefilled in chunks of 1024, from +3.97% to +0.87%
+(bench/results/kv_quant_quality_exact_chunks.json). Every other row reads all keys through
+their codes: a decode row, as the Numba decode kernel does, so CPU and GPU decode agree; a row
+with drafts to verify or with generated tokens (recomputed after a preemption), so that
 speculative decoding keeps the plain decode's tokens. The cost: a prompt token's numerics
 depend on how its prompt was chunked (the scheduler's token budget, prefix-cache hits).
 """
@@ -76,7 +76,7 @@ def quant_paged_attention_reference(
 ) -> torch.Tensor:
     """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D]."""
     check_pair(k_pages, v_pages)
-    own = own_rows(k_pages, v_pages, batch, q.dtype)
+    own = own_rows(k_pages, batch, q.dtype)
 
     def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
         k = _context(dequantize_pages(k_pages, group.block_tables, q.dtype))
@@ -114,11 +114,9 @@ class OwnRows:
         v[hit] = self.v[at[hit]]
 
 
-def own_rows(
-    k_pages: QuantPages, v_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype
-) -> OwnRows | None:
-    """The rows this forward wrote for its prompt chunks of more than one token (None: none,
-    or the write left no rows for this batch)."""
+def own_rows(k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype) -> OwnRows | None:
+    """The K and V rows this forward wrote for its prompt chunks of more than one token,
+    from the stash on the K pages (None: none, or the write left no rows for this batch)."""
     if k_pages.written is None:
         return None
     written = k_pages.written.take(batch.slot_mapping)
