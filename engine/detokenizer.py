@@ -132,9 +132,15 @@ class IncrementalDetokenizer:
         end = len(self._ids)
         if end == self._read_offset:
             return ""
-        window = self._decode(self._prefix_offset, end)
-        if window == self._prefix_text:
-            return ""
+        return self._text_past_prefix(self._decode(self._prefix_offset, end))
+
+    def _text_past_prefix(self, window: str) -> str:
+        """What ``window`` (the text of ids[p:...]) adds to the prefix text."""
+        if window.startswith(self._prefix_text):
+            return window[len(self._prefix_text) :]
+        # The window re-rendered context text (e.g. prefix_ids ended mid-character): from
+        # where the two diverge; what was already emitted cannot be taken back.
+        logger.debug("window %r does not extend %r", window, self._prefix_text)
         return window[_common_prefix_len(window, self._prefix_text) :]
 
     def _is_settled(self, window: str, end: int) -> bool:
@@ -147,14 +153,7 @@ class IncrementalDetokenizer:
         """Emit ``window`` (the text of ids[p:end]) past the prefix text; ids[:end] become read."""
         if window == self._prefix_text:
             return ""  # the new tokens rendered nothing yet; keep the context as it is
-        if window.startswith(self._prefix_text):
-            out = window[len(self._prefix_text) :]
-        else:
-            # The window re-rendered context text (e.g. prefix_ids ended mid-character): emit
-            # from where the two diverge; what was already emitted cannot be taken back.
-            common = _common_prefix_len(window, self._prefix_text)
-            logger.debug("window %r does not extend %r", window, self._prefix_text)
-            out = window[common:]
+        out = self._text_past_prefix(window)
         start = self._read_offset
         del self._ids[:start]  # keep only the new context window and anything still pending
         self._prefix_offset, self._read_offset = 0, end - start

@@ -371,7 +371,7 @@ class DynamicJob:
             result = self.base_result("streaming")
             self._held_tokens.append([data, len(self._held_text)])
         if token in self.stop_tokens and len(self.new_token_ids) > self.min_new_tokens:
-            banned_at = self._banned_start(self._held_text, final=True)
+            banned_at = self._banned_start(self._held_text, ends=True)
             if banned_at is not None:  # the pending bytes' text would complete one
                 return self._roll_back(result, banned_at)
             text = self._held_text + self._detok.flush()
@@ -414,7 +414,7 @@ class DynamicJob:
             len(self.new_token_ids) >= self.min_new_tokens
         )
         match = self._matcher.find(held) if stop_checks else None
-        banned_at = self._banned_start(held, final=match is None and self._finishing())
+        banned_at = self._banned_start(held, ends=False if match is not None else None)
         if banned_at is not None and (match is None or banned_at < match[0]):
             return self._roll_back(result, banned_at)
         if match is not None:
@@ -444,14 +444,15 @@ class DynamicJob:
         stopped = self.constraint is not None and self.constraint.is_stopped()
         return stopped or len(self.new_token_ids) >= self.max_new_tokens
 
-    def _banned_start(self, held: str, final: bool) -> int | None:
-        """Where a banned string begins in the held text (None: nowhere). ``final``: the job
-        ends here, so the text of bytes still pending (U+FFFD for an incomplete character)
-        counts too; a string that begins in it is taken back with the tokens that pend."""
+    def _banned_start(self, held: str, ends: bool | None) -> int | None:
+        """Where a banned string begins in the held text (None: nowhere). When the job ends
+        here (``ends``; None: when ``_finishing``), the text of bytes still pending (U+FFFD
+        for an incomplete character) counts too; a string that begins in it is taken back
+        with the tokens that pend."""
         if self._banned is None:
             return None
         found = self._banned.find(held)
-        if found is not None or not final:
+        if found is not None or ends is False or (ends is None and not self._finishing()):
             return found
         pending = self._detok.pending_text()
         found = self._banned.find(held + pending) if pending else None

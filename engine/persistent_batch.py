@@ -117,7 +117,9 @@ class PersistentBatch:
                 input_ids.extend(drafts)
             starts.append(start)
             q_lens.append(q)
-            rows.prompt_chunks.append(q > 1 and entry.prompt_chunk)
+            rows.prompt_chunks.append(
+                q > 1 and entry.prompt_chunk
+            )  # (q > 1: no call per decode row)
             wanted = len(drafts) + 1 if start + n == len(tokens) else 0
             logits_rows.append(wanted)
             if wanted != 1:

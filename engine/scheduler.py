@@ -121,8 +121,13 @@ class StepEntry:
 
     @property
     def prompt_chunk(self) -> bool:
-        """True when every token this entry computes is a prompt token (no drafts)."""
-        return not self.drafts and self.start + self.num_tokens <= self.seq.prompt_len
+        """True when this entry computes several tokens, all of the prompt (no drafts): a
+        prompt chunk, which a quantized cache's ``exact_chunks`` reads exactly."""
+        return (
+            self.num_tokens > 1
+            and not self.drafts
+            and self.start + self.num_tokens <= self.seq.prompt_len
+        )
 
     @property
     def logits_rows(self) -> int:

@@ -19,13 +19,22 @@ def rotary_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, KV, D], cos/sin: [T, D/2] (already in q's dtype) -> rotated q, k."""
-    return rotary_rows(q, cos, sin), rotary_rows(k, cos, sin)
+    cos, sin = _full_tables(cos, sin)
+    return _rotated(q, cos, sin), _rotated(k, cos, sin)
 
 
 def rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, N, D] rotated as ``rotary_reference`` rotates q and k."""
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(x.dtype)
+    cos, sin = _full_tables(cos.to(x.dtype), sin.to(x.dtype))
+    return _rotated(x, cos, sin)
+
+
+def _full_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, D/2] tables -> [T, 1, D], both halves of a head."""
+    return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
 
 

@@ -149,7 +149,7 @@ def plan_rows(plan: StepPlan) -> list[SequenceInput]:
             pages=e.seq.pages,
             logits_rows=e.logits_rows,
             embeddings=e.seq.embeddings,
-            prompt_chunk=e.num_tokens > 1 and e.prompt_chunk,  # (as PersistentBatch sets it)
+            prompt_chunk=e.prompt_chunk,
         )
         for e in plan.entries
     ]
