@@ -24,7 +24,14 @@ from engine.batch import ForwardBatch
 from engine.cache.quant import rotate_groups
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
 from engine.cuda.bits import odd_parity
-from engine.cuda.kv_load import GROUP, flat_pages, kv_step_reader, reads_words, word_dtype
+from engine.cuda.kv_load import (
+    GROUP,
+    flat_pages,
+    kv_step_reader,
+    reads_words,
+    word_affine,
+    word_dtype,
+)
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
 int32 = cuda.int32
@@ -413,17 +420,19 @@ def _chain_values(fns):
 
 
 @functools.cache
-def _rescaler(dims_per_lane: int, q_tile: int):
-    """``rescale(m, l, acc, r, mx)``: row r's running max becomes ``mx``, its sum and
-    accumulator scaled to match (online softmax). Decode tiles skip it when the max holds
-    (most steps once a row has seen its largest scores); prefill tiles always take it (no
-    registers to spare for the test)."""
-    DPL, QT = dims_per_lane, q_tile
+def _rescaler(dims_per_lane: int, q_tile: int, weight_sums: bool):
+    """``rescale(m, l, acc, wsum, r, mx)``: row r's running max becomes ``mx``, its sum and
+    accumulator (and with ``weight_sums`` its ``wsum``) scaled to match (online softmax).
+    Decode tiles skip it when the max holds (most steps once a row has seen its largest
+    scores); prefill tiles always take it (no registers to spare for the test)."""
+    DPL, QT, WSUM = dims_per_lane, q_tile, weight_sums
 
-    def rescale(m, l, acc, r, mx):  # noqa: E741
+    def rescale(m, l, acc, wsum, r, mx):  # noqa: E741
         if QT > 1 or mx > m[r]:
             c = math.exp(m[r] - mx)
             l[r] *= c
+            if WSUM:
+                wsum[r] *= c
             for i in range(DPL):
                 acc[r * DPL + i] *= c
             m[r] = mx
@@ -477,12 +486,22 @@ def _attention_kernel(  # noqa: C901, PLR0915
     SM_RED = 1 if shuffles else 2 * R * KU * NT
     NEG = _NEG
     row_sum = _row_sum_impl(R * KU, LT, NT, shuffles, transposed_sums)
-    rescale = _rescaler(DPL, QT)
     RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, D, LT)
     RAW = KU * RAW_W
     SR = R * KU  # scores, then weights, of a step: [u * R + r]
     # Quantized pages: each lane owns DPL consecutive dims and reads them as one word (kv_load)
     words = reads_words(k_bits, v_bits, DPL)
+    # Word reads of 4-bit codes unpack to x with code = factor * (x - offset) (kv_load's
+    # word_affine), so that no code costs an add. Keys: q is taken times the factor and each
+    # row's dot products start from -offset * sum(q) (per lane and row, once per tile). Values:
+    # the accumulators sum weight * scale * x, and the weights times their scales are summed on
+    # the side (``wsum``); at the end acc = factor * (acc - offset * wsum). The sink pages'
+    # exact rows (the prologue) enter both in those units.
+    K_FACTOR, K_OFFSET = (float32(x) for x in word_affine(k_bits if words else 0))
+    V_FACTOR, V_OFFSET = (float32(x) for x in word_affine(v_bits if words else 0))
+    K_AFFINE, V_AFFINE = K_OFFSET != 0.0, V_OFFSET != 0.0
+    INV_K_FACTOR, INV_V_FACTOR = float32(1.0 / K_FACTOR), float32(1.0 / V_FACTOR)
+    rescale = _rescaler(DPL, QT, V_AFFINE)
     DSTRIDE = 1 if words else LT  # the lane's i-th dim: lane * DPL + i, or lane + LT * i
     LSTRIDE = DPL if words else 1
     SINKS = sinks
@@ -530,6 +549,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
         ks = cuda.local.array(KU, float32)
         vs = cuda.local.array(KU, float32)
         key_seen = cuda.local.array(KU, int32)  # decode tiles: whether the step's key u counts
+        kbias = cuda.local.array(R, float32)  # K_AFFINE: each row's dot products start here
+        wsum = cuda.local.array(R, float32)  # V_AFFINE: each row's sum of weight * scale
 
         item = cuda.blockIdx.x
         h = cuda.blockIdx.y
@@ -574,6 +595,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 qv[r * DPL + i] = x
         if ROTATE:
             rotate_q(qv, kf, sm_rot if ROT_SIZE > 1 else sm_acc, grp, lane)
+        for r in range(R):
+            wsum[r] = 0.0
+            if K_AFFINE:
+                total = float32(0.0)
+                for i in range(DPL):
+                    qv[r * DPL + i] *= K_FACTOR
+                    total += qv[r * DPL + i]
+                kbias[r] = -K_OFFSET * total
 
         # Sink pages: this chunk's keys in the first block [lo, min(hi, PS)), when that block
         # is a sink page, from its unquantized rows (one key per group per step); the steps
@@ -594,8 +623,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     at = uint64(uint32(row)) * SINK_W
                     for i in range(DPL):
                         d = uint64(lane * LSTRIDE + DSTRIDE * i)
-                        kf[i] = float32(k_sinks[at + d])
-                        vf[i] = float32(v_sinks[at + d])
+                        kf[i] = float32(k_sinks[at + d]) * INV_K_FACTOR  # (1 but 4-bit)
+                        vf[i] = float32(v_sinks[at + d]) * INV_V_FACTOR
                     for r in range(R):
                         dot = float32(0.0)
                         if r // G < n_q:
@@ -610,7 +639,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                         mx = m[r]
                         if seen:
                             mx = max(mx, s[r])
-                        rescale(m, l, acc, r, mx)
+                        rescale(m, l, acc, wsum, r, mx)
                         if seen:
                             e = math.exp(s[r] - mx)
                             l[r] += e
@@ -639,10 +668,12 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 row = uint32(uint32(page * PS_U + jc % PS_U) * row_heads + row_head)
                 read_kv(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs)
             for u in range(KU):
-                unpack_k(kr, u, lane, kf)  # codes times ks[u] when SCALED, else values
+                unpack_k(kr, u, lane, kf)  # codes (word_affine) times ks[u] when SCALED
                 for r in range(R):
                     dot = float32(0.0)
-                    if r // G < n_q:
+                    if QT == 1 or r // G < n_q:  # (a decode tile's one query is always live)
+                        if K_AFFINE:
+                            dot = kbias[r]
                         for i in range(DPL):
                             dot += qv[r * DPL + i] * kf[i]
                     if SCALED:
@@ -663,7 +694,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     ok = key_seen[u] if QT == 1 else live and _visible(base + u * NG, hi, p, window)
                     if ok:
                         mx = max(mx, s[u * R + r])
-                rescale(m, l, acc, r, mx)
+                rescale(m, l, acc, wsum, r, mx)
                 for u in range(KU):
                     e = float32(0.0)
                     ok = key_seen[u] if QT == 1 else live and _visible(base + u * NG, hi, p, window)
@@ -677,8 +708,14 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     e = s[u * R + r]
                     if SCALED:
                         e *= vs[u]
+                    if V_AFFINE:
+                        wsum[r] += e
                     for i in range(DPL):
                         acc[r * DPL + i] += e * vf[i]
+        if V_AFFINE:  # the codes' offset and factor, for every weight at once
+            for r in range(R):
+                for i in range(DPL):
+                    acc[r * DPL + i] = V_FACTOR * (acc[r * DPL + i] - V_OFFSET * wsum[r])
 
         # Rotated pages: the output is H_32 acc per group of 32 = H_LPG (x) H_DPL; the lane's
         # part here, the part across lanes (linear, so over the summed groups) below.

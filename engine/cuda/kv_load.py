@@ -23,9 +23,10 @@ formats, in ``dpl`` consecutive bytes (8-bit: one byte each; 4-bit: the low or t
 nibbles of ``dpl`` bytes). So the pages are read as words of ``dpl`` bytes (``word_dtype``:
 the kernel gets ``pages.view(word_dtype(dpl))``): one load and one scale per lane per key,
 where the element loader issues ``dpl`` byte loads and ``dpl`` scale loads. The words unpack
-to the integer codes (exact floats) and the kernel multiplies by the scale once per row, so
-its products round differently from the reference's code * scale per element (within the
-float32 tolerance the tests hold).
+to exact floats x that stand for the codes (8-bit: the code itself; 4-bit: code = 256 * (x -
+0.53125), ``word_affine``) and the kernel applies the scale, the factor and the offset once per
+row, so its products round differently from the reference's code * scale per element (within
+the float32 tolerance the tests hold).
 
 ``kv_step_reader`` puts both forms behind one interface for the kernel's steps of several keys:
 read every key's raw words (or elements) first, unpack each when it is used.
@@ -86,9 +87,10 @@ def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int):
     ``dpl = head_dim // lanes`` float32 numbers of key ``u``.
 
     - Words (``reads_words``; ``scaled``): the lane's dims are ``lane * dpl + i``, one load and
-      one scale per key and side; ``out`` gets the integer codes, exact in float32, and the
-      kernel applies the scale once per row (to a dot product, or to a softmax weight) instead
-      of once per element: value = code * scale, the same product in another order.
+      one scale per key and side; ``out`` gets exact floats standing for the codes
+      (``word_affine``), and the kernel applies the scale once per row (to a dot product, or to
+      a softmax weight) instead of once per element: value = code * scale, the same product in
+      another order.
     - Elements (not ``scaled``): dims ``lane + lanes * i``, dequantized as they are read.
     """
     dpl = head_dim // lanes
@@ -162,16 +164,48 @@ def _bytes_to_floats(dpl: int, bias: float):
     return cuda.jit(device=True)(convert)
 
 
+# 4-bit codes skip even the add: with the bits 0x3F000000 | c << 16 (byte 2 = c < 16) the
+# float is 0.5 + c / 256 exactly, so one byte permute per code gives x = (code + 136) / 256
+# (the stored nibble c is code + 8): code = 256 * (x - 0.53125) (``word_affine``); the kernel
+# folds the factor and the offset into per-tile constants.
+# Not for 8-bit codes: there byte 2 would reach the exponent, and placing them lower scales
+# the float32 rounding of the products up past 8-bit codes' own error.
+_HALF_BITS = 0x3F000000
+_HALF_OF_BYTE = tuple(0x7054 | (k << 8) for k in range(4))  # byte k into byte 2 of 0.5
+_NIBBLE_FACTOR = 256.0
+_NIBBLE_OFFSET = 136.0 / 256.0
+
+
+@functools.cache
+def _nibbles_to_affine(dpl: int):
+    """``convert(lo, hi, out)``: out[i] = 0.5 + (byte i of the word lo:hi) / 256 as a float32,
+    for bytes below 16: one byte permute each."""
+
+    def convert(lo, hi, out):
+        for i in range(dpl):
+            half = lo if i < 4 else hi
+            out[i] = bits_float(byte_perm(half, _HALF_BITS, _HALF_OF_BYTE[i % 4]))
+
+    return cuda.jit(device=True)(convert)
+
+
+def word_affine(bits: int) -> tuple[float, float]:
+    """(factor, offset): a word read's unpacked float x stands for the code
+    ``factor * (x - offset)`` -- (1, 0) for 8-bit codes, which unpack to the code itself."""
+    return (_NIBBLE_FACTOR, _NIBBLE_OFFSET) if bits == 4 else (1.0, 0.0)
+
+
 @functools.cache
 def kv_word_parts(bits: int, dpl: int):
     """``(column, unpack)`` for word reads: ``column(lane)`` is the word holding the lane's
-    ``dpl`` dims; ``unpack(word, lane, out)`` writes ``out[i]`` = the code of element
-    ``lane * dpl + i`` (see the module docstring), as a float32."""
+    ``dpl`` dims; ``unpack(word, lane, out)`` writes ``out[i]`` = x for element
+    ``lane * dpl + i`` (see the module docstring) as a float32, where the element's code is
+    ``factor * (x - offset)`` (``word_affine``)."""
     if not vector_dims(bits, dpl):
         raise ValueError(f"no word loader for {bits}-bit pages with {dpl} dims per lane")
     lanes_per_group = GROUP // dpl
-    bytes_to_floats = _bytes_to_floats(dpl, 128.0 if bits == 8 else 8.0)
     if bits == 8:
+        bytes_to_floats = _bytes_to_floats(dpl, 128.0)
 
         def column(lane):
             return lane
@@ -184,6 +218,7 @@ def kv_word_parts(bits: int, dpl: int):
             bytes_to_floats(lo, hi, out)
 
     else:
+        nibbles_to_floats = _nibbles_to_affine(dpl)
 
         def column(lane):
             g = lane // lanes_per_group
@@ -194,7 +229,7 @@ def kv_word_parts(bits: int, dpl: int):
             g = lane // lanes_per_group
             j0 = (lane - g * lanes_per_group) * dpl
             w = int64(w) >> (4 if j0 >= HALF else 0)  # the lane's nibbles to the bytes' low halves
-            bytes_to_floats(w & _LOW_NIBBLES, (w >> 32) & _LOW_NIBBLES, out)
+            nibbles_to_floats(w & _LOW_NIBBLES, (w >> 32) & _LOW_NIBBLES, out)
 
     jit = cuda.jit(device=True)
     return jit(column), jit(unpack)

@@ -37,3 +37,17 @@ def test_magic_bits_give_the_code():
     for c in (0, 1, 8, 15, 255):
         assert float(_bits_float_sim(0x4B000000 | c)) - 2.0**23 == c
         assert _float_bits_sim(_bits_float_sim(0x4B000000 | c)) == 0x4B000000 | c
+
+
+def test_nibble_bits_give_the_code_through_word_affine():
+    """A stored nibble c (code + 8) permuted into byte 2 of 0.5 is the float 0.5 + c / 256, and
+    kv_load.word_affine's factor and offset turn it back into the code exactly."""
+    from engine.cuda.kv_load import _HALF_BITS, _HALF_OF_BYTE, word_affine
+
+    factor, offset = word_affine(4)
+    word = 0x0F080100  # nibbles 0, 1, 8, 15 in bytes 0-3
+    for k, c in enumerate((0, 1, 8, 15)):
+        x = np.float32(_bits_float_sim(_byte_perm_sim(word, _HALF_BITS, _HALF_OF_BYTE[k])))
+        assert x == np.float32(0.5 + c / 256)
+        assert np.float32(factor) * (x - np.float32(offset)) == c - 8
+    assert word_affine(8) == (1.0, 0.0)  # 8-bit words unpack to the code itself
