@@ -4,7 +4,9 @@ The attention kernel's key groups take ``keys_per_step`` keys per step, reading 
 before using any, so more loads are in flight per warp; ``min_blocks`` is the launch bound the
 register cap is set for (4 resident 128-thread blocks per SM: 128 registers; 2: 255); ``lanes``
 per key group: 16 or 32; ``sums``: the row sums (transposed or a butterfly per row; ``auto``:
-the kernel's rule); ``splits``: the flash-decoding split count (0: the kernel's rule). Modes:
+the kernel's rule); ``splits``: the flash-decoding split count (0: the kernel's rule);
+``unpack``: how 4-bit word codes become floats (``affine``: one byte permute each,
+kv_load.word_affine; ``codes``: a permute and an add; ``auto``: the kernel's default). Modes:
 the cache formats, and ``q4+sinks`` (q4 pages whose every sequence's first page is a sink page,
 read from unquantized rows: engine/cache/quant.py). This sweeps them at Llama-3-8B's attention
 shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode
@@ -18,6 +20,7 @@ attention vs fp16's), and checks each output against the torch reference of its 
 Prints a table and writes JSON to bench/results/attention_keys_per_step.json (--output).
 
     python bench/attention_keys_per_step.py [--iters 50] [--configs 1:4,2:4,4:2:32,2:4:16:auto:8]
+    python bench/attention_keys_per_step.py --modes q4 --configs 4:4:16:auto:0:codes,4:4
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
 MODES = ("fp16", "q8", "q6", "q4", "q4+sinks")
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
+UNPACK = {"auto": None, "affine": True, "codes": False}  # 4-bit word codes (kv_load)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class SweepRow:
     min_blocks: int
     lanes: int
     sums: str
+    unpack: str
     splits: int  # the split count the kernel ran with
     time_ms: float
     kernel_ms: float  # the attention (+ merge) launches alone: no input checks
@@ -155,10 +160,11 @@ def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]
     ref = reference(mode, q, k, v, fb).float()
     nbytes = kv_bytes(k, v, fb)
     rows = []
-    for keys, blocks, lanes, sums, splits in configs:
+    for keys, blocks, lanes, sums, splits, unpack in configs:
         attention._FORCE_KEYS_PER_STEP, attention._FORCE_MIN_BLOCKS = keys, blocks
         attention._FORCE_LANES = lanes
         attention._FORCE_TRANSPOSED_SUMS = SUMS[sums]
+        attention._FORCE_WORD_AFFINE = UNPACK[unpack]
         fb.attention.kernel.clear()  # the plan holds the lanes
         try:
             fn = attention_op(mode, q, k, v, fb, splits or None)
@@ -170,29 +176,32 @@ def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]
         finally:
             attention._FORCE_KEYS_PER_STEP = attention._FORCE_MIN_BLOCKS = None
             attention._FORCE_LANES = attention._FORCE_TRANSPOSED_SUMS = None
+            attention._FORCE_WORD_AFFINE = None
         gbs = nbytes / (ms / 1e3) / 1e9
-        row = SweepRow(mode, keys, blocks, lanes, sums, ran_splits, round(ms, 4),
+        row = SweepRow(mode, keys, blocks, lanes, sums, unpack, ran_splits, round(ms, 4),
                        round(kernel_ms, 4),
                        nbytes, round(gbs, 1),
                        round(gbs / copy_gbs, 3), None, float(f"{err:.3g}"))  # fmt: skip
         print(f"  {mode:<8} keys/step {keys:>2} min_blocks {blocks} lanes {lanes} sums {sums} "
-              f"splits {ran_splits}: "
+              f"unpack {unpack} splits {ran_splits}: "
               f"{ms:8.3f} ms (kernel {kernel_ms:.3f}) {gbs:7.0f} GB/s  err {err:.1e}",
               flush=True)  # fmt: skip
         rows.append(row)
     return rows
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int, str, int]]:
-    """``keys:min_blocks:lanes:sums:splits`` items (left out: 4 blocks, 16 lanes, sums
-    ``auto``, splits 0 = the kernel's rule)."""
+def parse_configs(text: str) -> list[tuple[int, int, int, str, int, str]]:
+    """``keys:min_blocks:lanes:sums:splits:unpack`` items (left out: 4 blocks, 16 lanes, sums
+    ``auto``, splits 0 = the kernel's rule, unpack ``auto``)."""
     out = []
     for item in text.split(","):
-        keys, blocks, lanes, sums, splits = ([*item.split(":"), "", "", "", ""])[:5]
-        sums = sums or "auto"
+        keys, blocks, lanes, sums, splits, unpack = ([*item.split(":"), *[""] * 5])[:6]
+        sums, unpack = sums or "auto", unpack or "auto"
         if sums not in SUMS:
             raise SystemExit(f"sums must be one of {', '.join(SUMS)}, got {sums!r}")
-        out.append((int(keys), int(blocks or 4), int(lanes or 16), sums, int(splits or 0)))
+        if unpack not in UNPACK:
+            raise SystemExit(f"unpack must be one of {', '.join(UNPACK)}, got {unpack!r}")
+        out.append((int(keys), int(blocks or 4), int(lanes or 16), sums, int(splits or 0), unpack))
     return out
 
 
@@ -204,8 +213,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
         "--configs",
-        default="2:4,4:4,1:4,2:4:32",  # fp16's default first; quantized pages take 4 keys
-        help="keys_per_step:min_blocks:lanes:sums:splits items; the first is the baseline",
+        default="2:4,4:4,4:4:16:auto:0:codes,1:4,2:4:32",  # fp16's default first; words: 4
+        help="keys_per_step:min_blocks:lanes:sums:splits:unpack items; the first: the baseline",
     )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -222,12 +231,13 @@ def main() -> None:
     if base:
         rows = [SweepRow(**{**asdict(r), "vs_fp16_default": round(base[0] / r.time_ms, 3)})
                 for r in rows]  # fmt: skip
-    print(f"{'mode':<8} {'keys':>4} {'blocks':>6} {'lanes':>5} {'sums':>10} {'splits':>6} "
+    print(f"{'mode':<8} {'keys':>4} {'blocks':>6} {'lanes':>5} {'sums':>10} {'unpack':>6} "
+          f"{'splits':>6} "
           f"{'ms':>8} {'kernel':>8} {'GB/s':>7} {'vs fp16':>8} {'err':>8}")  # fmt: skip
     for r in rows:
         vs = f"{r.vs_fp16_default:.2f}x" if r.vs_fp16_default else "-"
         print(f"{r.mode:<8} {r.keys_per_step:>4} {r.min_blocks:>6} {r.lanes:>5} {r.sums:>10} "
-              f"{r.splits:>6} "
+              f"{r.unpack:>6} {r.splits:>6} "
               f"{r.time_ms:>8.3f} {r.kernel_ms:>8.3f} "
               f"{r.achieved_gbs:>7.0f} {vs:>8} {r.max_rel_error:>8.1e}")  # fmt: skip
     result = {

@@ -15,7 +15,8 @@ no substitute for timing one (bench/attention_keys_per_step.py).
 Needs ``cuobjdump`` and ``nvdisasm`` on PATH, or the wheels that carry them:
 ``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``.
 
-    python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks]
+    python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks]  # (q4-codes: 4-bit words
+                                                                 # unpacked by permute and add)
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     dispatcher.get_current_device = lambda: Device()
     from engine.cuda import attention as A
 
-    kb, vb = BITS[mode.removesuffix("+sinks")]
+    affine = not mode.endswith("-codes")  # -codes: 4-bit words unpacked by permute and add
+    base = mode.removesuffix("-codes")
+    kb, vb = BITS[base.removesuffix("+sinks")]
     dpl = HEAD_DIM // LANES
     words = A.reads_words(kb, vb, dpl)
     keys = A._keys_per_step(1, words)
     kernel = A._attention_kernel(
         HEAD_DIM, PAGE, GROUP_HEADS, 1, LANES, kb, vb, keys, A._MIN_BLOCKS, True,
-        A._transposed_sums(kb, vb, dpl), mode.endswith("+sinks"), words,
+        A._transposed_sums(kb, vb, dpl), base.endswith("+sinks"), words, affine,
     )  # fmt: skip
     pages = {0: "float16", 8: "int8", 4: "uint8"}
     word = {4: "int32", 8: "int64"}[dpl] if words else None

@@ -286,6 +286,11 @@ _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in th
 # bench/results/attention_keys_per_step_h200_2026-11-26_*: other machines, and the sum and the
 # unpack changed together). None: that rule; True/False forces it (tests, the sweep).
 _FORCE_TRANSPOSED_SUMS: bool | None = None
+# 4-bit word codes unpacked to 0.5 + nibble / 256 (kv_load.word_affine), which saves an add per
+# code: SASS per key on sm_90 (bench/results/kernel_sass.json) q4 219.8 -> 209.2 with the
+# live-row test gone too; not timed on a GPU yet. False: the integer codes (permute and add),
+# for bench/attention_keys_per_step.py's comparison and the tests.
+_FORCE_WORD_AFFINE: bool | None = None
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
 _MAX_HEAD_DIM = 256
 _MAX_ROWS = 2**32 - 1  # page slots x KV heads of one layer's pages: 32-bit row arithmetic
@@ -462,6 +467,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     transposed_sums: bool = False,
     sinks: bool = False,
     rotate: bool = False,
+    affine: bool = True,
 ):
     """The attention kernel specialised on its compile-time constants. ``sinks``: quantized
     pages with sink pages (engine/cache/quant.py): a tile whose first block is a sink page
@@ -472,7 +478,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
     takes ``keys_per_step`` keys per step (their loads are all issued before any is used);
     ``min_blocks``: the resident blocks per SM the register cap is set for (0: no cap);
     ``shuffles``: row sums by warp shuffles (a GPU; the simulator only with emulated ones),
-    ``transposed_sums``: by ``_transposed_row_sum`` where it applies."""
+    ``transposed_sums``: by ``_transposed_row_sum`` where it applies; ``affine``: 4-bit word
+    codes unpack through ``kv_load.word_affine`` (else to the integer codes)."""
     D, PS, G, QT, LT, KU = head_dim, page_size, group, q_tile, lanes, keys_per_step
     DPL = D // LT
     NT = _NUM_WARPS * 32
@@ -486,7 +493,9 @@ def _attention_kernel(  # noqa: C901, PLR0915
     SM_RED = 1 if shuffles else 2 * R * KU * NT
     NEG = _NEG
     row_sum = _row_sum_impl(R * KU, LT, NT, shuffles, transposed_sums)
-    RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(k_bits, v_bits, D, LT)
+    RAW_T, RAW_W, SCALED, read_kv, unpack_k, unpack_v = kv_step_reader(
+        k_bits, v_bits, D, LT, affine
+    )
     RAW = KU * RAW_W
     SR = R * KU  # scores, then weights, of a step: [u * R + r]
     # Quantized pages: each lane owns DPL consecutive dims and reads them as one word (kv_load)
@@ -497,8 +506,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
     # the accumulators sum weight * scale * x, and the weights times their scales are summed on
     # the side (``wsum``); at the end acc = factor * (acc - offset * wsum). The sink pages'
     # exact rows (the prologue) enter both in those units.
-    K_FACTOR, K_OFFSET = (float32(x) for x in word_affine(k_bits if words else 0))
-    V_FACTOR, V_OFFSET = (float32(x) for x in word_affine(v_bits if words else 0))
+    K_FACTOR, K_OFFSET = (float32(x) for x in word_affine(k_bits if words else 0, affine))
+    V_FACTOR, V_OFFSET = (float32(x) for x in word_affine(v_bits if words else 0, affine))
     K_AFFINE, V_AFFINE = K_OFFSET != 0.0, V_OFFSET != 0.0
     INV_K_FACTOR, INV_V_FACTOR = float32(1.0 / K_FACTOR), float32(1.0 / V_FACTOR)
     rescale = _rescaler(DPL, QT, V_AFFINE)
@@ -1113,6 +1122,7 @@ def launch_attention(
         _transposed_sums(pages.k_bits, pages.v_bits, dpl),
         pages.k_sinks is not None,
         pages.rotate and words,
+        _FORCE_WORD_AFFINE is not False,
     )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if SIMULATOR and not q.is_contiguous():

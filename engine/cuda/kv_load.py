@@ -75,7 +75,7 @@ def flat_pages(pages: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int):
+def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int, affine: bool = True):
     """``(raw_dtype, raw_width, scaled, read, unpack_k, unpack_v)``: how the attention kernel
     brings several keys' K and V into registers before it uses any of them (their loads
     overlap), then turns them into numbers.
@@ -98,8 +98,8 @@ def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int):
     kw, ksw = (np.uint64(x) for x in row_widths(k_bits, head_dim, dpl, words))
     vw, vsw = (np.uint64(x) for x in row_widths(v_bits, head_dim, dpl, words))
     if words:
-        k_col, k_unpack = kv_word_parts(k_bits, dpl)
-        v_col, v_unpack = kv_word_parts(v_bits, dpl)
+        k_col, k_unpack = kv_word_parts(k_bits, dpl, affine)
+        v_col, v_unpack = kv_word_parts(v_bits, dpl, affine)
         lanes_per_group = GROUP // dpl
 
         def read(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs):
@@ -189,14 +189,15 @@ def _nibbles_to_affine(dpl: int):
     return cuda.jit(device=True)(convert)
 
 
-def word_affine(bits: int) -> tuple[float, float]:
+def word_affine(bits: int, affine: bool = True) -> tuple[float, float]:
     """(factor, offset): a word read's unpacked float x stands for the code
-    ``factor * (x - offset)`` -- (1, 0) for 8-bit codes, which unpack to the code itself."""
-    return (_NIBBLE_FACTOR, _NIBBLE_OFFSET) if bits == 4 else (1.0, 0.0)
+    ``factor * (x - offset)`` -- (1, 0) for 8-bit codes, which unpack to the code itself, and
+    for 4-bit ones without ``affine`` (a permute and an add each, as before)."""
+    return (_NIBBLE_FACTOR, _NIBBLE_OFFSET) if bits == 4 and affine else (1.0, 0.0)
 
 
 @functools.cache
-def kv_word_parts(bits: int, dpl: int):
+def kv_word_parts(bits: int, dpl: int, affine: bool = True):
     """``(column, unpack)`` for word reads: ``column(lane)`` is the word holding the lane's
     ``dpl`` dims; ``unpack(word, lane, out)`` writes ``out[i]`` = x for element
     ``lane * dpl + i`` (see the module docstring) as a float32, where the element's code is
@@ -218,7 +219,7 @@ def kv_word_parts(bits: int, dpl: int):
             bytes_to_floats(lo, hi, out)
 
     else:
-        nibbles_to_floats = _nibbles_to_affine(dpl)
+        nibbles_to_floats = _nibbles_to_affine(dpl) if affine else _bytes_to_floats(dpl, 8.0)
 
         def column(lane):
             g = lane // lanes_per_group

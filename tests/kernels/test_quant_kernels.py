@@ -196,6 +196,20 @@ def test_attention_reads_quantized_pages_as_words(monkeypatch, head_dim, lanes, 
     assert rel_error(out, ref) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_attention_unpacks_4_bit_words_either_way(monkeypatch, affine):
+    """4-bit word codes as 0.5 + nibble / 256 (kv_load.word_affine: q, a per-row bias and the
+    output carry the factor and the offset) or as the integer codes: both are the reference's
+    attention, with sink pages in the same units too."""
+    monkeypatch.setattr(attention, "_FORCE_LANES", 16)
+    monkeypatch.setattr(attention, "_FORCE_WORD_AFFINE", affine)
+    q, k_pages, v_pages, batch = _sink_case([(5, 1), (19, 3)], "q4", 3, head_dim=128)
+    scale = 128**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=2)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize(("lanes", "quant"), [(16, "q4"), (16, "q6"), (32, "q8")])
 def test_attention_several_keys_per_step_from_words(monkeypatch, lanes, quant):
     """3 keys per step per key group, read as words before any is dequantized (kv_load)."""
