@@ -24,7 +24,7 @@ import torch
 from engine.embeddings import EmbeddingTable, EmbeddingTableBuilder, MMEmbedding
 
 if TYPE_CHECKING:
-    from engine.cuda.attention import AttentionGroup, KernelPlan, KernelPlanKey
+    from engine.cuda.attention import AttentionGroup, DecodeSplit, KernelPlan, KernelPlanKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,9 @@ class AttentionPlan:
     # torch reference over quantized pages: the flat rows of the prompt chunks of more than one
     # token, which read their own K/V exactly (exact_chunks)
     prompt_rows: torch.Tensor | None = None
+    # CUDA op set, a batch of decode rows and longer queries: the decode rows for the kernel,
+    # the rest for the reference (engine/cuda/attention.py ``decode_split``)
+    decode_split: DecodeSplit | None = None
 
 
 @dataclass(slots=True)

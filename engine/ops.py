@@ -107,8 +107,11 @@ def cuda_ops() -> OpSet:
 
 def by_query_length(kernel: Callable, reference: Callable) -> Callable:
     """Attention: decode batches (one query token per sequence) on the Numba kernel, which
-    CUDA graphs capture; batches with a longer query (prefill, chunked prefill, draft
-    verification) on the torch reference, whose SDPA uses the tensor cores. Measured on an
+    CUDA graphs capture; sequences with a longer query (prefill, chunked prefill, draft
+    verification) on the torch reference, whose SDPA uses the tensor cores. In a batch with
+    both, the one-token sequences still go to the kernel (``decode_split``), so a decode
+    row reads its context the same way in every step and a quantized cache is not
+    dequantized for it (not timed on a GPU yet). Measured on an
     H200 for fp16/fp32 pages (bench/kernel_launch.py, 1B shape): prefill of 2048 tokens
     2.66 ms in the kernel (CUDA cores, one key per lane group per step) vs 0.18 ms; decode at
     batch 64 x 1k about equal (138 vs 135 us). Quantized pages go the same way (not timed on a
@@ -119,10 +122,18 @@ def by_query_length(kernel: Callable, reference: Callable) -> Callable:
     if prefill_attention_choice() == "kernel":
         return kernel
 
+    from engine.cuda.attention import decode_split
+
     def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
-        if batch.max_query_len > 1:
+        if batch.max_query_len == 1:
+            return kernel(q, k_pages, v_pages, batch, scale, sliding_window)
+        split = decode_split(batch)
+        if split is None:
             return reference(q, k_pages, v_pages, batch, scale, sliding_window)
-        return kernel(q, k_pages, v_pages, batch, scale, sliding_window)
+        out = reference(q, k_pages, v_pages, split.rest, scale, sliding_window)
+        rows = split.rows
+        out[rows] = kernel(q[rows], k_pages, v_pages, split.decode, scale, sliding_window)
+        return out
 
     attention.__name__ = getattr(kernel, "__name__", "attention")
     attention.__doc__ = kernel.__doc__

@@ -11,6 +11,7 @@ split of the key range with a small merge kernel. See the comment block above th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.batch import ForwardBatch
+from engine.batch import AttentionPlan, ForwardBatch
 from engine.cache.quant import rotate_groups
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
 from engine.cuda.bits import odd_parity
@@ -131,15 +132,66 @@ def by_group(
     """``attend(group, q rows of the group)`` for each of the batch's groups, the outputs put
     back in flat row order: [T, H, D]."""
     groups = attention_groups(batch)
-    if len(groups) == 1:
+    if len(groups) == 1 and groups[0].rows is None:
         return attend(groups[0], q)
     out = None
+    # (a batch's groups cover its rows; those of a DecodeSplit's ``rest`` leave out its decode
+    # rows, which stay zero here)
+    partial = sum(group.rows.numel() for group in groups) < q.shape[0]
     for group in groups:
         part = attend(group, q[group.rows])
         if out is None:
-            out = part.new_empty((q.shape[0], *part.shape[1:]))
+            shape = (q.shape[0], *part.shape[1:])
+            out = part.new_zeros(shape) if partial else part.new_empty(shape)
         out[group.rows] = part
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSplit:
+    """A batch with both one-token sequences (decode rows) and longer ones (prefill chunks,
+    drafts to verify), cut in two for the CUDA op set: the decode rows attended by the decode
+    kernel as a decode batch of their own, the rest by the torch reference."""
+
+    rows: torch.Tensor  # [N] long: the decode rows' flat indices in the batch
+    decode: ForwardBatch  # those sequences as a decode batch
+    # the batch itself (same tensors, so a quantized cache's exact_chunks stash still finds
+    # its rows) with a plan whose groups leave the decode rows out
+    rest: ForwardBatch
+
+
+def decode_split(batch: ForwardBatch) -> DecodeSplit | None:
+    """The batch's ``DecodeSplit``, made once per forward (every layer reuses it); None when
+    the batch is not such a mix."""
+    if batch.attention.decode_split is None:
+        if min(batch.q_lens) != 1 or max(batch.q_lens) == 1:
+            return None
+        groups = attention_groups(batch)  # (by query length: the one-token group first)
+        rows = groups[0].rows
+        rest = dataclasses.replace(batch, attention=AttentionPlan(groups=groups[1:]))
+        batch.attention.decode_split = DecodeSplit(rows, _decode_batch(batch, rows), rest)
+    return batch.attention.decode_split
+
+
+def _decode_batch(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
+    """The batch's one-token sequences (their flat ``rows``) as a decode batch."""
+    seqs = [i for i, q_len in enumerate(batch.q_lens) if q_len == 1]
+    index = torch.tensor(seqs, device=rows.device)
+    seq_lens = tuple(batch.seq_lens_host[i] for i in seqs)
+    width = -(-max(seq_lens) // batch.page_size)
+    return ForwardBatch(
+        input_ids=batch.input_ids[rows],
+        positions=batch.positions[rows],
+        slot_mapping=batch.slot_mapping[rows],
+        query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=rows.device),
+        seq_lens=batch.seq_lens[index],
+        block_tables=batch.block_tables[index, :width].contiguous(),
+        logits_indices=rows.new_empty(0),
+        q_lens=(1,) * len(seqs),
+        seq_lens_host=seq_lens,
+        page_size=batch.page_size,
+        prompt_chunks=(False,) * len(seqs),
+    )
 
 
 def attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:

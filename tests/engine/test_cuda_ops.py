@@ -4,6 +4,7 @@ tokens as with the torch references."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings
 from engine.ops import OPS_ENV, PREFILL_ATTENTION_ENV, select_ops
@@ -49,25 +50,42 @@ def test_ops_env_is_validated(monkeypatch):
 
 
 class _Spy:
-    def __init__(self, name: str, calls: list[str]) -> None:
+    """An attention op that records the query lengths of each batch it gets and returns its
+    q's shape filled with 1 (the kernel) or 2 (the reference)."""
+
+    def __init__(self, name: str, calls: list[tuple[str, tuple[int, ...]]]) -> None:
         self.name, self.calls = name, calls
 
-    def __call__(self, *args, **kwargs):
-        self.calls.append(self.name)
-        return self.name
+    def __call__(self, q, k, v, batch, scale, sliding_window=None):
+        self.calls.append((self.name, batch.q_lens))
+        return torch.zeros_like(q) + (1.0 if self.name == "kernel" else 2.0)
 
 
-def test_longer_queries_take_the_reference_and_decode_the_kernel(monkeypatch):
-    from types import SimpleNamespace
-
+def test_longer_queries_take_the_reference_and_decode_rows_the_kernel(monkeypatch):
+    from engine.batch import SequenceInput, build_forward_batch
     from engine.ops import by_query_length
 
-    calls: list[str] = []
+    def batch(*specs):  # (cached, new) per sequence, pages 0.. each
+        seqs = [SequenceInput([1] * n, c, list(range(-(-(c + n) // 4)))) for c, n in specs]
+        return build_forward_batch(seqs, 4)
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
     kernel, reference = _Spy("kernel", calls), _Spy("reference", calls)
-    decode, prefill = SimpleNamespace(max_query_len=1), SimpleNamespace(max_query_len=7)
     attention = by_query_length(kernel, reference)
-    assert attention("q", "k", "v", decode, 0.5) == "kernel"
-    assert attention("q", "k", "v", prefill, 0.5, 4) == "reference"
+    decode, prefill, mixed = batch((5, 1), (2, 1)), batch((0, 7)), batch((5, 1), (3, 4), (9, 1))
+
+    def q(b):
+        return torch.zeros(b.num_tokens, 2, 8)
+
+    assert attention(q(decode), "k", "v", decode, 0.5).eq(1).all()
+    assert attention(q(prefill), "k", "v", prefill, 0.5, 4).eq(2).all()
+    assert calls == [("kernel", (1, 1)), ("reference", (7,))]
+    calls.clear()
+    # a mix: the reference gets the batch (and skips the decode group), the kernel the two
+    # one-token sequences as a decode batch; their rows come from the kernel
+    out = attention(q(mixed), "k", "v", mixed, 0.5)
+    assert calls == [("reference", (1, 4, 1)), ("kernel", (1, 1))]
+    assert out[:, 0, 0].tolist() == [1, 2, 2, 2, 2, 1]
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
     assert by_query_length(kernel, reference) is kernel
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")

@@ -341,3 +341,24 @@ def test_cache_write_fills_sink_pages_like_the_reference(quant, dtype):
         assert torch.allclose(got.sinks.float(), want.sinks.float(), rtol=tol, atol=tol)
         written = got.sinks.reshape(8, -1).abs().sum(-1) > 0
         assert written.tolist() == [False, False, True] + [False] * 5
+
+
+# --- the CUDA op set on a mixed batch ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_op_set_attends_a_mixed_batchs_decode_rows_with_the_kernel(bits):
+    """A prompt chunk, a decode row and a row with drafts to verify in one forward, with
+    exact_chunks: the CUDA op set gives the decode row to the kernel as a decode batch of its
+    own and the rest to the reference, which still reads the chunk's own rows exactly."""
+    from engine.ops import by_query_length
+    from tests.unit.test_exact_chunks import SCALE, _filled
+
+    k_pages, v_pages, batch, q, _, _ = _filled(bits, exact_chunks=True)
+    op = by_query_length(paged_attention_quant_cuda, quant_paged_attention_reference)
+    out = op(q, k_pages, v_pages, batch, SCALE)
+    assert batch.attention.decode_split.decode.q_lens == (1,)
+    assert k_pages.written.rows is None  # the reference took the chunk's rows
+    k_ref, v_ref, batch_ref, q_ref, _, _ = _filled(bits, exact_chunks=True)
+    want = quant_paged_attention_reference(q_ref, k_ref, v_ref, batch_ref, SCALE)
+    assert rel_error(out, want) <= TOL[torch.float32]
