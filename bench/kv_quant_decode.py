@@ -17,6 +17,12 @@ already built by gpu_decode:
                          prompt chunk: dequantize the batch's pages + SDPA, the chunk's own
                          rows exact with exact_chunks) and on CUDA "kernel" (the Numba
                          attention kernel, ENGINE_PREFILL_ATTENTION=kernel)
+    mixed_step_ms        the attention of one step holding the B decode rows and a new
+                         prompt's chunk (min(chunk_size, prefill_len) tokens), once per layer,
+                         eager; per route: "op_set" (the op set's paged_attention: on CUDA the
+                         decode rows on the kernel, the chunk on the reference) and on CUDA
+                         "reference_all" (the whole step through the torch reference, as the
+                         CUDA op set ran such steps before it split them)
 
 Pages hold random K/V written through the cache-write op (quantized pages with real scales).
 On CUDA each timed step is captured once in a CUDA graph and replayed (``timing``:
@@ -36,6 +42,14 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def torch_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The torch references' paged attention (fp16 or quantized pages) on any batch."""
+    from engine.ops import TORCH_OPS
+
+    return TORCH_OPS.paged_attention(*args, **kwargs)
+
 
 # "q4+sinks": q4 with sink pages (PagedCache(sink_pages=...)): each sequence's first page
 # unquantized, laid out as the page table lays it out (first pages 0..B-1, the rest after)
@@ -105,8 +119,10 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     per_seq = -(-(context + 1) // size)
     mode, quant = quant, quant.removesuffix("+sinks")
     sinks = batch if mode != quant else 0
-    kv = model.allocate_kv(batch * per_seq, size, quant, num_sink_pages=sinks)
-    _fill(model, kv, batch * per_seq, size)
+    chunk = min(wl.chunk_size, wl.prefill_len)
+    chunk_pages = -(-chunk // size)  # after the decode rows' pages: the mixed step's prompt
+    kv = model.allocate_kv(batch * per_seq + chunk_pages, size, quant, num_sink_pages=sinks)
+    _fill(model, kv, batch * per_seq + chunk_pages, size)
     seqs = [
         SequenceInput([4 + b % 100], num_cached=context, pages=pages)
         for b, pages in enumerate(_page_lists(batch, per_seq, sinks))
@@ -132,7 +148,10 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     forward_s, forward_timing = _timed(forward, wl.decode_steps, wl.warmup_steps, timer)
     attention_s, attention_timing = _timed(attention, wl.decode_steps, wl.warmup_steps, timer)
     write_s, write_timing = _timed(write, wl.decode_steps, wl.warmup_steps, timer)
-    prefill = measure_prefill(model, quant, context, min(wl.chunk_size, wl.prefill_len), wl, timer)
+    prefill = measure_prefill(model, quant, context, chunk, wl, timer)
+    prompt_pages = list(range(batch * per_seq, batch * per_seq + chunk_pages))
+    prompt = SequenceInput([5] * chunk, 0, prompt_pages, prompt_chunk=True)
+    mixed = measure_mixed(model, kv, [*seqs, prompt], wl, timer)
     return {
         "quant": mode,
         "sink_pages": sinks,
@@ -147,7 +166,36 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
         "timing": {"forward": forward_timing, "attention": attention_timing, "write": write_timing},
         "prefill_chunk_tokens": prefill.pop("tokens"),
         "prefill_chunk_ms": prefill,
+        "mixed_step_ms": mixed,
     }
+
+
+def measure_mixed(model: Any, kv: list, seqs: list, wl: Any, timer: Any) -> dict:
+    """ms of the attention (every layer) of one step over ``seqs`` (decode rows and a prompt
+    chunk), per route (eager: the reference's masks follow host values)."""
+    from engine.batch import AttentionPlan, build_forward_batch
+
+    fwd = build_forward_batch(seqs, wl.page_size, model.device)
+    cfg = model.config
+    q = torch.randn((fwd.num_tokens, cfg.num_heads, cfg.head_dim), device=model.device)
+    q, scale = q.to(model.dtype), cfg.head_dim**-0.5
+
+    def step(attention: Callable) -> Callable[[], None]:
+        def run() -> None:
+            fwd.attention = AttentionPlan()
+            for k_pages, v_pages in kv:
+                attention(q, k_pages, v_pages, fwd, scale)
+
+        return run
+
+    routes = {"op_set": model.ops.paged_attention}
+    if model.device.type == "cuda":
+        routes["reference_all"] = torch_attention
+    out = {}
+    for name, attention in routes.items():
+        seconds, _ = _timed(step(attention), wl.decode_steps, wl.warmup_steps, timer, graph=False)
+        out[name] = 1000 * seconds / wl.decode_steps
+    return out
 
 
 def measure_prefill(model: Any, quant: str, context: int, chunk: int, wl: Any, timer: Any) -> dict:
@@ -246,7 +294,9 @@ def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) 
             f"{row['decode_attention_tokens_per_s']:.1f} tok/s ({row['attention_vs_fp16']:.2f}x), "
             f"cache write {row['cache_write_ms_per_step']:.2f} ms/step, prefill chunk of "
             f"{row['prefill_chunk_tokens']}: "
-            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["prefill_chunk_ms"].items()),
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["prefill_chunk_ms"].items())
+            + ", mixed step: "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["mixed_step_ms"].items()),
             flush=True,
         )
     return rows

@@ -85,6 +85,8 @@ def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None
         assert row["prefill_chunk_tokens"] == chunk
         assert list(row["prefill_chunk_ms"]) == ["reference"]
         assert row["prefill_chunk_ms"]["reference"] > 0
+        # a step of decode rows and a prompt chunk: the op set's route only without CUDA
+        assert list(row["mixed_step_ms"]) == ["op_set"] and row["mixed_step_ms"]["op_set"] > 0
     sizes = [rows[q]["bytes_per_token"] for q in ("fp16", "q8", "q6", "q4")]
     assert sizes == sorted(sizes, reverse=True)
     assert rows["q4"]["tokens_vs_fp16"] >= 3.5  # fp32 on CPU: 7.1x
