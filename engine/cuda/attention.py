@@ -25,6 +25,9 @@ from engine.batch import AttentionPlan, ForwardBatch
 from engine.cache.quant import rotate_groups
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
 from engine.cuda.bits import odd_parity
+
+if not SIMULATOR:
+    from engine.cuda.bits import shfl_segment16_sync
 from engine.cuda.kv_load import (
     GROUP,
     flat_pages,
@@ -339,8 +342,8 @@ _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in th
 # unpack changed together). None: that rule; True/False forces it (tests, the sweep).
 _FORCE_TRANSPOSED_SUMS: bool | None = None
 # 4-bit word codes unpacked to 0.5 + nibble / 256 (kv_load.word_affine), which saves an add per
-# code: SASS per key on sm_90 (bench/results/kernel_sass.json) q4 219.8 -> 209.2 with the
-# live-row test gone too; not timed on a GPU yet. False: the integer codes (permute and add),
+# code: SASS per key on sm_90 (bench/kernel_sass.py) q4 219.8 -> 209.2 with the live-row test
+# gone too (then 202 with the half-warp shuffles of _transposed_row_sum); not timed on a GPU. False: the integer codes (permute and add),
 # for bench/attention_keys_per_step.py's comparison and the tests.
 _FORCE_WORD_AFFINE: bool | None = None
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
@@ -408,6 +411,18 @@ def _transposed_row_sum(rows: int, lanes: int):
     full = 0xFFFFFFFF
     halve_all = _chain_levels([_halving_level(o, rows >> (t + 1)) for t, o in enumerate(halving)])
     butterflies = _chain_values([_butterfly_level(o) for o in plain])
+    segment16 = rows == lanes == 16 and not SIMULATOR
+
+    if segment16:
+        # rows == lanes == 16: lane r of each half-warp holds row r, and a constant lane in a
+        # 16-lane segment needs no per-lane xor mask
+        def row_sum(part, sm_red, tid, parity):
+            halve_all(part, tid)
+            x = butterflies(part[0])
+            for r in range(rows):
+                part[r] = shfl_segment16_sync(full, x, r)
+
+        return cuda.jit(device=True)(row_sum)
 
     def row_sum(part, sm_red, tid, parity):
         halve_all(part, tid)

@@ -55,3 +55,15 @@ else:  # pragma: no cover - needs a GPU
         """Byte k of the result is byte (s >> 4k) & 7 of y:x (one PRMT instruction; the
         selectors' sign-replicate bit is not used)."""
         return libdevice.byte_perm(int32(x), int32(y), int32(s))
+
+
+if not SIMULATOR:  # pragma: no cover - needs a GPU (compiled for sm_90 in the tests)
+    from numba.cuda.extending import intrinsic
+    from numba.cuda.intrinsics import shfl_sync_intrinsic
+
+    @intrinsic
+    def shfl_segment16_sync(typingctx, mask, value, src_lane):
+        """``value`` of lane ``src_lane`` (0..15) of the calling lane's half-warp, as CUDA's
+        ``__shfl_sync(mask, value, src_lane, 16)``: the segment goes in the instruction's
+        clamp operand, so a constant ``src_lane`` needs no lane arithmetic."""
+        return shfl_sync_intrinsic(typingctx, mask, 0, value, src_lane, ((32 - 16) << 8) | 0x1F)

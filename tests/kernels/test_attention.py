@@ -300,6 +300,21 @@ def test_pages_past_the_kernels_32_bit_rows_raise(monkeypatch):
         paged_attention_cuda(q, k, v, batch, 0.25)
 
 
+def test_segment_shuffle_reads_the_lane_the_xor_shuffle_reads():
+    """Transposed row sums of 16 rows over 16 lanes fetch row r on a GPU by
+    ``shfl_segment16_sync(x, r)`` (PTX shfl.idx with segment mask 16: lane (L & 16) | r), where
+    the general form (and the simulator) shuffles by xor with (L & held) ^ bits(r): the same
+    lane for every lane L of the warp and every row."""
+    rows = lanes = 16
+    levels = rows.bit_length() - 1
+    held = sum(lanes >> (t + 1) for t in range(levels))
+    for r in range(rows):
+        bits = sum(lanes >> (t + 1) for t in range(levels) if (r >> (levels - 1 - t)) & 1)
+        for lane in range(32):
+            segment_mask = 32 - 16  # the clamp operand's c[12:8]
+            assert lane ^ ((lane & held) ^ bits) == (lane & segment_mask) | (r & ~segment_mask)
+
+
 # --- GPU-free compile gate: the real kernels compiled for sm_90 ------------------------------
 
 _COMPILE_SCRIPT = textwrap.dedent(
