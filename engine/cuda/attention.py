@@ -343,8 +343,9 @@ _SHUFFLES = not SIMULATOR  # row sums by warp shuffles (tests emulate them in th
 _FORCE_TRANSPOSED_SUMS: bool | None = None
 # 4-bit word codes unpacked to 0.5 + nibble / 256 (kv_load.word_affine), which saves an add per
 # code: SASS per key on sm_90 (bench/kernel_sass.py) q4 219.8 -> 209.2 with the live-row test
-# gone too (then 202 with the half-warp shuffles of _transposed_row_sum); not timed on a GPU. False: the integer codes (permute and add),
-# for bench/attention_keys_per_step.py's comparison and the tests.
+# gone too (then 202 with the half-warp shuffles of _transposed_row_sum); not timed on a GPU.
+# False: the integer codes (permute and add), for bench/attention_keys_per_step.py's
+# comparison and the tests.
 _FORCE_WORD_AFFINE: bool | None = None
 _NEG = float32(-1e30)  # stands for -inf: exp(a - b) never sees inf - inf
 _MAX_HEAD_DIM = 256

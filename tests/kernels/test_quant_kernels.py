@@ -23,13 +23,14 @@ from engine.cache.quant import (
     write_slots,
 )
 from engine.cuda import attention
+from engine.cuda._launch import SIMULATOR
 from engine.cuda.kv_load import reads_words
 from engine.cuda.quant_kernels import paged_attention_quant_cuda, quant_rotary_cache_write_cuda
 from engine.cuda.quant_reference import (
     quant_paged_attention_reference,
     quant_rotary_cache_write_reference,
 )
-from tests.kernels.common import DEVICE, TOL
+from tests.kernels.common import DEVICE, TOL, emulate_warp_shuffles
 from tests.kernels.test_attention import make_case, rel_error
 from tests.kernels.test_rotary_cache_write import make_inputs
 
@@ -204,6 +205,25 @@ def test_attention_unpacks_4_bit_words_either_way(monkeypatch, affine):
     monkeypatch.setattr(attention, "_FORCE_LANES", 16)
     monkeypatch.setattr(attention, "_FORCE_WORD_AFFINE", affine)
     q, k_pages, v_pages, batch = _sink_case([(5, 1), (19, 3)], "q4", 3, head_dim=128)
+    scale = 128**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=2)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("quant", ["q4", "q8"])
+def test_decode_tiles_of_the_8b_shape_sum_16_rows_over_16_lanes(monkeypatch, quant):
+    """4 query heads per KV head, head_dim 128, 16 lanes and 4 keys per step: the row sums
+    take 16 rows over 16 lanes, which a GPU fetches by half-warp shuffles from constant lanes
+    (bits.shfl_segment16_sync); the simulator runs the xor form with emulated shuffles."""
+    monkeypatch.setattr(attention, "_FORCE_LANES", 16)
+    monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", 4)
+    if SIMULATOR:
+        emulate_warp_shuffles(monkeypatch)
+        monkeypatch.setattr(attention, "_SHUFFLES", True)
+    q, k_pages, v_pages, batch = _quantized_case(
+        [(5, 1), (33, 1)], quant, True, heads=4, kv_heads=1, head_dim=128, seed=11
+    )
     scale = 128**-0.5
     out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, num_splits=2)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
