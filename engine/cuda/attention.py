@@ -298,7 +298,8 @@ def _mask(group: AttentionGroup, sliding_window: int | None) -> torch.Tensor:
 # partials (row max, row sum, row output) to a scratch buffer and a second kernel merges them.
 #
 # Inside a block: NT threads form NG = NT / LT groups of LT lanes (LT = 16 or 32: a half or a
-# whole warp). Per step each group owns one key (key = lo + step * NG + group); each lane owns
+# whole warp). Per step each group owns KU consecutive keys (keys per step: start + (step * NG +
+# group) * KU + u, the start aligned down to KU; the sink prologue takes one); each lane owns
 # DPL = D / LT head dims strided by LT (lane, lane + LT, ...), so a group's K or V row load is
 # one contiguous coalesced run; on quantized pages a lane owns DPL consecutive dims instead and
 # reads them as one 4- or 8-byte word with one scale (engine/cuda/kv_load.py). Each group
@@ -514,6 +515,12 @@ def _rescaler(dims_per_lane: int, q_tile: int, weight_sums: bool):
 
 
 @cuda.jit(device=True)
+def _seen(j, lo, hi, p, window):
+    """``_visible`` for a key of the main steps, which may start below the chunk's ``lo``."""
+    return j >= lo and _visible(j, hi, p, window)
+
+
+@cuda.jit(device=True)
 def _visible(j, hi, p, window):
     """Whether key ``j`` counts for the query at position ``p``: inside this split's chunk
     (``j < hi``), causal, and inside the sliding window (0: none)."""
@@ -595,6 +602,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
     LPG = GROUP // DPL  # lanes per group of 32 (word reads)
     inv_sqrt = float32(1.0 / math.sqrt(GROUP))
     PS_U = np.uint32(PS)  # (unsigned constants: unsigned row arithmetic stays unsigned)
+    KU_U = np.uint32(KU)
+    SHARED_PAGE = PS % KU == 0  # a group's KU consecutive keys, aligned to KU: one page
     SINK_W = np.uint64(D)  # a sink row's values
     options = {}
     if not SIMULATOR and QV <= 32 and min_blocks > 0:
@@ -723,27 +732,47 @@ def _attention_kernel(  # noqa: C901, PLR0915
                             for i in range(DPL):
                                 acc[r * DPL + i] += e * vf[i]
 
-        # Step: keys base + u * NG + grp for u < KU (group grp takes every NG-th key). All KU
-        # keys' K and V are read before any is used, so their loads are in flight together.
-        # Decode tiles: key j is visible iff j < hi and, with a window, j > pos0 - window (j <=
-        # pos0 holds for every j < hi = pos0 + 1), tested in 32 bits (positions fit).
+        # Step: keys base + u for u < KU, base = start + step * NG * KU + grp * KU (group grp
+        # takes KU consecutive keys; start is main_lo rounded down to a multiple of KU, the keys
+        # below main_lo masked). All KU keys' K and V are read before any is used, so their
+        # loads are in flight together. When KU divides the page size, a group's KU keys lie in
+        # one page: one block-table read per step, rows one KV-row stride apart.
+        # Decode tiles: key j is visible iff main_lo <= j < hi and, with a window, j > pos0 -
+        # window (j <= pos0 holds for every j < hi = pos0 + 1), tested in 32 bits.
         hi32 = int32(hi)
+        lo_m = main_lo
+        lo32 = int32(main_lo)
         win_lo32 = int32(-1)
         if window > 0:
             win_lo32 = int32(pos0 - window)
         n_steps = 0
         last = uint32(hi - 1)
+        start = main_lo - main_lo % KU
         if hi > main_lo:
-            n_steps = (hi - main_lo + NG * KU - 1) // (NG * KU)
+            n_steps = (hi - start + NG * KU - 1) // (NG * KU)
         for step in range(n_steps):
-            base = main_lo + step * NG * KU + grp
-            for u in range(KU):
-                # Every lane runs every step (the shuffles need the whole warp): a key past the
-                # end reads the chunk's last key and is masked below.
-                jc = min(uint32(base + u * NG), last)  # (>= 0: hi > main_lo >= 0)
+            base = start + step * NG * KU + grp * KU
+            if SHARED_PAGE:
+                # Every lane runs every step (the shuffles need the whole warp): keys past the
+                # end read the chunk's last keys' page and are masked below.
+                jc = min(uint32(base), last - last % KU_U)  # (>= 0: hi > main_lo >= 0)
                 page = uint32(block_tables[b, jc // PS_U])
                 row = uint32(uint32(page * PS_U + jc % PS_U) * row_heads + row_head)
-                read_kv(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs)
+                for u in range(KU):
+                    # Word reads in 64 bits: no 32-bit wrap to honour, so the compiler turns
+                    # each key's addresses into the first key's plus a constant stride (SASS
+                    # per key: q4 196.8 -> 188.2; fp16 element reads 214 -> 216, so not there)
+                    if words:
+                        at = uint64(row) + uint64(u) * uint64(row_heads)
+                    else:
+                        at = uint64(uint32(row + uint32(u) * row_heads))
+                    read_kv(k_pages, k_scales, v_pages, v_scales, at, lane, u, kr, ks, vr, vs)
+            else:
+                for u in range(KU):
+                    jc = min(uint32(base + u), last)  # (a key past the end: the last key)
+                    page = uint32(block_tables[b, jc // PS_U])
+                    row = uint32(uint32(page * PS_U + jc % PS_U) * row_heads + row_head)
+                    read_kv(k_pages, k_scales, v_pages, v_scales, row, lane, u, kr, ks, vr, vs)
             for u in range(KU):
                 unpack_k(kr, u, lane, kf)  # codes (word_affine) times ks[u] when SCALED
                 for r in range(R):
@@ -759,8 +788,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
             row_sum(s, sm_red, tid, (step + parity) & 1)
             if QT == 1:  # one query position: one 32-bit test per key, shared by the rows
                 for u in range(KU):
-                    j = int32(base + u * NG)
-                    key_seen[u] = j < hi32 and j > win_lo32
+                    j = int32(base + u)
+                    key_seen[u] = j < hi32 and j > win_lo32 and j >= lo32
             # Online softmax over the step's keys: one rescale per row, then s holds the weights
             # (0 for a masked key).
             for r in range(R):
@@ -768,13 +797,13 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 live = r // G < n_q
                 mx = m[r]
                 for u in range(KU):
-                    ok = key_seen[u] if QT == 1 else live and _visible(base + u * NG, hi, p, window)
+                    ok = key_seen[u] if QT == 1 else live and _seen(base + u, lo_m, hi, p, window)
                     if ok:
                         mx = max(mx, s[u * R + r])
                 rescale(m, l, acc, wsum, r, mx)
                 for u in range(KU):
                     e = float32(0.0)
-                    ok = key_seen[u] if QT == 1 else live and _visible(base + u * NG, hi, p, window)
+                    ok = key_seen[u] if QT == 1 else live and _seen(base + u, lo_m, hi, p, window)
                     if ok:
                         e = math.exp(s[u * R + r] - mx)
                     s[u * R + r] = e
