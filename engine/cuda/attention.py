@@ -503,7 +503,7 @@ def _rescaler(dims_per_lane: int, q_tile: int, weight_sums: bool):
 
     def rescale(m, l, acc, wsum, r, mx):  # noqa: E741
         if QT > 1 or mx > m[r]:
-            c = math.exp(m[r] - mx)
+            c = math.exp2(m[r] - mx)  # (scores in log2 units: the kernel's q carries log2(e))
             l[r] *= c
             if WSUM:
                 wsum[r] *= c
@@ -601,6 +601,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
     rotate_lane = _lane_rotator(R, DPL) if ROTATE else None
     LPG = GROUP // DPL  # lanes per group of 32 (word reads)
     inv_sqrt = float32(1.0 / math.sqrt(GROUP))
+    LOG2E, LN2 = float32(1.0 / math.log(2.0)), float32(math.log(2.0))
     PS_U = np.uint32(PS)  # (unsigned constants: unsigned row arithmetic stays unsigned)
     KU_U = np.uint32(KU)
     SHARED_PAGE = PS % KU == 0  # a group's KU consecutive keys, aligned to KU: one page
@@ -638,6 +639,9 @@ def _attention_kernel(  # noqa: C901, PLR0915
         kbias = cuda.local.array(R, float32)  # K_AFFINE: each row's dot products start here
         wsum = cuda.local.array(R, float32)  # V_AFFINE: each row's sum of weight * scale
 
+        # Scores in log2 units (q times log2(e) with the scale): every weight is one exp2, no
+        # multiply before it; the partial maxima go out in natural units for the merge kernel.
+        scale_log2 = float32(scale) * LOG2E
         item = cuda.blockIdx.x
         h = cuda.blockIdx.y
         z = cuda.blockIdx.z
@@ -677,7 +681,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 x = float32(0.0)
                 if r // G < n_q:
                     x = float32(q[row0 + r // G, h * G + r % G, lane * LSTRIDE + DSTRIDE * i])
-                    x *= scale
+                    x *= scale_log2
                 qv[r * DPL + i] = x
         if ROTATE:
             rotate_q(qv, kf, sm_rot if ROT_SIZE > 1 else sm_acc, grp, lane)
@@ -727,7 +731,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                             mx = max(mx, s[r])
                         rescale(m, l, acc, wsum, r, mx)
                         if seen:
-                            e = math.exp(s[r] - mx)
+                            e = math.exp2(s[r] - mx)
                             l[r] += e
                             for i in range(DPL):
                                 acc[r * DPL + i] += e * vf[i]
@@ -805,7 +809,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     e = float32(0.0)
                     ok = key_seen[u] if QT == 1 else live and _seen(base + u, lo_m, hi, p, window)
                     if ok:
-                        e = math.exp(s[u * R + r] - mx)
+                        e = math.exp2(s[u * R + r] - mx)
                     s[u * R + r] = e
                     l[r] += e
             for u in range(KU):
@@ -838,7 +842,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 mx = NEG
                 for g in range(NG):
                     mx = max(mx, sm_m[g * R + rb + rr])
-                w = math.exp(m[rb + rr] - mx)
+                w = math.exp2(m[rb + rr] - mx)
                 for i in range(DPL):
                     d = lane * LSTRIDE + DSTRIDE * i
                     sm_acc[(rr * NG + grp) * D + d] = acc[(rb + rr) * DPL + i] * w
@@ -854,7 +858,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     o = float32(0.0)
                     la = (d // DPL) % LPG  # rotated: d mixes dim d % DPL of its group's lanes
                     for g in range(NG):
-                        total += sm_l[g * R + r] * math.exp(sm_m[g * R + r] - mx)
+                        total += sm_l[g * R + r] * math.exp2(sm_m[g * R + r] - mx)
                         at = ((idx // D) * NG + g) * D
                         if ROTATE:
                             src = at + d - la * DPL
@@ -874,7 +878,7 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     else:
                         part_o[z, row, head, d] = o
                         if d == 0:
-                            part_ml[z, row, head, 0] = mx
+                            part_ml[z, row, head, 0] = mx * LN2  # (natural units again)
                             part_ml[z, row, head, 1] = total
             cuda.syncthreads()
 
