@@ -348,9 +348,10 @@ def dequantize_pages(pages: QuantPages, index: torch.Tensor, dtype: torch.dtype)
     """The pages ``index`` ([...] page ids) dequantized: [..., S, KV, D]. Only those pages;
     sink pages come from their unquantized rows."""
     values = dequantize(pages.data[index], pages.scales[index], pages.bits, dtype)
-    if pages.sinks is not None:
+    if pages.sinks is not None:  # (torch.where: a boolean-mask assignment syncs the device)
         sink = (index >= 0) & (index < pages.num_sink_pages)
-        values[sink] = pages.sinks[index[sink]].to(dtype)
+        rows = pages.sinks[index.clamp(0, pages.num_sink_pages - 1)].to(dtype)
+        values = torch.where(sink[..., None, None, None], rows, values)
     return values
 
 

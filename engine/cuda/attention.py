@@ -179,7 +179,7 @@ def decode_split(batch: ForwardBatch) -> DecodeSplit | None:
 def _decode_batch(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
     """The batch's one-token sequences (their flat ``rows``) as a decode batch."""
     seqs = [i for i, q_len in enumerate(batch.q_lens) if q_len == 1]
-    index = torch.tensor(seqs, device=rows.device)
+    index = _to_device(seqs, rows.device)
     seq_lens = tuple(batch.seq_lens_host[i] for i in seqs)
     width = -(-max(seq_lens) // batch.page_size)
     return ForwardBatch(
@@ -234,11 +234,18 @@ def _group(batch: ForwardBatch, seqs: list[int]) -> AttentionGroup:
     local_starts = [0]
     for q_len in q_lens[:-1]:
         local_starts.append(local_starts[-1] + q_len)
-    starts = torch.tensor(local_starts, device=device)
+    starts = _to_device(local_starts, device)
     layout = _padded_layout(batch, q_lens, seq_lens, starts, len(rows))
-    index = torch.tensor(seqs, device=device)
+    index = _to_device(seqs, device)
     table = batch.block_tables[index, : layout.num_blocks].long()
-    return AttentionGroup(torch.tensor(rows, device=device), table, layout)
+    return AttentionGroup(_to_device(rows, device), table, layout)
+
+
+def _to_device(values, device) -> torch.Tensor:
+    """Host ints as a long tensor on ``device``, copied without waiting for the device (the
+    plain ``torch.tensor(..., device=cuda)`` synchronizes the stream: with async scheduling
+    the host would wait there for the forward queued before)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _padded_layout(
@@ -252,8 +259,8 @@ def _padded_layout(
     sequence) <-> [B, max_q] padded rows."""
     device = batch.input_ids.device
     num_seqs, max_q = len(q_lens), max(q_lens)
-    q_lens_t = torch.tensor(q_lens, device=device)
-    seq_lens_t = torch.tensor(seq_lens, device=device)
+    q_lens_t = _to_device(q_lens, device)
+    seq_lens_t = _to_device(seq_lens, device)
     col = torch.arange(max_q, device=device)
     valid = col[None, :] < q_lens_t[:, None]  # [B, max_q]
     num_blocks = -(-max(seq_lens) // batch.page_size)

@@ -82,7 +82,7 @@ def quant_paged_attention_reference(
         k = _context(dequantize_pages(k_pages, group.block_tables, q.dtype))
         v = _context(dequantize_pages(v_pages, group.block_tables, q.dtype))
         if own is not None:
-            own.overlay(k, v, group.block_tables, k_pages.shape[1])
+            k, v = own.overlay(k, v, group.block_tables, k_pages.shape[1])
         return padded_attention(q_group, k, v, group, scale, sliding_window)
 
     if k_pages.rotate:
@@ -102,16 +102,16 @@ class OwnRows:
 
     def overlay(
         self, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, page_size: int
-    ) -> None:
-        """Put the rows into the gathered context k, v [B, blocks * S, KV, D] in place,
-        wherever the block tables [B, blocks] hold their slots."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered context k, v [B, blocks * S, KV, D] with the rows put in wherever the
+        block tables [B, blocks] hold their slots (by ``torch.where``: a boolean-mask
+        assignment would wait for the device to count the hits)."""
         b, blocks = block_tables.shape
         offsets = torch.arange(page_size, device=block_tables.device)
         ids = (block_tables.long()[..., None] * page_size + offsets).reshape(b, blocks * page_size)
         at = torch.searchsorted(self.slots, ids).clamp_(max=self.slots.numel() - 1)
-        hit = self.slots[at] == ids
-        k[hit] = self.k[at[hit]]
-        v[hit] = self.v[at[hit]]
+        hit = (self.slots[at] == ids)[..., None, None]
+        return torch.where(hit, self.k[at], k), torch.where(hit, self.v[at], v)
 
 
 def own_rows(k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype) -> OwnRows | None:
@@ -147,7 +147,8 @@ def _prompt_chunk_rows(batch: ForwardBatch) -> torch.Tensor:
             if prompt and q_len > 1:
                 rows.extend(range(start, start + q_len))
             start += q_len
-        plan.prompt_rows = torch.tensor(rows, dtype=torch.long).to(batch.slot_mapping.device)
+        device = batch.slot_mapping.device
+        plan.prompt_rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
     return plan.prompt_rows
 
 
