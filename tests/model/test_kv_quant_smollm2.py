@@ -140,7 +140,8 @@ def test_quality_goals_on_the_full_text(model, tokenizer):
     )
     # The issue's goal is 0.99; measured 0.93 (28 of 32 prompts identical over 32 tokens, while
     # an fp16 or bf16 cache changes none; each divergence at a near-tie of fp32's two best
-    # logits): a shortfall on this model, held here so it cannot drop.
+    # logits): a shortfall on this model, held here so it cannot drop. Over 128 prompts a bf16
+    # cache misses it too: 0.956 against q8's 0.942 (bench/results/kv_quant_agreement_128.json).
     assert q8.agreement >= 0.9
     assert abs(q8.perplexity / fp32.perplexity - 1) < 0.005
     assert q4_rot.perplexity < q4.perplexity  # the rotation (and its scale search) helps
