@@ -191,6 +191,12 @@ def measure_mixed(model: Any, kv: list, seqs: list, wl: Any, timer: Any) -> dict
     routes = {"op_set": model.ops.paged_attention}
     if model.device.type == "cuda":
         routes["reference_all"] = torch_attention
+    return _route_ms(routes, step, wl, timer)
+
+
+def _route_ms(routes: dict, step: Callable, wl: Any, timer: Any) -> dict[str, float]:
+    """ms per run of ``step(attention)`` for each route's attention (eager: the reference's
+    masks follow host values, so no graph)."""
     out = {}
     for name, attention in routes.items():
         seconds, _ = _timed(step(attention), wl.decode_steps, wl.warmup_steps, timer, graph=False)
@@ -226,11 +232,7 @@ def measure_prefill(model: Any, quant: str, context: int, chunk: int, wl: Any, t
     routes = {"reference": model.ops.paged_attention}
     if model.device.type == "cuda":
         routes["kernel"] = _attention_kernel(quant)
-    out: dict[str, Any] = {"tokens": chunk}
-    for name, attention in routes.items():
-        seconds, _ = _timed(step(attention), wl.decode_steps, wl.warmup_steps, timer, graph=False)
-        out[name] = 1000 * seconds / wl.decode_steps
-    return out
+    return {"tokens": chunk, **_route_ms(routes, step, wl, timer)}
 
 
 def _attention_kernel(quant: str) -> Callable:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.cuda.activation import silu_mul_reference
-from engine.cuda.attention import paged_attention_reference
+from engine.cuda.attention import decode_split, paged_attention_reference
 from engine.cuda.norm import add_rms_norm_reference, rms_norm_reference
 from engine.cuda.quant_reference import (
     by_storage,
@@ -121,8 +121,6 @@ def by_query_length(kernel: Callable, reference: Callable) -> Callable:
     batch (a quantized prompt chunk then reads its own K/V through their codes)."""
     if prefill_attention_choice() == "kernel":
         return kernel
-
-    from engine.cuda.attention import decode_split
 
     def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
         if batch.max_query_len == 1:

@@ -25,9 +25,6 @@ from engine.batch import AttentionPlan, ForwardBatch
 from engine.cache.quant import rotate_groups
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
 from engine.cuda.bits import odd_parity
-
-if not SIMULATOR:
-    from engine.cuda.bits import shfl_segment16_sync
 from engine.cuda.kv_load import (
     GROUP,
     flat_pages,
@@ -424,7 +421,9 @@ def _transposed_row_sum(rows: int, lanes: int):
 
     if segment16:
         # rows == lanes == 16: lane r of each half-warp holds row r, and a constant lane in a
-        # 16-lane segment needs no per-lane xor mask
+        # 16-lane segment needs no per-lane xor mask (a GPU intrinsic: not in the simulator)
+        from engine.cuda.bits import shfl_segment16_sync
+
         def row_sum(part, sm_red, tid, parity):
             halve_all(part, tid)
             x = butterflies(part[0])
@@ -751,7 +750,6 @@ def _attention_kernel(  # noqa: C901, PLR0915
         # Decode tiles: key j is visible iff main_lo <= j < hi and, with a window, j > pos0 -
         # window (j <= pos0 holds for every j < hi = pos0 + 1), tested in 32 bits.
         hi32 = int32(hi)
-        lo_m = main_lo
         lo32 = int32(main_lo)
         win_lo32 = int32(-1)
         if window > 0:
@@ -808,13 +806,17 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 live = r // G < n_q
                 mx = m[r]
                 for u in range(KU):
-                    ok = key_seen[u] if QT == 1 else live and _seen(base + u, lo_m, hi, p, window)
+                    ok = (
+                        key_seen[u] if QT == 1 else live and _seen(base + u, main_lo, hi, p, window)
+                    )
                     if ok:
                         mx = max(mx, s[u * R + r])
                 rescale(m, l, acc, wsum, r, mx)
                 for u in range(KU):
                     e = float32(0.0)
-                    ok = key_seen[u] if QT == 1 else live and _seen(base + u, lo_m, hi, p, window)
+                    ok = (
+                        key_seen[u] if QT == 1 else live and _seen(base + u, main_lo, hi, p, window)
+                    )
                     if ok:
                         e = math.exp2(s[u * R + r] - mx)
                     s[u * R + r] = e
