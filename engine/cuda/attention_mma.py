@@ -1,0 +1,414 @@
+"""Decode attention over 4-bit pages on tensor cores (engine/cuda/mma.py), one warp per split.
+
+The CUDA-core decode kernel (attention.py) issues about 180 instructions per key for q4 at the
+8B shape: the same 64 FMAs per key as fp16 plus the unpack, so q4's quarter of the bytes never
+shows as speed. Here each warp takes 16 keys at a time and one KV head's query heads (at most
+8) as the MMA's 8 columns:
+
+- Scores: S^T[key, head] = K (16 x 32, one quantization group) times q^T, one
+  ``mma_u8s8`` (m16n8k32) per group. K's nibbles go in as unsigned bytes (w & 0x0F0F0F0F: no
+  unpack beyond a mask), q as signed bytes, quantized once per warp with one scale per head
+  (q's rounding, |q| / 254 per element, is small beside K's 4-bit step). The accumulator
+  starts at -8 * sum(q) over the group, which turns the stored u = code + 8 into the code;
+  each key's group scale multiplies the integer sum after.
+- Output: O^T[dim, head] += V^T (16 dims x 16 keys) times P^T, one ``mma_f16`` (m16n8k16)
+  per 16 dims: V's nibbles become fp16 by the 0x6400 trick (1024 + u, exact), minus 1032,
+  times the key's scale (packed-half ops); P goes in as fp16, as FlashAttention's does.
+- Lanes map to the MMA's k index so that the page layout needs no change: a lane's 8 K
+  nibbles per key and group are one 32-bit word, its V nibbles per key and group one 16-bit
+  half (engine/cache/quant.py: byte b of group g holds dims 32 g + b and 32 g + 16 + b).
+- Softmax online per head in log2 units; split partials leave in attention.py's format and
+  its merge kernel combines them.
+- Rotated pages: q is rotated per group of 32 (a Walsh-Hadamard transform in registers, two
+  of its five levels across lanes) and the output rotated back the same way.
+
+Serves decode batches (one query token per sequence) over 4-bit K and V without sink pages
+or a sliding window, head_dim a multiple of 32 up to 256, at most 8 query heads per KV head,
+pages a multiple of 16 slots (``supports``); attention.py's kernel serves everything else.
+Not yet timed on a GPU: the op set uses it only when asked (``engine.cuda.ops``' mma switch).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cuda._launch import SIMULATOR, cuda, launch
+from engine.cuda.bits import byte_perm
+from engine.cuda.mma import (
+    HALF2_1032,
+    HALF2_MAGIC,
+    hmul2,
+    hsub2,
+    mma_f16,
+    mma_u8s8,
+    pack_half2,
+    warp_shfl,
+    warp_shfl_xor,
+    wrap_i32,
+)
+
+float32 = cuda.float32
+int32 = cuda.int32
+int64 = cuda.int64  # (loads widened: simulator scalars are numpy's, which wrap or refuse)
+uint64 = cuda.uint64
+
+GROUP = 32
+TILE = 16  # keys per MMA step
+MAX_HEADS = 8  # the MMA's columns
+_WARPS = 1 if SIMULATOR else 4  # splits per block (the simulator's shuffles are block-wide)
+_NEG = float32(-1e30)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_MIN_SPLIT_KEYS = 256
+_MAX_SPLITS = 64
+_BLOCKS_PER_SM = 2
+
+
+def supports(k_bits: int, v_bits: int, sinks: bool, sliding_window: int | None,
+             head_dim: int, group: int, page_size: int, max_query_len: int) -> bool:  # fmt: skip
+    """Whether this kernel serves the batch (otherwise attention.py's does)."""
+    return (
+        k_bits == 4
+        and v_bits == 4
+        and not sinks
+        and not sliding_window
+        and head_dim % GROUP == 0
+        and head_dim <= 256
+        and 1 <= group <= MAX_HEADS
+        and page_size % TILE == 0
+        and max_query_len == 1
+    )
+
+
+@functools.cache
+def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rotate: bool):
+    D = head_dim
+    NG = D // GROUP  # quantization groups per row
+    NC = D // 16  # output MMA chunks (16 dims each)
+    KW = D // 8  # 32-bit words per K row
+    VH = D // 4  # 16-bit halves per V row
+    PS = page_size
+    KV = kv_heads
+    G = group
+    W = _WARPS
+    NEG = _NEG
+    INV_SQRT = float32(1.0 / math.sqrt(GROUP))
+    LOG2E = float32(_LOG2E)
+    LN2 = float32(_LN2)
+
+    @cuda.jit(device=True, inline=True)
+    def butterfly(x, partner, upper):
+        return partner - x if upper else x + partner
+
+    @cuda.jit(device=True)
+    def rotate_q(qv, t):
+        """qv[g * 8 + i]: dim 32 g + 16 (i >> 2) + 4 t + (i & 3) of this lane's head; in place
+        times H_32 / sqrt(32) per group (index bits 0-1 and 4 in the lane, 2-3 across it)."""
+        for g in range(NG):
+            b = g * 8
+            for stride in (1, 2, 4):
+                for i in range(8):
+                    if i & stride == 0:
+                        x, y = qv[b + i], qv[b + i + stride]
+                        qv[b + i], qv[b + i + stride] = x + y, x - y
+            for bit in range(2):
+                upper = (t >> bit) & 1
+                for i in range(8):
+                    qv[b + i] = butterfly(qv[b + i], warp_shfl_xor(qv[b + i], 1 << bit), upper)
+            for i in range(8):
+                qv[b + i] *= INV_SQRT
+
+    @cuda.jit(device=True)
+    def rotate_out(acc, gid):
+        """acc[c * 4 + r]: dim 32 (c >> 1) + 16 (c & 1) + 2 gid + (r >> 1); rotated back per
+        group (index bit 0 and 4 in the lane, bits 1-3 across lanes 4, 8, 16 apart)."""
+        for c in range(NC):
+            for r in range(2):
+                x, y = acc[c * 4 + r], acc[c * 4 + r + 2]
+                acc[c * 4 + r], acc[c * 4 + r + 2] = x + y, x - y
+        for g in range(NG):
+            for r in range(4):
+                x, y = acc[(2 * g) * 4 + r], acc[(2 * g + 1) * 4 + r]
+                acc[(2 * g) * 4 + r], acc[(2 * g + 1) * 4 + r] = x + y, x - y
+        for bit in range(3):
+            upper = (gid >> bit) & 1
+            for i in range(NC * 4):
+                acc[i] = butterfly(acc[i], warp_shfl_xor(acc[i], 4 << bit), upper)
+        for i in range(NC * 4):
+            acc[i] *= INV_SQRT
+
+    @cuda.jit(device=True)
+    def pack_bytes(qv, at, inv):
+        """Four of qv from ``at`` rounded to signed bytes (|x * inv| <= 127); (word, sum)."""
+        word = 0
+        total = 0
+        for i in range(4):
+            v = int32(math.floor(qv[at + i] * inv + float32(0.5)))
+            word |= (int64(v) & 255) << (8 * i)
+            total += v
+        return wrap_i32(word), total
+
+    @cuda.jit(device=True)
+    def v_operand(word, shift, scales):
+        """Two keys' nibbles at ``shift`` of each 16-bit half, as codes times the keys' scales
+        in one fp16 pair."""
+        raw = ((word >> shift) & 0x000F000F) | HALF2_MAGIC
+        return hmul2(hsub2(raw, HALF2_1032), scales)
+
+    @cuda.jit(fastmath=True)
+    def decode(q, k_words, v_halves, k_scales, v_scale_bits, out, part_ml, part_o,
+               block_tables, seq_lens, scale, num_splits):  # fmt: skip
+        seq = cuda.blockIdx.x
+        kv = cuda.blockIdx.y
+        lane = cuda.threadIdx.x & 31
+        split = cuda.blockIdx.z * W + (cuda.threadIdx.x >> 5)
+        if split >= num_splits:
+            return
+        gid = lane >> 2
+        t = lane & 3
+        n_ctx = seq_lens[seq]
+        chunk = (-(-n_ctx // num_splits) + TILE - 1) // TILE * TILE
+        lo = split * chunk
+        hi = min(lo + chunk, n_ctx)
+
+        # this lane's head (column gid) and dims of q, rotated, as signed bytes
+        qv = cuda.local.array(8 * NG, float32)
+        head = kv * G + gid
+        for g in range(NG):
+            for i in range(8):
+                d = g * GROUP + (i >> 2) * 16 + 4 * t + (i & 3)
+                qv[g * 8 + i] = float32(q[seq, head, d]) if gid < G else float32(0.0)
+        if rotate:
+            rotate_q(qv, t)
+        amax = float32(0.0)
+        for i in range(8 * NG):
+            amax = max(amax, abs(qv[i]))
+        amax = max(amax, warp_shfl_xor(amax, 1))
+        amax = max(amax, warp_shfl_xor(amax, 2))
+        inv = float32(127.0) / amax if amax > 0.0 else float32(0.0)
+        q_scale = amax / float32(127.0)
+        qb0 = cuda.local.array(NG, int32)
+        qb1 = cuda.local.array(NG, int32)
+        ci0 = cuda.local.array(NG, int32)  # accumulator start, column 2t: -8 * sum(q) of group
+        ci1 = cuda.local.array(NG, int32)  # column 2t + 1
+        for g in range(NG):
+            qb0[g], s0 = pack_bytes(qv, g * 8, inv)
+            qb1[g], s1 = pack_bytes(qv, g * 8 + 4, inv)
+            total = int32(s0 + s1)
+            total += warp_shfl_xor(total, 1)
+            total += warp_shfl_xor(total, 2)
+            ci0[g] = -8 * warp_shfl(total, (2 * t) * 4)
+            ci1[g] = -8 * warp_shfl(total, (2 * t + 1) * 4)
+        mult0 = warp_shfl(q_scale, (2 * t) * 4) * scale * LOG2E
+        mult1 = warp_shfl(q_scale, (2 * t + 1) * 4) * scale * LOG2E
+
+        acc = cuda.local.array(NC * 4, float32)
+        for i in range(NC * 4):
+            acc[i] = float32(0.0)
+        m0 = NEG  # running maxima of columns 2t, 2t + 1 (log2 units)
+        m1 = NEG
+        l0 = float32(0.0)  # this lane's share of the sums
+        l1 = float32(0.0)
+        src_a = (2 * t) * 4 + (gid >> 1)  # lanes holding P for keys 2t (+8) and 2t+1 (+9)
+        src_b = (2 * t + 1) * 4 + (gid >> 1)
+        odd = gid & 1
+        j0 = lo
+        while j0 < hi:
+            page = block_tables[seq, j0 // PS]
+            base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
+            row_a = base + gid * KV
+            row_b = row_a + 8 * KV
+            s0 = float32(0.0)  # (key gid, column 2t), (gid, 2t+1), (gid+8, 2t), (gid+8, 2t+1)
+            s1 = float32(0.0)
+            s2 = float32(0.0)
+            s3 = float32(0.0)
+            for g in range(NG):
+                wa = int64(k_words[uint64(row_a * KW + 4 * g + t)])
+                wb = int64(k_words[uint64(row_b * KW + 4 * g + t)])
+                d0, d1, d2, d3 = mma_u8s8(
+                    wa & 0x0F0F0F0F, wb & 0x0F0F0F0F, (wa >> 4) & 0x0F0F0F0F,
+                    (wb >> 4) & 0x0F0F0F0F, qb0[g], qb1[g], ci0[g], ci1[g], ci0[g], ci1[g],
+                )  # fmt: skip
+                sa = float32(k_scales[uint64(row_a * NG + g)])
+                sb = float32(k_scales[uint64(row_b * NG + g)])
+                s0 += sa * float32(d0)
+                s1 += sa * float32(d1)
+                s2 += sb * float32(d2)
+                s3 += sb * float32(d3)
+            live_a = j0 + gid < hi
+            live_b = j0 + gid + 8 < hi
+            s0 = s0 * mult0 if live_a else NEG
+            s1 = s1 * mult1 if live_a else NEG
+            s2 = s2 * mult0 if live_b else NEG
+            s3 = s3 * mult1 if live_b else NEG
+            top0 = max(s0, s2)
+            top1 = max(s1, s3)
+            for off in (4, 8, 16):
+                top0 = max(top0, warp_shfl_xor(top0, off))
+                top1 = max(top1, warp_shfl_xor(top1, off))
+            new0 = max(m0, top0)  # key j0 is live, so the tile's maximum is a real score
+            new1 = max(m1, top1)
+            alpha0 = math.exp2(m0 - new0)
+            alpha1 = math.exp2(m1 - new1)
+            m0 = new0
+            m1 = new1
+            p0 = math.exp2(s0 - new0)
+            p1 = math.exp2(s1 - new1)
+            p2 = math.exp2(s2 - new0)
+            p3 = math.exp2(s3 - new1)
+            l0 = l0 * alpha0 + p0 + p2
+            l1 = l1 * alpha1 + p1 + p3
+            for c in range(NC):
+                acc[c * 4] *= alpha0
+                acc[c * 4 + 1] *= alpha1
+                acc[c * 4 + 2] *= alpha0
+                acc[c * 4 + 3] *= alpha1
+            # P^T as the PV product's B operand: column gid, keys 2t, 2t+1 | 2t+8, 2t+9
+            even_col = pack_half2(p0, p2)
+            odd_col = pack_half2(p1, p3)
+            xe = warp_shfl(even_col, src_a)
+            xo = warp_shfl(odd_col, src_a)
+            ye = warp_shfl(even_col, src_b)
+            yo = warp_shfl(odd_col, src_b)
+            x = xo if odd else xe
+            y = yo if odd else ye
+            pb0 = byte_perm(x, y, 0x5410)
+            pb1 = byte_perm(x, y, 0x7632)
+            # V: keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1), 16 bits per group and key
+            r0 = base + (2 * t) * KV
+            r1 = r0 + KV
+            r8 = r0 + 8 * KV
+            r9 = r8 + KV
+            live0 = j0 + 2 * t < hi
+            live1 = j0 + 2 * t + 1 < hi
+            live8 = j0 + 2 * t + 8 < hi
+            live9 = j0 + 2 * t + 9 < hi
+            for g in range(NG):
+                at = 8 * g + gid
+                w0 = (int64(v_halves[uint64(r0 * VH + at)]) & 0xFFFF) | (
+                    (int64(v_halves[uint64(r1 * VH + at)]) & 0xFFFF) << 16
+                )
+                w1 = (int64(v_halves[uint64(r8 * VH + at)]) & 0xFFFF) | (
+                    (int64(v_halves[uint64(r9 * VH + at)]) & 0xFFFF) << 16
+                )
+                # a key past the range has zero scale: its page slot may hold anything
+                e0 = int64(v_scale_bits[uint64(r0 * NG + g)]) & 0xFFFF if live0 else 0
+                e1 = int64(v_scale_bits[uint64(r1 * NG + g)]) & 0xFFFF if live1 else 0
+                e8 = int64(v_scale_bits[uint64(r8 * NG + g)]) & 0xFFFF if live8 else 0
+                e9 = int64(v_scale_bits[uint64(r9 * NG + g)]) & 0xFFFF if live9 else 0
+                sc0 = e0 | (e1 << 16)
+                sc1 = e8 | (e9 << 16)
+                for hh in range(2):
+                    c = 2 * g + hh
+                    shift = 4 * hh
+                    acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
+                        v_operand(w0, shift, sc0), v_operand(w0, shift + 8, sc0),
+                        v_operand(w1, shift, sc1), v_operand(w1, shift + 8, sc1),
+                        pb0, pb1, acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
+                    )  # fmt: skip
+            j0 += TILE
+
+        for off in (4, 8, 16):
+            l0 += warp_shfl_xor(l0, off)
+            l1 += warp_shfl_xor(l1, off)
+        if rotate:
+            rotate_out(acc, gid)
+        cols_live = 2 * t < G
+        for r in range(4):
+            col = 2 * t + (r & 1)
+            if col < G:
+                h = kv * G + col
+                total = l1 if r & 1 else l0
+                for c in range(NC):
+                    d = (c >> 1) * GROUP + (c & 1) * 16 + 2 * gid + (r >> 1)
+                    if num_splits == 1:
+                        out[seq, h, d] = acc[c * 4 + r] / total
+                    else:
+                        part_o[split, seq, h, d] = acc[c * 4 + r]
+        if num_splits > 1 and gid == 0 and cols_live:
+            h = kv * G + 2 * t
+            part_ml[split, seq, h, 0] = m0 * LN2
+            part_ml[split, seq, h, 1] = l0
+            if 2 * t + 1 < G:
+                part_ml[split, seq, h + 1, 0] = m1 * LN2
+                part_ml[split, seq, h + 1, 1] = l1
+
+    return decode
+
+
+def _auto_splits(num_seqs: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    if SIMULATOR:
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    want = -(-_BLOCKS_PER_SM * _WARPS * sms // (num_seqs * kv_heads))
+    return max(1, min(want, max_len // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+
+
+def decode_attention_mma(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    *,
+    rotate: bool,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over 4-bit pages; returns a new [T, H, D].
+
+    q [T, H, D] (row i is sequence i's token); k_pages / v_pages uint8 [P, S, KV, D / 2] and
+    k_scales / v_scales float16 [P, S, KV, D / 32] in engine/cache/quant.py's layout, stored
+    rotated when ``rotate``. ``num_splits`` forces the split count (tests, benchmarks).
+    """
+    from engine.cuda.attention import _MERGE_THREADS, _merge_kernel
+
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    group = heads // kv_heads
+    if not supports(4, 4, False, None, head_dim, group, batch.page_size, batch.max_query_len):
+        raise ValueError(
+            f"decode_attention_mma: head_dim {head_dim}, {group} query heads per KV head, "
+            f"page size {batch.page_size}, longest query {batch.max_query_len} is not a "
+            "4-bit decode batch this kernel serves"
+        )
+    if tokens != batch.num_seqs:
+        raise ValueError(f"decode_attention_mma: {tokens} query rows for {batch.num_seqs} sequences")
+    splits = num_splits or _auto_splits(tokens, kv_heads, batch.max_seq_len, q.device)
+    kernel = _decode_kernel(head_dim, batch.page_size, group, kv_heads, rotate)
+    out = torch.empty_like(q)
+    if splits > 1:
+        part_ml = torch.empty((splits, tokens, heads, 2), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
+    else:
+        part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    if SIMULATOR and not q.is_contiguous():
+        q = q.contiguous()
+    launch(
+        kernel,
+        (tokens, kv_heads, -(-splits // _WARPS)),
+        _WARPS * 32,
+        q,
+        k_pages.view(torch.int32).reshape(-1),
+        v_pages.view(torch.int16).reshape(-1),
+        k_scales.reshape(-1),
+        v_scales.view(torch.int16).reshape(-1),
+        out,
+        part_ml,
+        part_o,
+        batch.block_tables,
+        batch.seq_lens,
+        np.float32(scale),
+        splits,
+    )
+    if splits > 1:
+        launch(_merge_kernel(head_dim), tokens, _MERGE_THREADS, part_ml, part_o, out, splits)
+    return out

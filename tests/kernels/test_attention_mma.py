@@ -1,0 +1,210 @@
+"""The tensor-core decode kernel over 4-bit pages (engine/cuda/attention_mma.py) and its
+device functions (engine/cuda/mma.py).
+
+In the simulator the MMAs and shuffles are emulated from the PTX fragment layouts; on a GPU
+the same tests run the real instructions, so they check the layout reading too.
+
+The kernel rounds q to signed bytes per head (after the rotation) and P and V's code * scale
+to fp16. The comparison is against the torch reference fed that same q: what is left is
+P's and V's fp16 rounding, each at most 2^-11 relative, so |out - ref| <= 2^-10 * max|V|
+(the dequantized values) plus float32 slack. A second check against the reference with the
+unrounded q holds the bound that q's rounding implies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine.cache.quant import GROUP, dequantize_pages, rotate_groups
+from engine.cuda import mma
+from engine.cuda._launch import SIMULATOR, cuda
+from engine.cuda.attention_mma import decode_attention_mma, supports
+from engine.cuda.quant_reference import quant_paged_attention_reference
+from tests.kernels.common import DEVICE
+from tests.kernels.test_attention import make_case
+from tests.kernels.test_quant_kernels import _pages
+
+PAGE = 16
+
+
+def _case(lens, heads, kv_heads, head_dim, rotate, seed=0):
+    specs = [(n - 1, 1) for n in lens]
+    q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float32, PAGE, seed)
+    pool = k.shape[0]
+    k_pages, v_pages = _pages("q4", rotate, pool, PAGE, kv_heads, head_dim)
+    from engine.cache.quant import write_slots
+
+    slots = torch.arange(pool * PAGE, device=DEVICE)
+    write_slots(k_pages, k.reshape(-1, kv_heads, head_dim), slots)
+    write_slots(v_pages, v.reshape(-1, kv_heads, head_dim), slots)
+    return q, k_pages, v_pages, batch
+
+
+def _q_as_the_kernel_rounds_it(q: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """q rounded to signed bytes per head as the kernel does it (in the rotated basis),
+    returned in the basis the reference takes."""
+    rotated = rotate_groups(q) if rotate else q.float()
+    amax = rotated.abs().amax(dim=-1, keepdim=True)
+    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    rounded = torch.floor(rotated / step + 0.5) * step
+    return rotate_groups(rounded) if rotate else rounded
+
+
+def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0):
+    q, k_pages, v_pages, batch = _case(lens, heads, kv_heads, head_dim, rotate, seed)
+    scale = head_dim**-0.5
+    out = decode_attention_mma(
+        q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
+        rotate=rotate, num_splits=splits,
+    )  # fmt: skip
+    rounded_q = _q_as_the_kernel_rounds_it(q, rotate)
+    ref = quant_paged_attention_reference(rounded_q, k_pages, v_pages, batch, scale)
+    v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2**-10 * v_max + 1e-5, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
+    # against the unrounded q: scores move by at most scale * |k|_1 * max|q| / 254 per head
+    exact = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    keys = dequantize_pages(k_pages, batch.block_tables, torch.float32)
+    k_l1 = keys.abs().sum(dim=-1).max().item()
+    q_max = (rotate_groups(q) if rotate else q).abs().max().item()
+    shift = scale * k_l1 * q_max / 254
+    bound = (math.exp(2 * shift) - 1 + 2**-10) * v_max + 1e-5
+    assert (out.float() - exact.float()).abs().max().item() <= bound
+    return out, ref
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "kv_heads", "head_dim", "rotate", "splits"),
+    [
+        ([17, 40], 4, 1, 64, False, 1),  # a partial tile, three tiles over three pages
+        ([33, 5], 4, 1, 64, True, 2),  # rotated, split keys + merge, an empty split
+        ([16], 6, 2, 32, True, 1),  # 3 heads per KV head (dead MMA columns), exactly a page
+    ],
+)
+def test_mma_decode_matches_the_reference_with_q_rounded_as_the_kernel_does(
+    lens, heads, kv_heads, head_dim, rotate, splits
+):
+    _run(lens, heads, kv_heads, head_dim, rotate, splits)
+
+
+def test_mma_decode_ignores_garbage_past_the_context():
+    """Slots past a sequence's length in its last page hold NaN scales: no effect."""
+    q, k_pages, v_pages, batch = _case([20], 2, 1, 32, False)
+    last_page = batch.block_tables[0, 1].item()
+    k_pages.scales[last_page, 4:] = float("nan")
+    v_pages.scales[last_page, 4:] = float("nan")
+    out = decode_attention_mma(
+        q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, 32**-0.5,
+        rotate=False, num_splits=1,
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
+def test_supports_names_what_the_kernel_serves():
+    assert supports(4, 4, False, None, 128, 4, 16, 1)
+    assert not supports(8, 8, False, None, 128, 4, 16, 1)  # q8 pages
+    assert not supports(4, 4, True, None, 128, 4, 16, 1)  # sink pages
+    assert not supports(4, 4, False, 64, 128, 4, 16, 1)  # sliding window
+    assert not supports(4, 4, False, None, 128, 16, 16, 1)  # 16 heads per KV head
+    assert not supports(4, 4, False, None, 128, 4, 8, 1)  # page of 8 slots
+    assert not supports(4, 4, False, None, 128, 4, 16, 3)  # drafts to verify
+
+
+def test_mma_decode_refuses_what_it_does_not_serve():
+    q, k_pages, v_pages, batch = _case([5], 2, 1, 32, False)
+    with pytest.raises(ValueError, match="query rows"):
+        decode_attention_mma(
+            q[:0], k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, 1.0,
+            rotate=False,
+        )  # fmt: skip
+
+
+# --- the device functions ---------------------------------------------------------------------
+
+
+def _fragments_kernel(kind: str):
+    op = mma.mma_u8s8 if kind == "u8s8" else mma.mma_f16
+
+    @cuda.jit
+    def run(a, b, c, d):
+        lane = cuda.threadIdx.x
+        d[lane, 0], d[lane, 1], d[lane, 2], d[lane, 3] = op(
+            a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1],
+            c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3],
+        )  # fmt: skip
+
+    return run
+
+
+def _a_fragments(A: np.ndarray, per_reg: int) -> np.ndarray:
+    """A [16, K] into the per-lane registers the PTX layout names (elements low to high)."""
+    regs = np.zeros((32, 4, per_reg), dtype=A.dtype)
+    half = A.shape[1] // 2
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for r, (row, k0) in enumerate([(g, 0), (g + 8, 0), (g, half), (g + 8, half)]):
+            regs[lane, r] = A[row, k0 + per_reg * t : k0 + per_reg * (t + 1)]
+    return regs
+
+
+def _b_fragments(B: np.ndarray, per_reg: int) -> np.ndarray:
+    regs = np.zeros((32, 2, per_reg), dtype=B.dtype)
+    half = B.shape[0] // 2
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for r, k0 in enumerate([0, half]):
+            regs[lane, r] = B[k0 + per_reg * t : k0 + per_reg * (t + 1), g]
+    return regs
+
+
+def _d_matrix(d: np.ndarray) -> np.ndarray:
+    D = np.zeros((16, 8), dtype=d.dtype)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        D[g, 2 * t : 2 * t + 2] = d[lane, :2]
+        D[g + 8, 2 * t : 2 * t + 2] = d[lane, 2:]
+    return D
+
+
+def _words(regs: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(regs).view(np.int32).reshape(32, -1)
+
+
+@pytest.mark.parametrize("kind", ["u8s8", "f16"])
+def test_mma_computes_a_times_b_plus_c_from_the_ptx_fragments(kind):
+    rng = np.random.default_rng(1)
+    if kind == "u8s8":
+        A = rng.integers(0, 16, (16, 32)).astype(np.uint8)
+        B = rng.integers(-127, 128, (32, 8)).astype(np.int8)
+        C = rng.integers(-1000, 1000, (16, 8)).astype(np.int32)
+        per_reg, want = 4, A.astype(np.int64) @ B.astype(np.int64) + C
+    else:
+        A = rng.standard_normal((16, 16)).astype(np.float16)
+        B = rng.standard_normal((16, 8)).astype(np.float16)
+        C = rng.standard_normal((16, 8)).astype(np.float32)
+        per_reg, want = 2, A.astype(np.float64) @ B.astype(np.float64) + C
+    a, b = _words(_a_fragments(A, per_reg)), _words(_b_fragments(B, per_reg))
+    c = np.zeros((32, 4), dtype=C.dtype)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        c[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
+    d = np.zeros_like(c)
+    _fragments_kernel(kind)[1, 32](a, b, c, d)
+    got = _d_matrix(d)
+    if kind == "u8s8":
+        assert (got == want).all()
+    else:
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's fp16 helpers (the GPU's are PTX)")
+def test_half2_helpers_round_like_fp16():
+    x = mma._from_halves(np.float16(1030.0), np.float16(1024.0))
+    assert mma._halves(mma._hsub2_sim(x, mma.HALF2_1032)).tolist() == [-2.0, -8.0]
+    y = mma._pack_half2_sim(0.1, -3.0)
+    assert mma._halves(y).tolist() == [np.float16(0.1), -3.0]
+    assert mma._halves(mma._hmul2_sim(y, y)).tolist() == [np.float16(0.1) * np.float16(0.1), 9.0]
