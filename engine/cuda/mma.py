@@ -89,19 +89,24 @@ def _warp_shfl_xor_sim(value, mask):
 
 
 def _mma_sim(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, dot, zero):
-    """D = A B + C from the fragments, by gathering each lane's A rows and B columns from the
-    lanes that hold them (``dot``: a register pair's elementwise product sum)."""
-    lane = cuda.threadIdx.x & 31
-    group, t = lane >> 2, lane & 3
+    """D = A B + C from the fragments: every lane puts its registers in a block buffer, then
+    reads the A rows and B columns its D entries need (``dot``: a register pair's elementwise
+    product sum)."""
+    regs = cuda.shared.array((1024, 6), np.int64)
+    tid = cuda.threadIdx.x
+    warp = tid & ~31
+    for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
+        regs[tid, i] = _i32(r)
+    cuda.syncthreads()
+    group, t = (tid & 31) >> 2, tid & 3
     d = [c0 + zero, c1 + zero, c2 + zero, c3 + zero]
     for source in range(4):
-        row_lane = group * 4 + source
-        ra = [_warp_shfl_sim(a, row_lane) for a in (a0, a1, a2, a3)]
+        ra = regs[warp + group * 4 + source]
         for col in range(2):
-            col_lane = (2 * t + col) * 4 + source
-            rb0, rb1 = _warp_shfl_sim(b0, col_lane), _warp_shfl_sim(b1, col_lane)
-            d[col] += dot(ra[0], rb0) + dot(ra[2], rb1)
-            d[2 + col] += dot(ra[1], rb0) + dot(ra[3], rb1)
+            rb = regs[warp + (2 * t + col) * 4 + source]
+            d[col] += dot(ra[0], rb[4]) + dot(ra[2], rb[5])
+            d[2 + col] += dot(ra[1], rb[4]) + dot(ra[3], rb[5])
+    cuda.syncthreads()
     return d[0], d[1], d[2], d[3]
 
 
