@@ -68,10 +68,16 @@ def _tool(name: str) -> str:
     raise SystemExit(f"{name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
 
 
+MMA_ARGS = (  # attention_mma's decode kernel
+    "float16[:, :, ::1], int32[::1], int16[::1], float16[::1], int16[::1], float16[:, :, ::1], "
+    "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], float32, int64"
+)
+
+
 def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
-    """(cubin path, keys per step, registers, spill bytes) of ``mode``'s decode kernel."""
+    """(cubin path, keys per step and key group, registers, spill bytes) of ``mode``'s
+    decode kernel."""
     import numba.cuda.dispatcher as dispatcher
-    from cuda.core import Linker, LinkerOptions, ObjectCode
     from numba import cuda
 
     class Device:  # kernels calling device functions ask for the current device
@@ -80,6 +86,13 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
 
     dispatcher.get_current_device = lambda: Device()
     from engine.cuda import attention as A
+
+    if mode == "q4-mma":  # tensor cores: a warp takes 16 keys per step
+        from engine.cuda import attention_mma as M
+
+        kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, True)
+        path = out_dir / "attention_q4_mma.cubin"
+        return (path, M.TILE) + _link(kernel, MMA_ARGS, path)
 
     affine = not mode.endswith("-codes")  # -codes: 4-bit words unpacked by permute and add
     base = mode.removesuffix("-codes")
@@ -97,6 +110,15 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
         kt=word or pages[kb], vt=word or pages[vb],
         ks="float16", vs="float16",
     )  # fmt: skip
+    path = out_dir / f"attention_{mode.replace('+', '_')}.cubin"
+    return (path, keys) + _link(kernel, signature, path)
+
+
+def _link(kernel, signature: str, path: Path) -> tuple[int, int]:
+    """Compile ``kernel`` for sm_90 into ``path``; (registers, spill bytes)."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba import cuda
+
     options = kernel.targetoptions
     ltoir, _ = cuda.compile(
         kernel.py_func, f"void({signature})", cc=(9, 0), output="ltoir", device=False,
@@ -109,11 +131,10 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     )
     cubin = linker.link("cubin")
     log = linker.get_info_log()
-    path = out_dir / f"attention_{mode.replace('+', '_')}.cubin"
     path.write_bytes(bytes(cubin.code))
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-    return path, keys, registers, spills
+    return registers, spills
 
 
 def key_loop(cubin: Path) -> tuple[int, list[str]]:

@@ -90,6 +90,8 @@ def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rot
     D = head_dim
     NG = D // GROUP  # quantization groups per row
     NC = D // 16  # output MMA chunks (16 dims each)
+    QN = 8 * NG  # q values per lane
+    NA = 4 * NC  # accumulator values per lane
     KW = D // 8  # 32-bit words per K row
     VH = D // 4  # 16-bit halves per V row
     PS = page_size
@@ -137,9 +139,9 @@ def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rot
                 acc[(2 * g) * 4 + r], acc[(2 * g + 1) * 4 + r] = x + y, x - y
         for bit in range(3):
             upper = (gid >> bit) & 1
-            for i in range(NC * 4):
+            for i in range(NA):
                 acc[i] = butterfly(acc[i], warp_shfl_xor(acc[i], 4 << bit), upper)
-        for i in range(NC * 4):
+        for i in range(NA):
             acc[i] *= INV_SQRT
 
     @cuda.jit(device=True)
@@ -177,7 +179,7 @@ def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rot
         hi = min(lo + chunk, n_ctx)
 
         # this lane's head (column gid) and dims of q, rotated, as signed bytes
-        qv = cuda.local.array(8 * NG, float32)
+        qv = cuda.local.array(QN, float32)
         head = kv * G + gid
         for g in range(NG):
             for i in range(8):
@@ -186,7 +188,7 @@ def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rot
         if rotate:
             rotate_q(qv, t)
         amax = float32(0.0)
-        for i in range(8 * NG):
+        for i in range(QN):
             amax = max(amax, abs(qv[i]))
         amax = max(amax, warp_shfl_xor(amax, 1))
         amax = max(amax, warp_shfl_xor(amax, 2))
@@ -207,8 +209,8 @@ def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rot
         mult0 = warp_shfl(q_scale, (2 * t) * 4) * scale * LOG2E
         mult1 = warp_shfl(q_scale, (2 * t + 1) * 4) * scale * LOG2E
 
-        acc = cuda.local.array(NC * 4, float32)
-        for i in range(NC * 4):
+        acc = cuda.local.array(NA, float32)
+        for i in range(NA):
             acc[i] = float32(0.0)
         m0 = NEG  # running maxima of columns 2t, 2t + 1 (log2 units)
         m1 = NEG
