@@ -7,8 +7,10 @@ per key group: 16 or 32; ``sums``: the row sums (transposed or a butterfly per r
 the kernel's rule); ``splits``: the flash-decoding split count (0: the kernel's rule);
 ``unpack``: how 4-bit word codes become floats (``affine``: one byte permute each,
 kv_load.word_affine; ``codes``: a permute and an add; ``auto``: the kernel's default). Modes:
-the cache formats, and ``q4+sinks`` (q4 pages whose every sequence's first page is a sink page,
-read from unquantized rows: engine/cache/quant.py). This sweeps them at Llama-3-8B's attention
+the cache formats, ``q4+sinks`` (q4 pages whose every sequence's first page is a sink page,
+read from unquantized rows: engine/cache/quant.py), and ``q4-mma`` (q4 pages through the
+tensor-core decode kernel, engine/cuda/attention_mma.py: one row, the configs do not apply;
+its error includes q's rounding to bytes). This sweeps them at Llama-3-8B's attention
 shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's decode
 attention vs fp16's), and checks each output against the torch reference of its mode.
 
@@ -47,7 +49,7 @@ from attention_kernel import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
-MODES = ("fp16", "q8", "q6", "q4", "q4+sinks")
+MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4-mma")
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
 UNPACK = {"auto": None, "affine": True, "codes": False}  # 4-bit word codes (kv_load)
@@ -152,9 +154,35 @@ def reference(mode: str, q, k, v, fb) -> torch.Tensor:
     return quant_paged_attention_reference(q.float(), k, v, fb, scale)
 
 
+def mma_row(batch, context, iters, copy_gbs) -> SweepRow:
+    """q4 pages (rotated) through the tensor-core decode kernel, splits by its rule."""
+    from engine.cuda.attention_mma import _auto_splits, decode_attention_mma
+
+    torch.cuda.empty_cache()
+    q, k, v, fb = quantized_case("q4", batch, context)
+    ref = reference("q4", q, k, v, fb).float()
+
+    def fn():
+        return decode_attention_mma(q, k.data, v.data, k.scales, v.scales, fb, HEAD_DIM**-0.5,
+                                    rotate=k.rotate)  # fmt: skip
+
+    err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+    ms, _ = time_ms(fn, iters)
+    nbytes = kv_bytes(k, v, fb)
+    gbs = nbytes / (ms / 1e3) / 1e9
+    splits = _auto_splits(batch, KV_HEADS, fb.max_seq_len, q.device)
+    print(f"  q4-mma   tensor cores, splits {splits}: {ms:8.3f} ms {gbs:7.0f} GB/s  "
+          f"err {err:.1e}", flush=True)  # fmt: skip
+    return SweepRow("q4-mma", 16, 0, 32, "mma", "mma", splits, round(ms, 4), round(ms, 4),
+                    nbytes, round(gbs, 1), round(gbs / copy_gbs, 3), None,
+                    float(f"{err:.3g}"))  # fmt: skip
+
+
 def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]:
     from engine.cuda import attention
 
+    if mode == "q4-mma":
+        return [mma_row(batch, context, iters, copy_gbs)]
     torch.cuda.empty_cache()
     q, k, v, fb = quantized_case(mode, batch, context)
     ref = reference(mode, q, k, v, fb).float()

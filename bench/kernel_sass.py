@@ -78,7 +78,6 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     """(cubin path, keys per step and key group, registers, spill bytes) of ``mode``'s
     decode kernel."""
     import numba.cuda.dispatcher as dispatcher
-    from numba import cuda
 
     class Device:  # kernels calling device functions ask for the current device
         compute_capability = (9, 0)
@@ -92,7 +91,7 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
 
         kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, True)
         path = out_dir / "attention_q4_mma.cubin"
-        return (path, M.TILE) + _link(kernel, MMA_ARGS, path)
+        return (path, M.TILE, *_link(kernel, MMA_ARGS, path))
 
     affine = not mode.endswith("-codes")  # -codes: 4-bit words unpacked by permute and add
     base = mode.removesuffix("-codes")
@@ -111,7 +110,7 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
         ks="float16", vs="float16",
     )  # fmt: skip
     path = out_dir / f"attention_{mode.replace('+', '_')}.cubin"
-    return (path, keys) + _link(kernel, signature, path)
+    return (path, keys, *_link(kernel, signature, path))
 
 
 def _link(kernel, signature: str, path: Path) -> tuple[int, int]:

@@ -25,13 +25,15 @@ shows as speed. Here each warp takes 16 keys at a time and one KV head's query h
 Serves decode batches (one query token per sequence) over 4-bit K and V without sink pages
 or a sliding window, head_dim a multiple of 32 up to 256, at most 8 query heads per KV head,
 pages a multiple of 16 slots (``supports``); attention.py's kernel serves everything else.
-Not yet timed on a GPU: the op set uses it only when asked (``engine.cuda.ops``' mma switch).
+Not yet timed on a GPU, so the op set takes it only when asked: ENGINE_Q4_TENSOR_CORES=1
+(``ENABLED``) routes paged_attention_quant_cuda's 4-bit decode batches here.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 import torch
@@ -57,6 +59,8 @@ int32 = cuda.int32
 int64 = cuda.int64  # (loads widened: simulator scalars are numpy's, which wrap or refuse)
 uint64 = cuda.uint64
 
+# the op set's 4-bit decode batches come here (quant_kernels.paged_attention_quant_cuda)
+ENABLED = os.environ.get("ENGINE_Q4_TENSOR_CORES", "") == "1"
 GROUP = 32
 TILE = 16  # keys per MMA step
 MAX_HEADS = 8  # the MMA's columns
@@ -86,7 +90,9 @@ def supports(k_bits: int, v_bits: int, sinks: bool, sliding_window: int | None,
 
 
 @functools.cache
-def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rotate: bool):
+def _decode_kernel(  # noqa: C901, PLR0915
+    head_dim: int, page_size: int, group: int, kv_heads: int, rotate: bool
+):
     D = head_dim
     NG = D // GROUP  # quantization groups per row
     NC = D // 16  # output MMA chunks (16 dims each)
@@ -163,8 +169,10 @@ def _decode_kernel(head_dim: int, page_size: int, group: int, kv_heads: int, rot
         return hmul2(hsub2(raw, HALF2_1032), scales)
 
     @cuda.jit(fastmath=True)
-    def decode(q, k_words, v_halves, k_scales, v_scale_bits, out, part_ml, part_o,
-               block_tables, seq_lens, scale, num_splits):  # fmt: skip
+    def decode(  # noqa: C901, PLR0915
+        q, k_words, v_halves, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
+        seq_lens, scale, num_splits,
+    ):  # fmt: skip
         seq = cuda.blockIdx.x
         kv = cuda.blockIdx.y
         lane = cuda.threadIdx.x & 31
@@ -382,13 +390,17 @@ def decode_attention_mma(
             "4-bit decode batch this kernel serves"
         )
     if tokens != batch.num_seqs:
-        raise ValueError(f"decode_attention_mma: {tokens} query rows for {batch.num_seqs} sequences")
+        raise ValueError(
+            f"decode_attention_mma: {tokens} query rows for {batch.num_seqs} sequences"
+        )
     splits = num_splits or _auto_splits(tokens, kv_heads, batch.max_seq_len, q.device)
     kernel = _decode_kernel(head_dim, batch.page_size, group, kv_heads, rotate)
     out = torch.empty_like(q)
     if splits > 1:
         part_ml = torch.empty((splits, tokens, heads, 2), dtype=torch.float32, device=q.device)
-        part_o = torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
+        part_o = torch.empty(
+            (splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device
+        )
     else:
         part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=q.device)
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)

@@ -163,7 +163,9 @@ else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass
         @intrinsic
         def op(typingctx, x, y):
             def codegen(context, builder, sig, args):
-                values = [_as_i32(context, builder, v, t) for v, t in zip(args, sig.args)]
+                values = [
+                    _as_i32(context, builder, v, t) for v, t in zip(args, sig.args, strict=True)
+                ]
                 (out,) = _asm(builder, f"{opcode}.f16x2 $0, $1, $2;", "=r,r,r",
                               [ir.IntType(32)], values)  # fmt: skip
                 return out
@@ -181,7 +183,9 @@ else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass
         high half first)."""
 
         def codegen(context, builder, sig, args):
-            lo_v, hi_v = (_as_f32(context, builder, v, t) for v, t in zip(args, sig.args))
+            lo_v, hi_v = (
+                _as_f32(context, builder, v, t) for v, t in zip(args, sig.args, strict=True)
+            )
             (out,) = _asm(builder, "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f",
                           [ir.IntType(32)], [hi_v, lo_v])  # fmt: skip
             return out
@@ -209,9 +213,15 @@ else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass
         @intrinsic
         def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             def codegen(context, builder, sig, args):
-                regs = [_as_i32(context, builder, v, t) for v, t in zip(args[:6], sig.args)]
+                regs = [
+                    _as_i32(context, builder, v, t)
+                    for v, t in zip(args[:6], sig.args[:6], strict=True)
+                ]
                 cast = _as_i32 if acc is types.int32 else _as_f32
-                accs = [cast(context, builder, v, t) for v, t in zip(args[6:], sig.args[6:])]
+                accs = [
+                    cast(context, builder, v, t)
+                    for v, t in zip(args[6:], sig.args[6:], strict=True)
+                ]
                 out_type = context.get_value_type(acc)
                 outs = _asm(builder, asm, constraints, [out_type] * 4, regs + accs)
                 return context.make_tuple(builder, sig.return_type, outs)

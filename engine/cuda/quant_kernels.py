@@ -32,7 +32,7 @@ from engine.cache.quant import (
     qmin,
     searches,
 )
-from engine.cuda import _launch
+from engine.cuda import _launch, attention_mma
 from engine.cuda.attention import KVArgs, launch_attention
 from engine.cuda.bits import odd_parity
 from engine.cuda.quant_reference import check_pair
@@ -79,8 +79,20 @@ def paged_attention_quant_cuda(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D]."""
+    """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D].
+
+    With ``attention_mma.ENABLED`` (ENGINE_Q4_TENSOR_CORES=1), 4-bit decode batches go to the
+    tensor-core kernel instead (attention_mma.supports names which)."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
+    group = q.shape[1] // k_pages.shape[2]
+    if attention_mma.ENABLED and attention_mma.supports(
+        k_pages.bits, v_pages.bits, k_pages.sinks is not None, sliding_window, q.shape[2],
+        group, batch.page_size, batch.max_query_len,
+    ):  # fmt: skip
+        return attention_mma.decode_attention_mma(
+            q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
+            rotate=k_pages.rotate, num_splits=num_splits,
+        )  # fmt: skip
     pages = KVArgs(
         k_pages.data,
         v_pages.data,

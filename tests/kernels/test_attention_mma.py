@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache.quant import GROUP, dequantize_pages, rotate_groups
+from engine.cache.quant import dequantize_pages, rotate_groups, write_slots
 from engine.cuda import mma
 from engine.cuda._launch import SIMULATOR, cuda
 from engine.cuda.attention_mma import decode_attention_mma, supports
@@ -31,13 +31,13 @@ from tests.kernels.test_quant_kernels import _pages
 PAGE = 16
 
 
-def _case(lens, heads, kv_heads, head_dim, rotate, seed=0):
-    specs = [(n - 1, 1) for n in lens]
+def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None):
+    """q4 pages holding random K/V; one decode token per sequence of each length in ``lens``
+    (or ``specs``: [(num_cached, num_new)])."""
+    specs = specs or [(n - 1, 1) for n in lens]
     q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float32, PAGE, seed)
     pool = k.shape[0]
     k_pages, v_pages = _pages("q4", rotate, pool, PAGE, kv_heads, head_dim)
-    from engine.cache.quant import write_slots
-
     slots = torch.arange(pool * PAGE, device=DEVICE)
     write_slots(k_pages, k.reshape(-1, kv_heads, head_dim), slots)
     write_slots(v_pages, v.reshape(-1, kv_heads, head_dim), slots)
@@ -208,3 +208,25 @@ def test_half2_helpers_round_like_fp16():
     y = mma._pack_half2_sim(0.1, -3.0)
     assert mma._halves(y).tolist() == [np.float16(0.1), -3.0]
     assert mma._halves(mma._hmul2_sim(y, y)).tolist() == [np.float16(0.1) * np.float16(0.1), 9.0]
+
+
+@pytest.mark.parametrize(("enabled", "specs", "used"), [
+    (True, [(4, 1), (20, 1)], True),  # a decode batch
+    (True, [(4, 1), (20, 3)], False),  # drafts to verify: the CUDA-core kernel
+    (False, [(4, 1), (20, 1)], False),  # not asked for
+])  # fmt: skip
+def test_quant_op_sends_4_bit_decode_batches_to_tensor_cores_when_enabled(
+    monkeypatch, enabled, specs, used
+):
+    from engine.cuda import attention_mma, quant_kernels
+
+    calls = []
+    real = attention_mma.decode_attention_mma
+    monkeypatch.setattr(attention_mma, "ENABLED", enabled)
+    monkeypatch.setattr(
+        attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    q, k_pages, v_pages, batch = _case(None, 2, 1, 32, True, specs=specs)
+    out = quant_kernels.paged_attention_quant_cuda(q, k_pages, v_pages, batch, 32**-0.5)
+    assert bool(calls) == used  # (the numerics: the tests above)
+    assert out.shape == q.shape and torch.isfinite(out).all()
