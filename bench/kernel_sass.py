@@ -15,8 +15,9 @@ no substitute for timing one (bench/attention_keys_per_step.py).
 Needs ``cuobjdump`` and ``nvdisasm`` on PATH, or the wheels that carry them:
 ``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``.
 
-    python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks]  # (q4-codes: 4-bit words
-                                                                 # unpacked by permute and add)
+    python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks,q4-mma]  # (q4-codes: 4-bit
+                                     # words unpacked by permute and add; q4-mma: tensor cores,
+                                     # engine/cuda/attention_mma.py)
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class KernelSass:
     instructions: int  # the whole kernel
     loop_instructions: int  # the key loop's body
     per_key: float  # loop_instructions / keys_per_step (one key group's keys per iteration)
+    # the loop's instructions per key a warp covers: 32 / LANES key groups per warp in the
+    # CUDA-core kernel, one 16-key tile per warp on tensor cores (q4-mma)
+    per_key_per_warp: float
     top_opcodes: dict[str, int]
 
 
@@ -169,13 +173,15 @@ def measure(mode: str, out_dir: Path) -> KernelSass:
     cubin, keys, registers, spills = compile_kernel(mode, out_dir)
     total, body = key_loop(cubin)
     counts = collections.Counter(body)
+    warp_keys = keys if mode == "q4-mma" else keys * (32 // LANES)
     return KernelSass(mode, keys, registers, spills, total, len(body),
-                      round(len(body) / keys, 1), dict(counts.most_common(12)))  # fmt: skip
+                      round(len(body) / keys, 1), round(len(body) / warp_keys, 1),
+                      dict(counts.most_common(12)))  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks")
+    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
@@ -183,11 +189,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(mode, Path(tmp)) for mode in args.modes.split(",")]
     print(f"{'mode':<9} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
-          f"{'per key':>7}  top opcodes")  # fmt: skip
+          f"{'per key':>7} {'/warp':>6}  top opcodes")  # fmt: skip
     for r in rows:
         top = " ".join(f"{k}:{v}" for k, v in list(r.top_opcodes.items())[:8])
         print(f"{r.mode:<9} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
-              f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7}  {top}")  # fmt: skip
+              f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7} "
+              f"{r.per_key_per_warp:>6}  {top}")  # fmt: skip
     result = {
         "benchmark": "kernel_sass",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
