@@ -81,8 +81,7 @@ def supports(k_bits: int, v_bits: int, sinks: bool, sliding_window: int | None,
         and v_bits == 4
         and not sinks
         and not sliding_window
-        and head_dim % GROUP == 0
-        and head_dim <= 256
+        and head_dim in (64, 128, 256)
         and 1 <= group <= MAX_HEADS
         and page_size % TILE == 0
         and max_query_len == 1
@@ -99,7 +98,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
     QN = 8 * NG  # q values per lane
     NA = 4 * NC  # accumulator values per lane
     KW = D // 8  # 32-bit words per K row
-    VH = D // 4  # 16-bit halves per V row
+    VW = D // 8  # 32-bit words per V row
+    WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
+    CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
     PS = page_size
     KV = kv_heads
     G = group
@@ -133,17 +134,21 @@ def _decode_kernel(  # noqa: C901, PLR0915
 
     @cuda.jit(device=True)
     def rotate_out(acc, gid):
-        """acc[c * 4 + r]: dim 32 (c >> 1) + 16 (c & 1) + 2 gid + (r >> 1); rotated back per
-        group (index bit 0 and 4 in the lane, bits 1-3 across lanes 4, 8, 16 apart)."""
+        """acc[c * 4 + r]: dim index (gid * NC + c) % 16 + 16 (r >> 1) within its group (the
+        lane's one group); rotated back: index bits 4 (r) and those of c in the lane, the
+        ``CROSS`` bits above them across lanes 4, 8 apart."""
         for c in range(NC):
             for r in range(2):
                 x, y = acc[c * 4 + r], acc[c * 4 + r + 2]
                 acc[c * 4 + r], acc[c * 4 + r + 2] = x + y, x - y
-        for g in range(NG):
-            for r in range(4):
-                x, y = acc[(2 * g) * 4 + r], acc[(2 * g + 1) * 4 + r]
-                acc[(2 * g) * 4 + r], acc[(2 * g + 1) * 4 + r] = x + y, x - y
-        for bit in range(3):
+        for stride in (1, 2, 4, 8):
+            if stride < NC:
+                for c in range(NC):
+                    if c & stride == 0:
+                        for r in range(4):
+                            x, y = acc[c * 4 + r], acc[(c + stride) * 4 + r]
+                            acc[c * 4 + r], acc[(c + stride) * 4 + r] = x + y, x - y
+        for bit in range(CROSS):
             upper = (gid >> bit) & 1
             for i in range(NA):
                 acc[i] = butterfly(acc[i], warp_shfl_xor(acc[i], 4 << bit), upper)
@@ -168,9 +173,15 @@ def _decode_kernel(  # noqa: C901, PLR0915
         raw = ((word >> shift) & 0x000F000F) | HALF2_MAGIC
         return hmul2(hsub2(raw, HALF2_1032), scales)
 
+    @cuda.jit(device=True)
+    def v_scale(v_scale_bits, row, live):
+        """The fp16 bits of the lane's V group scale of ``row``; 0 for a key out of range."""
+        lane_group = ((cuda.threadIdx.x & 31) >> 2) * NC // 16
+        return int64(v_scale_bits[uint64(row * NG + lane_group)]) & 0xFFFF if live else 0
+
     @cuda.jit(fastmath=True)
     def decode(  # noqa: C901, PLR0915
-        q, k_words, v_halves, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
+        q, k_words, v_words, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
         seq_lens, scale, num_splits,
     ):  # fmt: skip
         seq = cuda.blockIdx.x
@@ -289,38 +300,38 @@ def _decode_kernel(  # noqa: C901, PLR0915
             y = yo if odd else ye
             pb0 = byte_perm(x, y, 0x5410)
             pb1 = byte_perm(x, y, 0x7632)
-            # V: keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1), 16 bits per group and key
+            # V: keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1); this lane's WPL words of
+            # each (bytes gid * NC ... of the row: chunk c is byte c, low nibble row gid of the
+            # MMA, high nibble row gid + 8) and the one scale of its group
             r0 = base + (2 * t) * KV
             r1 = r0 + KV
             r8 = r0 + 8 * KV
             r9 = r8 + KV
-            live0 = j0 + 2 * t < hi
-            live1 = j0 + 2 * t + 1 < hi
-            live8 = j0 + 2 * t + 8 < hi
-            live9 = j0 + 2 * t + 9 < hi
-            for g in range(NG):
-                at = 8 * g + gid
-                w0 = (int64(v_halves[uint64(r0 * VH + at)]) & 0xFFFF) | (
-                    (int64(v_halves[uint64(r1 * VH + at)]) & 0xFFFF) << 16
-                )
-                w1 = (int64(v_halves[uint64(r8 * VH + at)]) & 0xFFFF) | (
-                    (int64(v_halves[uint64(r9 * VH + at)]) & 0xFFFF) << 16
-                )
-                # a key past the range has zero scale: its page slot may hold anything
-                e0 = int64(v_scale_bits[uint64(r0 * NG + g)]) & 0xFFFF if live0 else 0
-                e1 = int64(v_scale_bits[uint64(r1 * NG + g)]) & 0xFFFF if live1 else 0
-                e8 = int64(v_scale_bits[uint64(r8 * NG + g)]) & 0xFFFF if live8 else 0
-                e9 = int64(v_scale_bits[uint64(r9 * NG + g)]) & 0xFFFF if live9 else 0
-                sc0 = e0 | (e1 << 16)
-                sc1 = e8 | (e9 << 16)
-                for hh in range(2):
-                    c = 2 * g + hh
-                    shift = 4 * hh
-                    acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
-                        v_operand(w0, shift, sc0), v_operand(w0, shift + 8, sc0),
-                        v_operand(w1, shift, sc1), v_operand(w1, shift + 8, sc1),
-                        pb0, pb1, acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
-                    )  # fmt: skip
+            # a key past the range gets scale 0: its page slot may hold anything
+            sc0 = v_scale(v_scale_bits, r0, j0 + 2 * t < hi) | (
+                v_scale(v_scale_bits, r1, j0 + 2 * t + 1 < hi) << 16
+            )
+            sc1 = v_scale(v_scale_bits, r8, j0 + 2 * t + 8 < hi) | (
+                v_scale(v_scale_bits, r9, j0 + 2 * t + 9 < hi) << 16
+            )
+            for w in range(WPL):
+                at = gid * WPL + w
+                k0 = v_words[uint64(r0 * VW + at)]
+                k1 = v_words[uint64(r1 * VW + at)]
+                k8 = v_words[uint64(r8 * VW + at)]
+                k9 = v_words[uint64(r9 * VW + at)]
+                for half in range(2):  # bytes 2 half, 2 half + 1 of the words: chunks c, c + 1
+                    sel = 0x7632 if half else 0x5410
+                    x0 = byte_perm(k0, k1, sel)  # [k0 byte, k0 byte + 1, k1 byte, k1 byte + 1]
+                    x1 = byte_perm(k8, k9, sel)
+                    for step in range(2):
+                        c = 4 * w + 2 * half + step
+                        lo = 8 * step
+                        acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
+                            v_operand(x0, lo, sc0), v_operand(x0, lo + 4, sc0),
+                            v_operand(x1, lo, sc1), v_operand(x1, lo + 4, sc1), pb0, pb1,
+                            acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
+                        )  # fmt: skip
             j0 += TILE
 
         for off in (4, 8, 16):
@@ -335,7 +346,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 h = kv * G + col
                 total = l1 if r & 1 else l0
                 for c in range(NC):
-                    d = (c >> 1) * GROUP + (c & 1) * 16 + 2 * gid + (r >> 1)
+                    b = gid * NC + c
+                    d = (b >> 4) * GROUP + (b & 15) + 16 * (r >> 1)
                     if num_splits == 1:
                         out[seq, h, d] = acc[c * 4 + r] / total
                     else:
@@ -412,7 +424,7 @@ def decode_attention_mma(
         _WARPS * 32,
         q,
         k_pages.view(torch.int32).reshape(-1),
-        v_pages.view(torch.int16).reshape(-1),
+        v_pages.view(torch.int32).reshape(-1),
         k_scales.reshape(-1),
         v_scales.view(torch.int16).reshape(-1),
         out,

@@ -82,7 +82,8 @@ def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0):
     [
         ([17, 40], 4, 1, 64, False, 1),  # a partial tile, three tiles over three pages
         ([33, 5], 4, 1, 64, True, 2),  # rotated, split keys + merge, an empty split
-        ([16], 6, 2, 32, True, 1),  # 3 heads per KV head (dead MMA columns), exactly a page
+        ([16], 6, 2, 128, True, 1),  # 3 heads per KV head (dead MMA columns), exactly a page
+        ([9], 2, 1, 256, True, 1),  # every lane's output dims in one group's 16 bytes
     ],
 )
 def test_mma_decode_matches_the_reference_with_q_rounded_as_the_kernel_does(
@@ -93,12 +94,12 @@ def test_mma_decode_matches_the_reference_with_q_rounded_as_the_kernel_does(
 
 def test_mma_decode_ignores_garbage_past_the_context():
     """Slots past a sequence's length in its last page hold NaN scales: no effect."""
-    q, k_pages, v_pages, batch = _case([20], 2, 1, 32, False)
+    q, k_pages, v_pages, batch = _case([20], 2, 1, 64, False)
     last_page = batch.block_tables[0, 1].item()
     k_pages.scales[last_page, 4:] = float("nan")
     v_pages.scales[last_page, 4:] = float("nan")
     out = decode_attention_mma(
-        q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, 32**-0.5,
+        q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, 64**-0.5,
         rotate=False, num_splits=1,
     )  # fmt: skip
     assert torch.isfinite(out).all()
@@ -111,11 +112,12 @@ def test_supports_names_what_the_kernel_serves():
     assert not supports(4, 4, False, 64, 128, 4, 16, 1)  # sliding window
     assert not supports(4, 4, False, None, 128, 16, 16, 1)  # 16 heads per KV head
     assert not supports(4, 4, False, None, 128, 4, 8, 1)  # page of 8 slots
+    assert not supports(4, 4, False, None, 96, 4, 16, 1)  # a lane's V bytes would span groups
     assert not supports(4, 4, False, None, 128, 4, 16, 3)  # drafts to verify
 
 
 def test_mma_decode_refuses_what_it_does_not_serve():
-    q, k_pages, v_pages, batch = _case([5], 2, 1, 32, False)
+    q, k_pages, v_pages, batch = _case([5], 2, 1, 64, False)
     with pytest.raises(ValueError, match="query rows"):
         decode_attention_mma(
             q[:0], k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, 1.0,
@@ -226,7 +228,7 @@ def test_quant_op_sends_4_bit_decode_batches_to_tensor_cores_when_enabled(
     monkeypatch.setattr(
         attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    q, k_pages, v_pages, batch = _case(None, 2, 1, 32, True, specs=specs)
-    out = quant_kernels.paged_attention_quant_cuda(q, k_pages, v_pages, batch, 32**-0.5)
+    q, k_pages, v_pages, batch = _case(None, 2, 1, 64, True, specs=specs)
+    out = quant_kernels.paged_attention_quant_cuda(q, k_pages, v_pages, batch, 64**-0.5)
     assert bool(calls) == used  # (the numerics: the tests above)
     assert out.shape == q.shape and torch.isfinite(out).all()
