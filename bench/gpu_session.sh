@@ -16,7 +16,8 @@
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
 #      (ENGINE_NUMBA_LAUNCH=numba);
 #   7. bench/gpu_decode.py on the 8B shape (default op set, and transformers' generate_batch
-#      on the same weights), merged into the same JSON.
+#      on the same weights), merged into the same JSON; then again with 4-bit decode batches
+#      on the tensor-core kernel (ENGINE_Q4_TENSOR_CORES=1).
 # Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).
 #
 #   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
@@ -109,5 +110,11 @@ step gpu-decode-8b "${DECODE_8B_CAP:-150}" $PY bench/gpu_decode.py $dry \
   --models "$large" --ops default --decode-batches 1,32 \
   --prefill-batches 1 --decode-steps 32 --merge \
   --output "$OUT/gpu_decode.json"
+
+# the same 8B decode with 4-bit decode batches on the tensor-core kernel (attention_mma.py)
+step gpu-decode-8b-mma "${DECODE_8B_MMA_CAP:-120}" env ENGINE_Q4_TENSOR_CORES=1 \
+  $PY bench/gpu_decode.py $dry --models "$large" --ops default --decode-batches 32 \
+  --prefill-batches 1 --decode-steps 32 --skip-transformers \
+  --output "$OUT/gpu_decode_mma.json"
 
 echo "=== done in $(($(date +%s) - start))s" | tee -a "$log"

@@ -70,7 +70,7 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 64
-_BLOCKS_PER_SM = 2
+_BLOCKS_PER_SM = 4  # (untuned: bench/attention_keys_per_step.py times q4-mma at 4, 8, 16 too)
 
 
 def supports(k_bits: int, v_bits: int, sinks: bool, sliding_window: int | None,
@@ -364,12 +364,24 @@ def _decode_kernel(  # noqa: C901, PLR0915
 
 
 def _auto_splits(num_seqs: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): enough warps for ``_BLOCKS_PER_SM`` blocks per SM, a
+    multiple of the block's warps (a block's idle warps return at once), each split at least
+    ``_MIN_SPLIT_KEYS`` keys of the longest context."""
     if SIMULATOR:
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(index).multi_processor_count
-    want = -(-_BLOCKS_PER_SM * _WARPS * sms // (num_seqs * kv_heads))
-    return max(1, min(want, max_len // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+    return split_count(num_seqs * kv_heads, max_len, sms)
+
+
+def split_count(items: int, max_len: int, sms: int) -> int:
+    """``_auto_splits`` for ``items`` (sequence, KV head) pairs on ``sms`` SMs."""
+    want = -(-_BLOCKS_PER_SM * _WARPS * sms // items)
+    cap = max(1, min(max_len // _MIN_SPLIT_KEYS, _MAX_SPLITS))
+    splits = min(want, cap)
+    if splits > _WARPS:
+        splits = splits // _WARPS * _WARPS
+    return max(1, splits)
 
 
 def decode_attention_mma(
