@@ -232,3 +232,31 @@ def test_quant_op_sends_4_bit_decode_batches_to_tensor_cores_when_enabled(
     out = quant_kernels.paged_attention_quant_cuda(q, k_pages, v_pages, batch, 64**-0.5)
     assert bool(calls) == used  # (the numerics: the tests above)
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_cuda_op_set_gives_a_mixed_batchs_decode_rows_to_tensor_cores(monkeypatch):
+    """A prompt chunk beside two decode rows: with the switch on, the decode rows (their own
+    decode batch, ``decode_split``) go through this kernel and the chunk through the torch
+    reference."""
+    from engine.cuda import attention_mma, quant_kernels
+    from engine.ops import by_query_length
+
+    calls = []
+    real = attention_mma.decode_attention_mma
+    monkeypatch.setattr(attention_mma, "ENABLED", True)
+    monkeypatch.setattr(
+        attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    specs = [(0, 5), (18, 1), (33, 1)]
+    q, k_pages, v_pages, batch = _case(None, 4, 1, 64, True, specs=specs)
+    scale = 64**-0.5
+    op = by_query_length(quant_kernels.paged_attention_quant_cuda, quant_paged_attention_reference)
+    out = op(q, k_pages, v_pages, batch, scale)
+    assert calls == [1]
+    exact = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    torch.testing.assert_close(out[:5], exact[:5], atol=1e-5, rtol=1e-5)  # the chunk
+    rounded = quant_paged_attention_reference(
+        _q_as_the_kernel_rounds_it(q, True), k_pages, v_pages, batch, scale
+    )
+    v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
+    assert (out[5:] - rounded[5:]).abs().max().item() <= 2**-10 * v_max + 1e-5
