@@ -31,13 +31,14 @@ from tests.kernels.test_quant_kernels import _pages
 PAGE = 16
 
 
-def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None):
+def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False):
     """q4 pages holding random K/V; one decode token per sequence of each length in ``lens``
-    (or ``specs``: [(num_cached, num_new)])."""
+    (or ``specs``: [(num_cached, num_new)]); ``center``: keys stored less a random center."""
     specs = specs or [(n - 1, 1) for n in lens]
     q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float32, PAGE, seed)
     pool = k.shape[0]
-    k_pages, v_pages = _pages("q4", rotate, pool, PAGE, kv_heads, head_dim)
+    mean = torch.randn(kv_heads, head_dim, device=DEVICE) if center else None
+    k_pages, v_pages = _pages("q4", rotate, pool, PAGE, kv_heads, head_dim, mean)
     slots = torch.arange(pool * PAGE, device=DEVICE)
     write_slots(k_pages, k.reshape(-1, kv_heads, head_dim), slots)
     write_slots(v_pages, v.reshape(-1, kv_heads, head_dim), slots)
@@ -54,8 +55,8 @@ def _q_as_the_kernel_rounds_it(q: torch.Tensor, rotate: bool) -> torch.Tensor:
     return rotate_groups(rounded) if rotate else rounded
 
 
-def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0):
-    q, k_pages, v_pages, batch = _case(lens, heads, kv_heads, head_dim, rotate, seed)
+def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0, center=False):
+    q, k_pages, v_pages, batch = _case(lens, heads, kv_heads, head_dim, rotate, seed, None, center)
     scale = head_dim**-0.5
     out = decode_attention_mma(
         q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
@@ -78,18 +79,21 @@ def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0):
 
 
 @pytest.mark.parametrize(
-    ("lens", "heads", "kv_heads", "head_dim", "rotate", "splits"),
+    ("lens", "heads", "kv_heads", "head_dim", "rotate", "splits", "center"),
     [
-        ([17, 40], 4, 1, 64, False, 1),  # a partial tile, three tiles over three pages
-        ([33, 5], 4, 1, 64, True, 2),  # rotated, split keys + merge, an empty split
-        ([16], 6, 2, 128, True, 1),  # 3 heads per KV head (dead MMA columns), exactly a page
-        ([9], 2, 1, 256, True, 1),  # every lane's output dims in one group's 16 bytes
+        ([17, 40], 4, 1, 64, False, 1, False),  # a partial tile, three tiles over three pages
+        ([33, 5], 4, 1, 64, True, 2, False),  # rotated, split keys + merge, an empty split
+        ([16], 6, 2, 128, True, 1, False),  # 3 heads per KV head (dead MMA columns), a page
+        ([9], 2, 1, 256, True, 1, False),  # every lane's output dims in one group's 16 bytes
+        # centered keys (the serving default): the reference adds the center back, which
+        # moves every score of a query by q . center, and softmax does not see that
+        ([21], 2, 1, 64, True, 1, True),
     ],
 )
 def test_mma_decode_matches_the_reference_with_q_rounded_as_the_kernel_does(
-    lens, heads, kv_heads, head_dim, rotate, splits
+    lens, heads, kv_heads, head_dim, rotate, splits, center
 ):
-    _run(lens, heads, kv_heads, head_dim, rotate, splits)
+    _run(lens, heads, kv_heads, head_dim, rotate, splits, center=center)
 
 
 def test_mma_decode_ignores_garbage_past_the_context():
