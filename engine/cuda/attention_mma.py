@@ -21,10 +21,13 @@ shows as speed. Here each warp takes 16 keys at a time and one KV head's query h
   its merge kernel combines them.
 - Rotated pages: q is rotated per group of 32 (a Walsh-Hadamard transform in registers, two
   of its five levels across lanes) and the output rotated back the same way.
+- Lanes own V's dims as bytes gid * D / 16 ... of each row, one quantization group, so each
+  key's V costs one scale per lane.
 
-Serves decode batches (one query token per sequence) over 4-bit K and V without sink pages
-or a sliding window, head_dim a multiple of 32 up to 256, at most 8 query heads per KV head,
-pages a multiple of 16 slots (``supports``); attention.py's kernel serves everything else.
+Serves decode batches (one query token per sequence) over 4-bit K and V without a sliding
+window, head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16
+slots (``supports``); fp16 sink pages are read from their rows by fp16 MMAs (scores and
+values alike). attention.py's kernel serves everything else.
 Not yet timed on a GPU, so the op set takes it only when asked: ENGINE_Q4_TENSOR_CORES=1
 (``ENABLED``) routes paged_attention_quant_cuda's 4-bit decode batches here.
 """
@@ -73,13 +76,22 @@ _MAX_SPLITS = 64
 _BLOCKS_PER_SM = 4  # (untuned: bench/attention_keys_per_step.py times q4-mma at 4, 8, 16 too)
 
 
-def supports(k_bits: int, v_bits: int, sinks: bool, sliding_window: int | None,
-             head_dim: int, group: int, page_size: int, max_query_len: int) -> bool:  # fmt: skip
-    """Whether this kernel serves the batch (otherwise attention.py's does)."""
+def supports(
+    k_bits: int,
+    v_bits: int,
+    sink_dtype: torch.dtype | None,
+    sliding_window: int | None,
+    head_dim: int,
+    group: int,
+    page_size: int,
+    max_query_len: int,
+) -> bool:
+    """Whether this kernel serves the batch (otherwise attention.py's does). ``sink_dtype``:
+    the sink pages' dtype (None: no sink pages); the kernel reads fp16 ones."""
     return (
         k_bits == 4
         and v_bits == 4
-        and not sinks
+        and sink_dtype in (None, torch.float16)
         and not sliding_window
         and head_dim in (64, 128, 256)
         and 1 <= group <= MAX_HEADS
@@ -90,7 +102,7 @@ def supports(k_bits: int, v_bits: int, sinks: bool, sliding_window: int | None,
 
 @functools.cache
 def _decode_kernel(  # noqa: C901, PLR0915
-    head_dim: int, page_size: int, group: int, kv_heads: int, rotate: bool
+    head_dim: int, page_size: int, group: int, kv_heads: int, rotate: bool, sinks: bool = False
 ):
     D = head_dim
     NG = D // GROUP  # quantization groups per row
@@ -101,6 +113,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
     VW = D // 8  # 32-bit words per V row
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
+    HW = D // 2  # 32-bit words (two fp16) per sink row
+    SINKS = sinks
     PS = page_size
     KV = kv_heads
     G = group
@@ -179,10 +193,108 @@ def _decode_kernel(  # noqa: C901, PLR0915
         lane_group = ((cuda.threadIdx.x & 31) >> 2) * NC // 16
         return int64(v_scale_bits[uint64(row * NG + lane_group)]) & 0xFFFF if live else 0
 
+    @cuda.jit(device=True)
+    def code_scores(k_words, k_scales, row_a, row_b, qb0, qb1, ci0, ci1, t):
+        """Scores of keys row_a / row_b (this lane's MMA rows) against columns 2t, 2t + 1 from
+        the 4-bit codes, before the per-column factor: one int8 MMA per group."""
+        s0 = float32(0.0)  # (key gid, column 2t), (gid, 2t+1), (gid+8, 2t), (gid+8, 2t+1)
+        s1 = float32(0.0)
+        s2 = float32(0.0)
+        s3 = float32(0.0)
+        for g in range(NG):
+            wa = int64(k_words[uint64(row_a * KW + 4 * g + t)])
+            wb = int64(k_words[uint64(row_b * KW + 4 * g + t)])
+            d0, d1, d2, d3 = mma_u8s8(
+                wa & 0x0F0F0F0F, wb & 0x0F0F0F0F, (wa >> 4) & 0x0F0F0F0F,
+                (wb >> 4) & 0x0F0F0F0F, qb0[g], qb1[g], ci0[g], ci1[g], ci0[g], ci1[g],
+            )  # fmt: skip
+            sa = float32(k_scales[uint64(row_a * NG + g)])
+            sb = float32(k_scales[uint64(row_b * NG + g)])
+            s0 += sa * float32(d0)
+            s1 += sa * float32(d1)
+            s2 += sb * float32(d2)
+            s3 += sb * float32(d3)
+        return s0, s1, s2, s3
+
+    @cuda.jit(device=True)
+    def sink_scores(k_sinks, row_a, row_b, qh0, qh1, t):
+        """``code_scores`` from a sink page's fp16 rows: one fp16 MMA per 16 dims, lane t
+        giving dims 16 c + 4 t .. 4 t + 3 (as q's halves in qh0 / qh1)."""
+        s0 = float32(0.0)
+        s1 = float32(0.0)
+        s2 = float32(0.0)
+        s3 = float32(0.0)
+        for c in range(NC):
+            at = 8 * c + 2 * t
+            s0, s1, s2, s3 = mma_f16(
+                k_sinks[uint64(row_a * HW + at)], k_sinks[uint64(row_b * HW + at)],
+                k_sinks[uint64(row_a * HW + at + 1)], k_sinks[uint64(row_b * HW + at + 1)],
+                qh0[c], qh1[c], s0, s1, s2, s3,
+            )  # fmt: skip
+        return s0, s1, s2, s3
+
+    @cuda.jit(device=True)
+    def code_values(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid):
+        """acc += V^T P^T over keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1) from the codes:
+        this lane's WPL words of each key's row (bytes gid * NC ...: chunk c is byte c, low
+        nibble MMA row gid, high nibble row gid + 8) times the one scale of its group."""
+        r1 = r0 + KV
+        r8 = r0 + 8 * KV
+        r9 = r8 + KV
+        # a key past the range gets scale 0: its page slot may hold anything
+        sc0 = v_scale(v_scale_bits, r0, live[0]) | (v_scale(v_scale_bits, r1, live[1]) << 16)
+        sc1 = v_scale(v_scale_bits, r8, live[2]) | (v_scale(v_scale_bits, r9, live[3]) << 16)
+        for w in range(WPL):
+            at = gid * WPL + w
+            k0 = v_words[uint64(r0 * VW + at)]
+            k1 = v_words[uint64(r1 * VW + at)]
+            k8 = v_words[uint64(r8 * VW + at)]
+            k9 = v_words[uint64(r9 * VW + at)]
+            for half in range(2):  # bytes 2 half, 2 half + 1 of the words: chunks c, c + 1
+                sel = 0x7632 if half else 0x5410
+                x0 = byte_perm(k0, k1, sel)  # [k0 byte, k0 byte + 1, k1 byte, k1 byte + 1]
+                x1 = byte_perm(k8, k9, sel)
+                for step in range(2):
+                    c = 4 * w + 2 * half + step
+                    lo = 8 * step
+                    acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
+                        v_operand(x0, lo, sc0), v_operand(x0, lo + 4, sc0),
+                        v_operand(x1, lo, sc1), v_operand(x1, lo + 4, sc1), pb0, pb1,
+                        acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
+                    )  # fmt: skip
+
+    @cuda.jit(device=True)
+    def sink_word(v_sinks, row, at, live):
+        return v_sinks[uint64(row * HW + at)] if live else int32(0)  # (unwritten: any bits)
+
+    @cuda.jit(device=True)
+    def sink_values(acc, v_sinks, r0, live, pb0, pb1, gid):
+        """``code_values`` from a sink page's fp16 rows: chunk c's MMA rows gid / gid + 8 are
+        dims d0 + c and d0 + 16 + c, each key pair's halves paired by a byte permute."""
+        r1 = r0 + KV
+        r8 = r0 + 8 * KV
+        r9 = r8 + KV
+        first = ((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)  # d0, even
+        for i in range(NC // 2):  # chunks 2i, 2i + 1: one word of two halves per key and row
+            lo = first // 2 + i
+            hi = lo + 8  # dims + 16
+            w0, w1 = sink_word(v_sinks, r0, lo, live[0]), sink_word(v_sinks, r1, lo, live[1])
+            w8, w9 = sink_word(v_sinks, r8, lo, live[2]), sink_word(v_sinks, r9, lo, live[3])
+            u0, u1 = sink_word(v_sinks, r0, hi, live[0]), sink_word(v_sinks, r1, hi, live[1])
+            u8, u9 = sink_word(v_sinks, r8, hi, live[2]), sink_word(v_sinks, r9, hi, live[3])
+            for step in range(2):
+                c = 2 * i + step
+                sel = 0x7632 if step else 0x5410
+                acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
+                    byte_perm(w0, w1, sel), byte_perm(u0, u1, sel), byte_perm(w8, w9, sel),
+                    byte_perm(u8, u9, sel), pb0, pb1,
+                    acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
+                )  # fmt: skip
+
     @cuda.jit(fastmath=True)
     def decode(  # noqa: C901, PLR0915
         q, k_words, v_words, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
-        seq_lens, scale, num_splits,
+        seq_lens, scale, num_splits, k_sinks, v_sinks, num_sink_pages,
     ):  # fmt: skip
         seq = cuda.blockIdx.x
         kv = cuda.blockIdx.y
@@ -227,6 +339,14 @@ def _decode_kernel(  # noqa: C901, PLR0915
             ci1[g] = -8 * warp_shfl(total, (2 * t + 1) * 4)
         mult0 = warp_shfl(q_scale, (2 * t) * 4) * scale * LOG2E
         mult1 = warp_shfl(q_scale, (2 * t + 1) * 4) * scale * LOG2E
+        exact_mult = scale * LOG2E  # sink tiles: fp16 q, no byte scale
+        qh0 = cuda.local.array(NC, int32)  # q's halves for sink tiles' fp16 MMA (B operand)
+        qh1 = cuda.local.array(NC, int32)
+        if SINKS:
+            for c in range(NC):
+                at = (c >> 1) * 8 + (c & 1) * 4  # dims 16 c + 4 t ... in qv
+                qh0[c] = pack_half2(qv[at], qv[at + 1])
+                qh1[c] = pack_half2(qv[at + 2], qv[at + 3])
 
         acc = cuda.local.array(NA, float32)
         for i in range(NA):
@@ -244,29 +364,22 @@ def _decode_kernel(  # noqa: C901, PLR0915
             base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
             row_a = base + gid * KV
             row_b = row_a + 8 * KV
-            s0 = float32(0.0)  # (key gid, column 2t), (gid, 2t+1), (gid+8, 2t), (gid+8, 2t+1)
-            s1 = float32(0.0)
-            s2 = float32(0.0)
-            s3 = float32(0.0)
-            for g in range(NG):
-                wa = int64(k_words[uint64(row_a * KW + 4 * g + t)])
-                wb = int64(k_words[uint64(row_b * KW + 4 * g + t)])
-                d0, d1, d2, d3 = mma_u8s8(
-                    wa & 0x0F0F0F0F, wb & 0x0F0F0F0F, (wa >> 4) & 0x0F0F0F0F,
-                    (wb >> 4) & 0x0F0F0F0F, qb0[g], qb1[g], ci0[g], ci1[g], ci0[g], ci1[g],
-                )  # fmt: skip
-                sa = float32(k_scales[uint64(row_a * NG + g)])
-                sb = float32(k_scales[uint64(row_b * NG + g)])
-                s0 += sa * float32(d0)
-                s1 += sa * float32(d1)
-                s2 += sb * float32(d2)
-                s3 += sb * float32(d3)
+            exact = SINKS and page < num_sink_pages  # a sink page: its unquantized rows
+            if exact:
+                s0, s1, s2, s3 = sink_scores(k_sinks, row_a, row_b, qh0, qh1, t)
+                f0 = exact_mult
+                f1 = exact_mult
+            else:
+                s0, s1, s2, s3 = code_scores(k_words, k_scales, row_a, row_b, qb0, qb1, ci0,
+                                             ci1, t)  # fmt: skip
+                f0 = mult0
+                f1 = mult1
             live_a = j0 + gid < hi
             live_b = j0 + gid + 8 < hi
-            s0 = s0 * mult0 if live_a else NEG
-            s1 = s1 * mult1 if live_a else NEG
-            s2 = s2 * mult0 if live_b else NEG
-            s3 = s3 * mult1 if live_b else NEG
+            s0 = s0 * f0 if live_a else NEG
+            s1 = s1 * f1 if live_a else NEG
+            s2 = s2 * f0 if live_b else NEG
+            s3 = s3 * f1 if live_b else NEG
             top0 = max(s0, s2)
             top1 = max(s1, s3)
             for off in (4, 8, 16):
@@ -300,38 +413,12 @@ def _decode_kernel(  # noqa: C901, PLR0915
             y = yo if odd else ye
             pb0 = byte_perm(x, y, 0x5410)
             pb1 = byte_perm(x, y, 0x7632)
-            # V: keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1); this lane's WPL words of
-            # each (bytes gid * NC ... of the row: chunk c is byte c, low nibble row gid of the
-            # MMA, high nibble row gid + 8) and the one scale of its group
-            r0 = base + (2 * t) * KV
-            r1 = r0 + KV
-            r8 = r0 + 8 * KV
-            r9 = r8 + KV
-            # a key past the range gets scale 0: its page slot may hold anything
-            sc0 = v_scale(v_scale_bits, r0, j0 + 2 * t < hi) | (
-                v_scale(v_scale_bits, r1, j0 + 2 * t + 1 < hi) << 16
-            )
-            sc1 = v_scale(v_scale_bits, r8, j0 + 2 * t + 8 < hi) | (
-                v_scale(v_scale_bits, r9, j0 + 2 * t + 9 < hi) << 16
-            )
-            for w in range(WPL):
-                at = gid * WPL + w
-                k0 = v_words[uint64(r0 * VW + at)]
-                k1 = v_words[uint64(r1 * VW + at)]
-                k8 = v_words[uint64(r8 * VW + at)]
-                k9 = v_words[uint64(r9 * VW + at)]
-                for half in range(2):  # bytes 2 half, 2 half + 1 of the words: chunks c, c + 1
-                    sel = 0x7632 if half else 0x5410
-                    x0 = byte_perm(k0, k1, sel)  # [k0 byte, k0 byte + 1, k1 byte, k1 byte + 1]
-                    x1 = byte_perm(k8, k9, sel)
-                    for step in range(2):
-                        c = 4 * w + 2 * half + step
-                        lo = 8 * step
-                        acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
-                            v_operand(x0, lo, sc0), v_operand(x0, lo + 4, sc0),
-                            v_operand(x1, lo, sc1), v_operand(x1, lo + 4, sc1), pb0, pb1,
-                            acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
-                        )  # fmt: skip
+            r0 = base + (2 * t) * KV  # key 2t's row
+            live = (j0 + 2 * t < hi, j0 + 2 * t + 1 < hi, j0 + 2 * t + 8 < hi, j0 + 2 * t + 9 < hi)
+            if exact:
+                sink_values(acc, v_sinks, r0, live, pb0, pb1, gid)
+            else:
+                code_values(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
             j0 += TILE
 
         for off in (4, 8, 16):
@@ -394,40 +481,49 @@ def decode_attention_mma(
     scale: float,
     *,
     rotate: bool,
+    k_sinks: torch.Tensor | None = None,
+    v_sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over 4-bit pages; returns a new [T, H, D].
 
     q [T, H, D] (row i is sequence i's token); k_pages / v_pages uint8 [P, S, KV, D / 2] and
     k_scales / v_scales float16 [P, S, KV, D / 32] in engine/cache/quant.py's layout, stored
-    rotated when ``rotate``. ``num_splits`` forces the split count (tests, benchmarks).
+    rotated when ``rotate``; k_sinks / v_sinks: the sink pages' fp16 rows [R, S, KV, D]
+    (pages 0..R-1 are read from there; QuantPages.sinks). ``num_splits`` forces the split
+    count (tests, benchmarks).
     """
     from engine.cuda.attention import _MERGE_THREADS, _merge_kernel
 
     tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     group = heads // kv_heads
-    if not supports(4, 4, False, None, head_dim, group, batch.page_size, batch.max_query_len):
+    sink_dtype = None if k_sinks is None else k_sinks.dtype
+    if not supports(4, 4, sink_dtype, None, head_dim, group, batch.page_size,
+                    batch.max_query_len):  # fmt: skip
         raise ValueError(
             f"decode_attention_mma: head_dim {head_dim}, {group} query heads per KV head, "
-            f"page size {batch.page_size}, longest query {batch.max_query_len} is not a "
-            "4-bit decode batch this kernel serves"
+            f"page size {batch.page_size}, longest query {batch.max_query_len}, sink pages "
+            f"{sink_dtype} is not a 4-bit decode batch this kernel serves"
         )
     if tokens != batch.num_seqs:
         raise ValueError(
             f"decode_attention_mma: {tokens} query rows for {batch.num_seqs} sequences"
         )
     splits = num_splits or _auto_splits(tokens, kv_heads, batch.max_seq_len, q.device)
-    kernel = _decode_kernel(head_dim, batch.page_size, group, kv_heads, rotate)
+    sinks = k_sinks is not None
+    kernel = _decode_kernel(head_dim, batch.page_size, group, kv_heads, rotate, sinks)
     out = torch.empty_like(q)
-    if splits > 1:
-        part_ml = torch.empty((splits, tokens, heads, 2), dtype=torch.float32, device=q.device)
-        part_o = torch.empty(
-            (splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device
-        )
-    else:
-        part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=q.device)
-        part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    parts = (splits, tokens, heads) if splits > 1 else (1, 1, 1)  # (dummies when unsplit)
+    part_ml = torch.empty((*parts, 2), dtype=torch.float32, device=q.device)
+    part_o = torch.empty((*parts, head_dim if splits > 1 else 1), dtype=torch.float32,
+                         device=q.device)  # fmt: skip
+    if sinks:
+        num_sink_pages = k_sinks.shape[0]
+        k_rows, v_rows = (x.view(torch.int32).reshape(-1) for x in (k_sinks, v_sinks))
+    else:  # (never read)
+        num_sink_pages = 0
+        k_rows = v_rows = torch.zeros(1, dtype=torch.int32, device=q.device)
     if SIMULATOR and not q.is_contiguous():
         q = q.contiguous()
     launch(
@@ -446,6 +542,9 @@ def decode_attention_mma(
         batch.seq_lens,
         np.float32(scale),
         splits,
+        k_rows,
+        v_rows,
+        num_sink_pages,
     )
     if splits > 1:
         launch(_merge_kernel(head_dim), tokens, _MERGE_THREADS, part_ml, part_o, out, splits)

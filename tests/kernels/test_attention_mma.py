@@ -13,36 +13,65 @@ unrounded q holds the bound that q's rounding implies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from engine.cache.quant import dequantize_pages, rotate_groups, write_slots
+from engine.cache.quant import allocate_quant_pages, dequantize_pages, rotate_groups, write_slots
 from engine.cuda import mma
 from engine.cuda._launch import SIMULATOR, cuda
 from engine.cuda.attention_mma import decode_attention_mma, supports
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from tests.kernels.common import DEVICE
 from tests.kernels.test_attention import make_case
-from tests.kernels.test_quant_kernels import _pages
 
 PAGE = 16
 
 
-def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False):
+def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False, sinks=0):
     """q4 pages holding random K/V; one decode token per sequence of each length in ``lens``
-    (or ``specs``: [(num_cached, num_new)]); ``center``: keys stored less a random center."""
+    (or ``specs``: [(num_cached, num_new)]); ``center``: keys stored less a random center;
+    ``sinks``: pages 0..sinks-1 are fp16 sink pages, every sequence's first page one of them.
+    """
     specs = specs or [(n - 1, 1) for n in lens]
     q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float32, PAGE, seed)
     pool = k.shape[0]
+    if sinks:
+        batch.block_tables.copy_(_first_pages_first(batch.block_tables, pool))
     mean = torch.randn(kv_heads, head_dim, device=DEVICE) if center else None
-    k_pages, v_pages = _pages("q4", rotate, pool, PAGE, kv_heads, head_dim, mean)
+    k_pages, v_pages = (
+        allocate_quant_pages(pool, PAGE, kv_heads, head_dim, 4, rotate, DEVICE, c, sinks)
+        for c in (mean, None)
+    )
     slots = torch.arange(pool * PAGE, device=DEVICE)
     write_slots(k_pages, k.reshape(-1, kv_heads, head_dim), slots)
     write_slots(v_pages, v.reshape(-1, kv_heads, head_dim), slots)
     return q, k_pages, v_pages, batch
+
+
+def _first_pages_first(table: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """``table`` with its page ids renamed (a bijection) so that sequence i's first page is
+    page i, as the page table gives sink pages."""
+    firsts = table[:, 0].long()
+    rest = torch.ones(num_pages, dtype=torch.bool, device=table.device)
+    rest[firsts] = False
+    order = torch.cat((firsts, torch.nonzero(rest).flatten()))  # new id -> old id
+    rename = torch.empty_like(order)
+    rename[order] = torch.arange(num_pages, device=table.device)
+    return rename[table.long()].to(table.dtype)
+
+
+def _grid_q(q: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """A q whose rotated values are multiples of 1/16 up to 127/16 in magnitude, reached in
+    every head: the kernel's byte rounding and its fp16 q (sink pages) both hold it exactly."""
+    gen = torch.Generator().manual_seed(5)
+    ints = torch.randint(-127, 128, q.shape, generator=gen).float()
+    ints[..., 0] = 127
+    rotated = (ints / 16).to(q.device)
+    return rotate_groups(rotated) if rotate else rotated
 
 
 def _q_as_the_kernel_rounds_it(q: torch.Tensor, rotate: bool) -> torch.Tensor:
@@ -110,14 +139,15 @@ def test_mma_decode_ignores_garbage_past_the_context():
 
 
 def test_supports_names_what_the_kernel_serves():
-    assert supports(4, 4, False, None, 128, 4, 16, 1)
-    assert not supports(8, 8, False, None, 128, 4, 16, 1)  # q8 pages
-    assert not supports(4, 4, True, None, 128, 4, 16, 1)  # sink pages
-    assert not supports(4, 4, False, 64, 128, 4, 16, 1)  # sliding window
-    assert not supports(4, 4, False, None, 128, 16, 16, 1)  # 16 heads per KV head
-    assert not supports(4, 4, False, None, 128, 4, 8, 1)  # page of 8 slots
-    assert not supports(4, 4, False, None, 96, 4, 16, 1)  # a lane's V bytes would span groups
-    assert not supports(4, 4, False, None, 128, 4, 16, 3)  # drafts to verify
+    assert supports(4, 4, None, None, 128, 4, 16, 1)
+    assert supports(4, 4, torch.float16, None, 128, 4, 16, 1)  # fp16 sink pages
+    assert not supports(4, 4, torch.bfloat16, None, 128, 4, 16, 1)  # bf16 sink pages
+    assert not supports(8, 8, None, None, 128, 4, 16, 1)  # q8 pages
+    assert not supports(4, 4, None, 64, 128, 4, 16, 1)  # sliding window
+    assert not supports(4, 4, None, None, 128, 16, 16, 1)  # 16 heads per KV head
+    assert not supports(4, 4, None, None, 128, 4, 8, 1)  # page of 8 slots
+    assert not supports(4, 4, None, None, 96, 4, 16, 1)  # a lane's V bytes would span groups
+    assert not supports(4, 4, None, None, 128, 4, 16, 3)  # drafts to verify
 
 
 def test_mma_decode_refuses_what_it_does_not_serve():
@@ -264,3 +294,26 @@ def test_cuda_op_set_gives_a_mixed_batchs_decode_rows_to_tensor_cores(monkeypatc
     )
     v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
     assert (out[5:] - rounded[5:]).abs().max().item() <= 2**-10 * v_max + 1e-5
+
+
+@pytest.mark.parametrize(("lens", "head_dim", "splits"), [([40, 20], 64, 2), ([9], 128, 1)])
+def test_mma_decode_reads_sink_pages_from_their_fp16_rows(lens, head_dim, splits):
+    """Every sequence's first page a sink page: its tile's scores and values come from the
+    fp16 rows. q on the byte grid, so both of the kernel's q forms are exact and what is left
+    is P's and V's fp16 rounding (the bound of the tests above)."""
+    q, k_pages, v_pages, batch = _case(lens, 4, 1, head_dim, True, sinks=len(lens))
+    q = _grid_q(q, True)
+    assert k_pages.sinks is not None and k_pages.sinks.dtype == torch.float16
+    scale = head_dim**-0.5
+    out = decode_attention_mma(
+        q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
+        rotate=True, k_sinks=k_pages.sinks, v_sinks=v_pages.sinks, num_splits=splits,
+    )  # fmt: skip
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
+    err = (out - ref).abs().max().item()
+    assert err <= 2**-10 * v_max + 1e-5, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
+    # the sink rows differ from the codes: reading the codes instead would miss the bound
+    codes = dataclasses.replace(k_pages, sinks=None), dataclasses.replace(v_pages, sinks=None)
+    through_codes = quant_paged_attention_reference(q, *codes, batch, scale)
+    assert (through_codes - ref).abs().max().item() > 10 * (2**-10 * v_max + 1e-5)
