@@ -74,7 +74,8 @@ def _tool(name: str) -> str:
 
 MMA_ARGS = (  # attention_mma's decode kernel
     "float16[:, :, ::1], int32[::1], int32[::1], float16[::1], int16[::1], float16[:, :, ::1], "
-    "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], float32, int64"
+    "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], float32, int64, "
+    "int32[::1], int32[::1], int64"
 )
 
 
@@ -90,11 +91,11 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     dispatcher.get_current_device = lambda: Device()
     from engine.cuda import attention as A
 
-    if mode == "q4-mma":  # tensor cores: a warp takes 16 keys per step
+    if mode.startswith("q4-mma"):  # tensor cores: a warp takes 16 keys per step
         from engine.cuda import attention_mma as M
 
-        kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, True)
-        path = out_dir / "attention_q4_mma.cubin"
+        kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, True, mode.endswith("+sinks"))
+        path = out_dir / f"attention_{mode.replace('-', '_').replace('+', '_')}.cubin"
         return (path, M.TILE, *_link(kernel, MMA_ARGS, path))
 
     affine = not mode.endswith("-codes")  # -codes: 4-bit words unpacked by permute and add
@@ -173,7 +174,7 @@ def measure(mode: str, out_dir: Path) -> KernelSass:
     cubin, keys, registers, spills = compile_kernel(mode, out_dir)
     total, body = key_loop(cubin)
     counts = collections.Counter(body)
-    warp_keys = keys if mode == "q4-mma" else keys * (32 // LANES)
+    warp_keys = keys if mode.startswith("q4-mma") else keys * (32 // LANES)
     return KernelSass(mode, keys, registers, spills, total, len(body),
                       round(len(body) / keys, 1), round(len(body) / warp_keys, 1),
                       dict(counts.most_common(12)))  # fmt: skip
@@ -181,18 +182,18 @@ def measure(mode: str, out_dir: Path) -> KernelSass:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma")
+    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma,q4-mma+sinks")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         raise SystemExit("kernel_sass compiles the real kernels: unset NUMBA_ENABLE_CUDASIM")
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(mode, Path(tmp)) for mode in args.modes.split(",")]
-    print(f"{'mode':<9} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
+    print(f"{'mode':<13} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
           f"{'per key':>7} {'/warp':>6}  top opcodes")  # fmt: skip
     for r in rows:
         top = " ".join(f"{k}:{v}" for k, v in list(r.top_opcodes.items())[:8])
-        print(f"{r.mode:<9} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
+        print(f"{r.mode:<13} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
               f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7} "
               f"{r.per_key_per_warp:>6}  {top}")  # fmt: skip
     result = {
