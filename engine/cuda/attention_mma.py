@@ -73,6 +73,7 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 64
+_MIN_BLOCKS = 4  # launch bound of the sink-page kernel (registers <= 128)
 _BLOCKS_PER_SM = 4  # (untuned: bench/attention_keys_per_step.py times q4-mma at 4, 8, 16 too)
 
 
@@ -291,7 +292,12 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
                 )  # fmt: skip
 
-    @cuda.jit(fastmath=True)
+    # resident blocks per SM: the sink tiles' extra registers (130 uncapped on sm_90) capped
+    # at 128 for 4 blocks; without them ptxas takes 96 uncapped (5 blocks), and 116 with the
+    # same cap, for a longer loop (bench/kernel_sass.py)
+    options = {"launch_bounds": (W * 32, _MIN_BLOCKS)} if sinks and not SIMULATOR else {}
+
+    @cuda.jit(fastmath=True, **options)
     def decode(  # noqa: C901, PLR0915
         q, k_words, v_words, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
         seq_lens, scale, num_splits, k_sinks, v_sinks, num_sink_pages,
