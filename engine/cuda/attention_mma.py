@@ -72,6 +72,7 @@ _NEG = float32(-1e30)
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MIN_SPLIT_KEYS = 256
+_MIN_CHUNK = 64  # keys a split takes at least (whole tiles)
 _MAX_SPLITS = 64
 _MIN_BLOCKS = 4  # launch bound of the sink-page kernel (registers <= 128)
 _BLOCKS_PER_SM = 4  # (untuned: bench/attention_keys_per_step.py times q4-mma at 4, 8, 16 too)
@@ -121,6 +122,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
     G = group
     W = _WARPS
     NEG = _NEG
+    MIN_CHUNK = _MIN_CHUNK
     INV_SQRT = float32(1.0 / math.sqrt(GROUP))
     LOG2E = float32(_LOG2E)
     LN2 = float32(_LN2)
@@ -311,7 +313,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
         gid = lane >> 2
         t = lane & 3
         n_ctx = seq_lens[seq]
-        chunk = (-(-n_ctx // num_splits) + TILE - 1) // TILE * TILE
+        # an even share of this sequence's keys in whole tiles, at least MIN_CHUNK (a CUDA
+        # graph plans the split count for the longest context; short ones fill fewer splits)
+        chunk = max((-(-n_ctx // num_splits) + TILE - 1) // TILE * TILE, MIN_CHUNK)
         lo = split * chunk
         hi = min(lo + chunk, n_ctx)
 

@@ -111,7 +111,7 @@ def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0, center=False):
     ("lens", "heads", "kv_heads", "head_dim", "rotate", "splits", "center"),
     [
         ([17, 40], 4, 1, 64, False, 1, False),  # a partial tile, three tiles over three pages
-        ([33, 5], 4, 1, 64, True, 2, False),  # rotated, split keys + merge, an empty split
+        ([140, 5], 4, 1, 64, True, 2, False),  # rotated, 80 + 60 keys merged; an empty split
         ([16], 6, 2, 128, True, 1, False),  # 3 heads per KV head (dead MMA columns), a page
         ([9], 2, 1, 256, True, 1, False),  # every lane's output dims in one group's 16 bytes
         # centered keys (the serving default): the reference adds the center back, which
