@@ -17,7 +17,7 @@
 #      (ENGINE_NUMBA_LAUNCH=numba);
 #   7. bench/gpu_decode.py on the 8B shape (default op set, and transformers' generate_batch
 #      on the same weights), merged into the same JSON; then again with 4-bit decode batches
-#      on the tensor-core kernel (ENGINE_Q4_TENSOR_CORES=1).
+#      and fp16 decode batches on the tensor-core kernel (ENGINE_TENSOR_CORE_DECODE=1).
 # Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).
 #
 #   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
@@ -111,8 +111,8 @@ step gpu-decode-8b "${DECODE_8B_CAP:-150}" $PY bench/gpu_decode.py $dry \
   --prefill-batches 1 --decode-steps 32 --merge \
   --output "$OUT/gpu_decode.json"
 
-# the same 8B decode with 4-bit decode batches on the tensor-core kernel (attention_mma.py)
-step gpu-decode-8b-mma "${DECODE_8B_MMA_CAP:-120}" env ENGINE_Q4_TENSOR_CORES=1 \
+# the same 8B decode with 4-bit and fp16 decode batches on the tensor-core kernel
+step gpu-decode-8b-mma "${DECODE_8B_MMA_CAP:-120}" env ENGINE_TENSOR_CORE_DECODE=1 \
   $PY bench/gpu_decode.py $dry --models "$large" --ops default --decode-batches 32 \
   --prefill-batches 1 --decode-steps 32 --skip-transformers \
   --output "$OUT/gpu_decode_mma.json"

@@ -1171,6 +1171,15 @@ def paged_attention_cuda(
     stream without a host sync.
     """
     _check_inputs(q, k_pages, v_pages, batch, sliding_window, num_splits)
+    from engine.cuda import attention_mma  # (it imports this module's merge kernel)
+
+    group = q.shape[1] // k_pages.shape[2]
+    if attention_mma.ENABLED and attention_mma.supports_fp16(
+        k_pages.dtype, sliding_window, q.shape[2], group, batch.page_size, batch.max_query_len
+    ):
+        return attention_mma.decode_attention_mma_fp16(
+            q, k_pages, v_pages, batch, scale, num_splits=num_splits
+        )
     pages = KVArgs(k_pages, v_pages, k_pages, v_pages, 0, 0, k_pages.shape[2])
     return launch_attention(q, pages, batch, scale, sliding_window, num_splits)
 

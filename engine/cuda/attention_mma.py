@@ -28,8 +28,12 @@ Serves decode batches (one query token per sequence) over 4-bit K and V without 
 window, head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16
 slots (``supports``); fp16 sink pages are read from their rows by fp16 MMAs (scores and
 values alike). attention.py's kernel serves everything else.
-Not yet timed on a GPU, so the op set takes it only when asked: ENGINE_Q4_TENSOR_CORES=1
-(``ENABLED``) routes paged_attention_quant_cuda's 4-bit decode batches here.
+fp16 pages take the same kernel with every tile on that fp16 path
+(``decode_attention_mma_fp16``), so the two cache modes can be compared on tensor cores.
+
+Not yet timed on a GPU, so the op set takes it only when asked: ENGINE_TENSOR_CORE_DECODE=1
+(``ENABLED``) routes the 4-bit and fp16 decode batches of paged_attention_quant_cuda and
+paged_attention_cuda here.
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ int32 = cuda.int32
 int64 = cuda.int64  # (loads widened: simulator scalars are numpy's, which wrap or refuse)
 uint64 = cuda.uint64
 
-# the op set's 4-bit decode batches come here (quant_kernels.paged_attention_quant_cuda)
-ENABLED = os.environ.get("ENGINE_Q4_TENSOR_CORES", "") == "1"
+# the op set's 4-bit and fp16 decode batches come here (quant_kernels.paged_attention_quant_cuda,
+# attention.paged_attention_cuda)
+ENABLED = os.environ.get("ENGINE_TENSOR_CORE_DECODE", "") == "1"
 GROUP = 32
 TILE = 16  # keys per MMA step
 MAX_HEADS = 8  # the MMA's columns
@@ -104,7 +109,13 @@ def supports(
 
 @functools.cache
 def _decode_kernel(  # noqa: C901, PLR0915
-    head_dim: int, page_size: int, group: int, kv_heads: int, rotate: bool, sinks: bool = False
+    head_dim: int,
+    page_size: int,
+    group: int,
+    kv_heads: int,
+    rotate: bool,
+    sinks: bool = False,
+    fp16_pages: bool = False,
 ):
     D = head_dim
     NG = D // GROUP  # quantization groups per row
@@ -115,8 +126,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
     VW = D // 8  # 32-bit words per V row
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
-    HW = D // 2  # 32-bit words (two fp16) per sink row
+    HW = D // 2  # 32-bit words (two fp16) per fp16 row
     SINKS = sinks
+    FP16 = fp16_pages
     PS = page_size
     KV = kv_heads
     G = group
@@ -220,9 +232,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return s0, s1, s2, s3
 
     @cuda.jit(device=True)
-    def sink_scores(k_sinks, row_a, row_b, qh0, qh1, t):
-        """``code_scores`` from a sink page's fp16 rows: one fp16 MMA per 16 dims, lane t
-        giving dims 16 c + 4 t .. 4 t + 3 (as q's halves in qh0 / qh1)."""
+    def exact_scores(k_rows, row_a, row_b, qh0, qh1, t):
+        """``code_scores`` from fp16 rows (fp16 pages, or a 4-bit cache's sink page): one fp16
+        MMA per 16 dims, lane t giving dims 16 c + 4 t .. 4 t + 3 (as q's halves in qh0 /
+        qh1)."""
         s0 = float32(0.0)
         s1 = float32(0.0)
         s2 = float32(0.0)
@@ -230,8 +243,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
         for c in range(NC):
             at = 8 * c + 2 * t
             s0, s1, s2, s3 = mma_f16(
-                k_sinks[uint64(row_a * HW + at)], k_sinks[uint64(row_b * HW + at)],
-                k_sinks[uint64(row_a * HW + at + 1)], k_sinks[uint64(row_b * HW + at + 1)],
+                k_rows[uint64(row_a * HW + at)], k_rows[uint64(row_b * HW + at)],
+                k_rows[uint64(row_a * HW + at + 1)], k_rows[uint64(row_b * HW + at + 1)],
                 qh0[c], qh1[c], s0, s1, s2, s3,
             )  # fmt: skip
         return s0, s1, s2, s3
@@ -267,13 +280,13 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     )  # fmt: skip
 
     @cuda.jit(device=True)
-    def sink_word(v_sinks, row, at, live):
-        return v_sinks[uint64(row * HW + at)] if live else int32(0)  # (unwritten: any bits)
+    def row_word(v_rows, row, at, live):
+        return v_rows[uint64(row * HW + at)] if live else int32(0)  # (unwritten: any bits)
 
     @cuda.jit(device=True)
-    def sink_values(acc, v_sinks, r0, live, pb0, pb1, gid):
-        """``code_values`` from a sink page's fp16 rows: chunk c's MMA rows gid / gid + 8 are
-        dims d0 + c and d0 + 16 + c, each key pair's halves paired by a byte permute."""
+    def exact_values(acc, v_rows, r0, live, pb0, pb1, gid):
+        """``code_values`` from fp16 rows: chunk c's MMA rows gid / gid + 8 are dims d0 + c and
+        d0 + 16 + c, each key pair's halves paired by a byte permute."""
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
@@ -281,10 +294,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
         for i in range(NC // 2):  # chunks 2i, 2i + 1: one word of two halves per key and row
             lo = first // 2 + i
             hi = lo + 8  # dims + 16
-            w0, w1 = sink_word(v_sinks, r0, lo, live[0]), sink_word(v_sinks, r1, lo, live[1])
-            w8, w9 = sink_word(v_sinks, r8, lo, live[2]), sink_word(v_sinks, r9, lo, live[3])
-            u0, u1 = sink_word(v_sinks, r0, hi, live[0]), sink_word(v_sinks, r1, hi, live[1])
-            u8, u9 = sink_word(v_sinks, r8, hi, live[2]), sink_word(v_sinks, r9, hi, live[3])
+            w0, w1 = row_word(v_rows, r0, lo, live[0]), row_word(v_rows, r1, lo, live[1])
+            w8, w9 = row_word(v_rows, r8, lo, live[2]), row_word(v_rows, r9, lo, live[3])
+            u0, u1 = row_word(v_rows, r0, hi, live[0]), row_word(v_rows, r1, hi, live[1])
+            u8, u9 = row_word(v_rows, r8, hi, live[2]), row_word(v_rows, r9, hi, live[3])
             for step in range(2):
                 c = 2 * i + step
                 sel = 0x7632 if step else 0x5410
@@ -298,11 +311,12 @@ def _decode_kernel(  # noqa: C901, PLR0915
     # at 128 for 4 blocks; without them ptxas takes 96 uncapped (5 blocks), and 116 with the
     # same cap, for a longer loop (bench/kernel_sass.py)
     options = {"launch_bounds": (W * 32, _MIN_BLOCKS)} if sinks and not SIMULATOR else {}
+    # (fp16 pages: registers not yet looked at)
 
     @cuda.jit(fastmath=True, **options)
     def decode(  # noqa: C901, PLR0915
         q, k_words, v_words, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
-        seq_lens, scale, num_splits, k_sinks, v_sinks, num_sink_pages,
+        seq_lens, scale, num_splits, k_rows, v_rows, num_sink_pages,
     ):  # fmt: skip
         seq = cuda.blockIdx.x
         kv = cuda.blockIdx.y
@@ -328,31 +342,34 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 qv[g * 8 + i] = float32(q[seq, head, d]) if gid < G else float32(0.0)
         if rotate:
             rotate_q(qv, t)
-        amax = float32(0.0)
-        for i in range(QN):
-            amax = max(amax, abs(qv[i]))
-        amax = max(amax, warp_shfl_xor(amax, 1))
-        amax = max(amax, warp_shfl_xor(amax, 2))
-        inv = float32(127.0) / amax if amax > 0.0 else float32(0.0)
-        q_scale = amax / float32(127.0)
         qb0 = cuda.local.array(NG, int32)
         qb1 = cuda.local.array(NG, int32)
         ci0 = cuda.local.array(NG, int32)  # accumulator start, column 2t: -8 * sum(q) of group
         ci1 = cuda.local.array(NG, int32)  # column 2t + 1
-        for g in range(NG):
-            qb0[g], s0 = pack_bytes(qv, g * 8, inv)
-            qb1[g], s1 = pack_bytes(qv, g * 8 + 4, inv)
-            total = int32(s0 + s1)
-            total += warp_shfl_xor(total, 1)
-            total += warp_shfl_xor(total, 2)
-            ci0[g] = -8 * warp_shfl(total, (2 * t) * 4)
-            ci1[g] = -8 * warp_shfl(total, (2 * t + 1) * 4)
-        mult0 = warp_shfl(q_scale, (2 * t) * 4) * scale * LOG2E
-        mult1 = warp_shfl(q_scale, (2 * t + 1) * 4) * scale * LOG2E
-        exact_mult = scale * LOG2E  # sink tiles: fp16 q, no byte scale
-        qh0 = cuda.local.array(NC, int32)  # q's halves for sink tiles' fp16 MMA (B operand)
+        mult0 = float32(0.0)
+        mult1 = float32(0.0)
+        if not FP16:  # (fp16 pages: every tile is exact)
+            amax = float32(0.0)
+            for i in range(QN):
+                amax = max(amax, abs(qv[i]))
+            amax = max(amax, warp_shfl_xor(amax, 1))
+            amax = max(amax, warp_shfl_xor(amax, 2))
+            inv = float32(127.0) / amax if amax > 0.0 else float32(0.0)
+            q_scale = amax / float32(127.0)
+            for g in range(NG):
+                qb0[g], s0 = pack_bytes(qv, g * 8, inv)
+                qb1[g], s1 = pack_bytes(qv, g * 8 + 4, inv)
+                total = int32(s0 + s1)
+                total += warp_shfl_xor(total, 1)
+                total += warp_shfl_xor(total, 2)
+                ci0[g] = -8 * warp_shfl(total, (2 * t) * 4)
+                ci1[g] = -8 * warp_shfl(total, (2 * t + 1) * 4)
+            mult0 = warp_shfl(q_scale, (2 * t) * 4) * scale * LOG2E
+            mult1 = warp_shfl(q_scale, (2 * t + 1) * 4) * scale * LOG2E
+        exact_mult = scale * LOG2E  # exact tiles: fp16 q, no byte scale
+        qh0 = cuda.local.array(NC, int32)  # q's halves for exact tiles' fp16 MMA (B operand)
         qh1 = cuda.local.array(NC, int32)
-        if SINKS:
+        if SINKS or FP16:
             for c in range(NC):
                 at = (c >> 1) * 8 + (c & 1) * 4  # dims 16 c + 4 t ... in qv
                 qh0[c] = pack_half2(qv[at], qv[at + 1])
@@ -374,9 +391,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
             base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
             row_a = base + gid * KV
             row_b = row_a + 8 * KV
-            exact = SINKS and page < num_sink_pages  # a sink page: its unquantized rows
+            # fp16 pages, or a sink page of 4-bit ones: fp16 rows (``k_rows`` / ``v_rows``)
+            exact = FP16 or (SINKS and page < num_sink_pages)
             if exact:
-                s0, s1, s2, s3 = sink_scores(k_sinks, row_a, row_b, qh0, qh1, t)
+                s0, s1, s2, s3 = exact_scores(k_rows, row_a, row_b, qh0, qh1, t)
                 f0 = exact_mult
                 f1 = exact_mult
             else:
@@ -426,7 +444,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
             r0 = base + (2 * t) * KV  # key 2t's row
             live = (j0 + 2 * t < hi, j0 + 2 * t + 1 < hi, j0 + 2 * t + 8 < hi, j0 + 2 * t + 9 < hi)
             if exact:
-                sink_values(acc, v_sinks, r0, live, pb0, pb1, gid)
+                exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
             else:
                 code_values(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
             j0 += TILE
@@ -503,59 +521,99 @@ def decode_attention_mma(
     (pages 0..R-1 are read from there; QuantPages.sinks). ``num_splits`` forces the split
     count (tests, benchmarks).
     """
-    from engine.cuda.attention import _MERGE_THREADS, _merge_kernel
-
-    tokens, heads, head_dim = q.shape
-    kv_heads = k_pages.shape[2]
-    group = heads // kv_heads
     sink_dtype = None if k_sinks is None else k_sinks.dtype
-    if not supports(4, 4, sink_dtype, None, head_dim, group, batch.page_size,
-                    batch.max_query_len):  # fmt: skip
+    _check(q, k_pages.shape[2], batch, supports(4, 4, sink_dtype, None, q.shape[2],
+           q.shape[1] // k_pages.shape[2], batch.page_size, batch.max_query_len),
+           f"4-bit pages, sink pages {sink_dtype}")  # fmt: skip
+    sinks = k_sinks is not None
+    if sinks:
+        rows = tuple(x.view(torch.int32).reshape(-1) for x in (k_sinks, v_sinks))
+    else:  # (never read)
+        rows = (_dummy(torch.int32, q.device),) * 2
+    kernel = _decode_kernel(q.shape[2], batch.page_size, q.shape[1] // k_pages.shape[2],
+                            k_pages.shape[2], rotate, sinks)  # fmt: skip
+    codes = (
+        k_pages.view(torch.int32).reshape(-1),
+        v_pages.view(torch.int32).reshape(-1),
+        k_scales.reshape(-1),
+        v_scales.view(torch.int16).reshape(-1),
+    )
+    return _launch_decode(kernel, q, batch, scale, num_splits, k_pages.shape[2], codes, rows,
+                          k_sinks.shape[0] if sinks else 0)  # fmt: skip
+
+
+def supports_fp16(
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    head_dim: int,
+    group: int,
+    page_size: int,
+    max_query_len: int,
+) -> bool:
+    """Whether ``decode_attention_mma_fp16`` serves the batch: fp16 pages, otherwise as
+    ``supports``."""
+    return dtype == torch.float16 and supports(4, 4, None, sliding_window, head_dim, group,
+                                               page_size, max_query_len)  # fmt: skip
+
+
+def decode_attention_mma_fp16(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``decode_attention_mma`` over unquantized fp16 pages [P, S, KV, D]: every tile through
+    the fp16 MMAs a 4-bit cache's sink pages take (q in fp16, no byte rounding)."""
+    kv_heads = k_pages.shape[2]
+    _check(q, kv_heads, batch, supports_fp16(k_pages.dtype, None, q.shape[2],
+           q.shape[1] // kv_heads, batch.page_size, batch.max_query_len),
+           f"{k_pages.dtype} pages")  # fmt: skip
+    kernel = _decode_kernel(q.shape[2], batch.page_size, q.shape[1] // kv_heads, kv_heads,
+                            False, False, True)  # fmt: skip
+    device = q.device
+    codes = (_dummy(torch.int32, device), _dummy(torch.int32, device),
+             _dummy(torch.float16, device), _dummy(torch.int16, device))  # fmt: skip
+    rows = tuple(x.view(torch.int32).reshape(-1) for x in (k_pages, v_pages))
+    return _launch_decode(kernel, q, batch, scale, num_splits, kv_heads, codes, rows, 0)
+
+
+def _dummy(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def _check(q: torch.Tensor, kv_heads: int, batch: ForwardBatch, supported: bool, what: str):
+    tokens, heads, head_dim = q.shape
+    if not supported:
         raise ValueError(
-            f"decode_attention_mma: head_dim {head_dim}, {group} query heads per KV head, "
-            f"page size {batch.page_size}, longest query {batch.max_query_len}, sink pages "
-            f"{sink_dtype} is not a 4-bit decode batch this kernel serves"
+            f"decode_attention_mma: head_dim {head_dim}, {heads // kv_heads} query heads per "
+            f"KV head, page size {batch.page_size}, longest query {batch.max_query_len}, "
+            f"{what} is not a decode batch this kernel serves"
         )
     if tokens != batch.num_seqs:
         raise ValueError(
             f"decode_attention_mma: {tokens} query rows for {batch.num_seqs} sequences"
         )
+
+
+def _launch_decode(kernel, q, batch, scale, num_splits, kv_heads, codes, rows, num_sink_pages):
+    """The decode launch (+ the merge of its splits); returns a new [T, H, D]."""
+    from engine.cuda.attention import _MERGE_THREADS, _merge_kernel
+
+    tokens, heads, head_dim = q.shape
     splits = num_splits or _auto_splits(tokens, kv_heads, batch.max_seq_len, q.device)
-    sinks = k_sinks is not None
-    kernel = _decode_kernel(head_dim, batch.page_size, group, kv_heads, rotate, sinks)
     out = torch.empty_like(q)
     parts = (splits, tokens, heads) if splits > 1 else (1, 1, 1)  # (dummies when unsplit)
     part_ml = torch.empty((*parts, 2), dtype=torch.float32, device=q.device)
     part_o = torch.empty((*parts, head_dim if splits > 1 else 1), dtype=torch.float32,
                          device=q.device)  # fmt: skip
-    if sinks:
-        num_sink_pages = k_sinks.shape[0]
-        k_rows, v_rows = (x.view(torch.int32).reshape(-1) for x in (k_sinks, v_sinks))
-    else:  # (never read)
-        num_sink_pages = 0
-        k_rows = v_rows = torch.zeros(1, dtype=torch.int32, device=q.device)
     if SIMULATOR and not q.is_contiguous():
         q = q.contiguous()
-    launch(
-        kernel,
-        (tokens, kv_heads, -(-splits // _WARPS)),
-        _WARPS * 32,
-        q,
-        k_pages.view(torch.int32).reshape(-1),
-        v_pages.view(torch.int32).reshape(-1),
-        k_scales.reshape(-1),
-        v_scales.view(torch.int16).reshape(-1),
-        out,
-        part_ml,
-        part_o,
-        batch.block_tables,
-        batch.seq_lens,
-        np.float32(scale),
-        splits,
-        k_rows,
-        v_rows,
-        num_sink_pages,
-    )
+    launch(kernel, (tokens, kv_heads, -(-splits // _WARPS)), _WARPS * 32, q, *codes, out,
+           part_ml, part_o, batch.block_tables, batch.seq_lens, np.float32(scale), splits,
+           *rows, num_sink_pages)  # fmt: skip
     if splits > 1:
         launch(_merge_kernel(head_dim), tokens, _MERGE_THREADS, part_ml, part_o, out, splits)
     return out

@@ -81,7 +81,7 @@ def paged_attention_quant_cuda(
 ) -> torch.Tensor:
     """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D].
 
-    With ``attention_mma.ENABLED`` (ENGINE_Q4_TENSOR_CORES=1), 4-bit decode batches go to the
+    With ``attention_mma.ENABLED`` (ENGINE_TENSOR_CORE_DECODE=1), 4-bit decode batches go to the
     tensor-core kernel instead (attention_mma.supports names which)."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
     group = q.shape[1] // k_pages.shape[2]

@@ -23,7 +23,8 @@ import torch
 from engine.cache.quant import allocate_quant_pages, dequantize_pages, rotate_groups, write_slots
 from engine.cuda import mma
 from engine.cuda._launch import SIMULATOR, cuda
-from engine.cuda.attention_mma import decode_attention_mma, supports
+from engine.cuda.attention import paged_attention_reference
+from engine.cuda.attention_mma import decode_attention_mma, decode_attention_mma_fp16, supports
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from tests.kernels.common import DEVICE
 from tests.kernels.test_attention import make_case
@@ -317,3 +318,46 @@ def test_mma_decode_reads_sink_pages_from_their_fp16_rows(lens, head_dim, splits
     codes = dataclasses.replace(k_pages, sinks=None), dataclasses.replace(v_pages, sinks=None)
     through_codes = quant_paged_attention_reference(q, *codes, batch, scale)
     assert (through_codes - ref).abs().max().item() > 10 * (2**-10 * v_max + 1e-5)
+
+
+# --- fp16 pages ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "kv_heads", "head_dim", "splits"),
+    [([17, 70], 4, 1, 64, 2), ([16], 8, 1, 128, 1), ([5], 4, 2, 64, 1)],
+)
+def test_mma_decode_over_fp16_pages_matches_the_reference(lens, heads, kv_heads, head_dim, splits):
+    """fp16 pages, q on the byte grid (exact in fp16): only P's rounding to fp16 and the
+    output's are left, within 2^-10 * max|V|."""
+    specs = [(n - 1, 1) for n in lens]
+    q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float16, PAGE, 3)
+    q = _grid_q(q.float(), False).half()
+    scale = head_dim**-0.5
+    out = decode_attention_mma_fp16(q, k, v, batch, scale, num_splits=splits)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, scale)
+    assert out.dtype == torch.float16
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2**-10 * v.float().abs().max().item() + 1e-5, err
+
+
+@pytest.mark.parametrize(("enabled", "dtype", "used"), [
+    (True, torch.float16, True),
+    (True, torch.float32, False),  # fp32 pages: the CUDA-core kernel
+    (False, torch.float16, False),
+])  # fmt: skip
+def test_fp16_op_sends_decode_batches_to_tensor_cores_when_enabled(monkeypatch, enabled, dtype,
+                                                                   used):  # fmt: skip
+    from engine.cuda import attention, attention_mma
+
+    calls = []
+    real = attention_mma.decode_attention_mma_fp16
+    monkeypatch.setattr(attention_mma, "ENABLED", enabled)
+    monkeypatch.setattr(
+        attention_mma, "decode_attention_mma_fp16",
+        lambda *a, **k: calls.append(1) or real(*a, **k),
+    )  # fmt: skip
+    q, k, v, batch = make_case([(4, 1), (20, 1)], 2, 1, 64, dtype, PAGE, 0)
+    out = attention.paged_attention_cuda(q, k, v, batch, 64**-0.5)
+    assert bool(calls) == used
+    assert out.shape == q.shape and torch.isfinite(out).all()
