@@ -8,12 +8,12 @@ the kernel's rule); ``splits``: the flash-decoding split count (0: the kernel's 
 ``unpack``: how 4-bit word codes become floats (``affine``: one byte permute each,
 kv_load.word_affine; ``codes``: a permute and an add; ``auto``: the kernel's default). Modes:
 the cache formats, ``q4+sinks`` (q4 pages whose every sequence's first page is a sink page,
-read from unquantized rows: engine/cache/quant.py), and ``q4-mma`` (q4 pages through the
-tensor-core decode kernel, engine/cuda/attention_mma.py: its split rule, then 4, 8 and 16
-splits; the configs do not apply; its error includes q's rounding to bytes). This sweeps
-them at Llama-3-8B's attention shape, decode at batch 32 x 4096-token context (issue
-"Quantized KV cache": q4's decode attention vs fp16's), and checks each output against the
-torch reference of its mode.
+read from unquantized rows: engine/cache/quant.py), and ``q4-mma`` / ``fp16-mma`` (q4 or fp16
+pages through the tensor-core decode kernel, engine/cuda/attention_mma.py: its split rule,
+then 4, 8 and 16 splits; the configs do not apply; q4-mma's error includes q's rounding to
+bytes). This sweeps them at Llama-3-8B's attention shape, decode at batch 32 x 4096-token
+context (issue "Quantized KV cache": q4's decode attention vs fp16's), and checks each output
+against the torch reference of its mode.
 
     time   one paged-attention op per call (quantized: the kernel rotates q and the output),
            a CUDA graph of --iters calls, CUDA events; kernel_ms: the attention launches alone
@@ -50,7 +50,7 @@ from attention_kernel import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
-MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4-mma")
+MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4-mma", "fp16-mma")
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
 UNPACK = {"auto": None, "affine": True, "codes": False}  # 4-bit word codes (kv_load)
@@ -155,19 +155,26 @@ def reference(mode: str, q, k, v, fb) -> torch.Tensor:
     return quant_paged_attention_reference(q.float(), k, v, fb, scale)
 
 
-def mma_rows(batch, context, iters, copy_gbs) -> list[SweepRow]:
-    """q4 pages (rotated) through the tensor-core decode kernel: splits by its rule, then
-    forced to 4, 8 and 16."""
-    from engine.cuda.attention_mma import _auto_splits, decode_attention_mma
+def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
+    """The tensor-core decode kernel (``q4-mma``: rotated q4 pages; ``fp16-mma``: fp16
+    pages): splits by its rule, then forced to 4, 8 and 16."""
+    from engine.cuda.attention_mma import (
+        _auto_splits,
+        decode_attention_mma,
+        decode_attention_mma_fp16,
+    )
 
     torch.cuda.empty_cache()
-    q, k, v, fb = quantized_case("q4", batch, context)
-    ref = reference("q4", q, k, v, fb).float()
+    base = mode.removesuffix("-mma")
+    q, k, v, fb = quantized_case(base, batch, context)
+    ref = reference(base, q, k, v, fb).float()
     nbytes = kv_bytes(k, v, fb)
     rows = []
     for forced in (None, 4, 8, 16):
 
         def fn(forced=forced):
+            if base == "fp16":
+                return decode_attention_mma_fp16(q, k, v, fb, HEAD_DIM**-0.5, num_splits=forced)
             return decode_attention_mma(q, k.data, v.data, k.scales, v.scales, fb,
                                         HEAD_DIM**-0.5, rotate=k.rotate,
                                         num_splits=forced)  # fmt: skip
@@ -176,9 +183,9 @@ def mma_rows(batch, context, iters, copy_gbs) -> list[SweepRow]:
         ms, _ = time_ms(fn, iters)
         gbs = nbytes / (ms / 1e3) / 1e9
         splits = forced or _auto_splits(batch, KV_HEADS, fb.max_seq_len, q.device)
-        print(f"  q4-mma   tensor cores, splits {splits}: {ms:8.3f} ms {gbs:7.0f} GB/s  "
+        print(f"  {mode:<8} tensor cores, splits {splits}: {ms:8.3f} ms {gbs:7.0f} GB/s  "
               f"err {err:.1e}", flush=True)  # fmt: skip
-        rows.append(SweepRow("q4-mma", 16, 0, 32, "mma", "mma", splits, round(ms, 4),
+        rows.append(SweepRow(mode, 16, 0, 32, "mma", "mma", splits, round(ms, 4),
                              round(ms, 4), nbytes, round(gbs, 1), round(gbs / copy_gbs, 3),
                              None, float(f"{err:.3g}")))  # fmt: skip
     return rows
@@ -187,8 +194,8 @@ def mma_rows(batch, context, iters, copy_gbs) -> list[SweepRow]:
 def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]:
     from engine.cuda import attention
 
-    if mode == "q4-mma":
-        return mma_rows(batch, context, iters, copy_gbs)
+    if mode.endswith("-mma"):
+        return mma_rows(mode, batch, context, iters, copy_gbs)
     torch.cuda.empty_cache()
     q, k, v, fb = quantized_case(mode, batch, context)
     ref = reference(mode, q, k, v, fb).float()

@@ -16,8 +16,8 @@ Needs ``cuobjdump`` and ``nvdisasm`` on PATH, or the wheels that carry them:
 ``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``.
 
     python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks,q4-mma]  # (q4-codes: 4-bit
-                                     # words unpacked by permute and add; q4-mma: tensor cores,
-                                     # engine/cuda/attention_mma.py)
+                                     # words unpacked by permute and add; q4-mma, fp16-mma:
+                                     # tensor cores, engine/cuda/attention_mma.py)
 """
 
 from __future__ import annotations
@@ -91,10 +91,12 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     dispatcher.get_current_device = lambda: Device()
     from engine.cuda import attention as A
 
-    if mode.startswith("q4-mma"):  # tensor cores: a warp takes 16 keys per step
+    if "-mma" in mode:  # tensor cores: a warp takes 16 keys per step
         from engine.cuda import attention_mma as M
 
-        kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, True, mode.endswith("+sinks"))
+        fp16 = mode == "fp16-mma"
+        kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, not fp16,
+                                  mode.endswith("+sinks"), fp16)  # fmt: skip
         path = out_dir / f"attention_{mode.replace('-', '_').replace('+', '_')}.cubin"
         return (path, M.TILE, *_link(kernel, MMA_ARGS, path))
 
@@ -174,7 +176,7 @@ def measure(mode: str, out_dir: Path) -> KernelSass:
     cubin, keys, registers, spills = compile_kernel(mode, out_dir)
     total, body = key_loop(cubin)
     counts = collections.Counter(body)
-    warp_keys = keys if mode.startswith("q4-mma") else keys * (32 // LANES)
+    warp_keys = keys if "-mma" in mode else keys * (32 // LANES)
     return KernelSass(mode, keys, registers, spills, total, len(body),
                       round(len(body) / keys, 1), round(len(body) / warp_keys, 1),
                       dict(counts.most_common(12)))  # fmt: skip
@@ -182,7 +184,7 @@ def measure(mode: str, out_dir: Path) -> KernelSass:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma,q4-mma+sinks")
+    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma,q4-mma+sinks,fp16-mma")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
