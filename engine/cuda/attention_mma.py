@@ -126,7 +126,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
     VW = D // 8  # 32-bit words per V row
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
-    HW = D // 2  # 32-bit words (two fp16) per fp16 row
+    HQ = D // 4  # 64-bit words (four fp16) per fp16 row
     SINKS = sinks
     FP16 = fp16_pages
     PS = page_size
@@ -216,9 +216,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
         s1 = float32(0.0)
         s2 = float32(0.0)
         s3 = float32(0.0)
+        base_a = uint64(row_a * KW + t)
+        base_b = uint64(row_b * KW + t)
         for g in range(NG):
-            wa = int64(k_words[uint64(row_a * KW + 4 * g + t)])
-            wb = int64(k_words[uint64(row_b * KW + 4 * g + t)])
+            wa = int64(k_words[base_a + uint64(4 * g)])
+            wb = int64(k_words[base_b + uint64(4 * g)])
             d0, d1, d2, d3 = mma_u8s8(
                 wa & 0x0F0F0F0F, wb & 0x0F0F0F0F, (wa >> 4) & 0x0F0F0F0F,
                 (wb >> 4) & 0x0F0F0F0F, qb0[g], qb1[g], ci0[g], ci1[g], ci0[g], ci1[g],
@@ -240,13 +242,12 @@ def _decode_kernel(  # noqa: C901, PLR0915
         s1 = float32(0.0)
         s2 = float32(0.0)
         s3 = float32(0.0)
+        base_a = uint64(row_a * HQ + t)  # (64-bit words: dims 16 c + 4 t ... are one)
+        base_b = uint64(row_b * HQ + t)
         for c in range(NC):
-            at = 8 * c + 2 * t
-            s0, s1, s2, s3 = mma_f16(
-                k_rows[uint64(row_a * HW + at)], k_rows[uint64(row_b * HW + at)],
-                k_rows[uint64(row_a * HW + at + 1)], k_rows[uint64(row_b * HW + at + 1)],
-                qh0[c], qh1[c], s0, s1, s2, s3,
-            )  # fmt: skip
+            wa = k_rows[base_a + uint64(4 * c)]
+            wb = k_rows[base_b + uint64(4 * c)]
+            s0, s1, s2, s3 = mma_f16(wa, wb, wa >> 32, wb >> 32, qh0[c], qh1[c], s0, s1, s2, s3)
         return s0, s1, s2, s3
 
     @cuda.jit(device=True)
@@ -280,8 +281,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     )  # fmt: skip
 
     @cuda.jit(device=True)
-    def row_word(v_rows, row, at, live):
-        return v_rows[uint64(row * HW + at)] if live else int32(0)  # (unwritten: any bits)
+    def row_word(v_rows, base, at, live):
+        return v_rows[base + uint64(at)] if live else int64(0)  # (unwritten: any bits)
 
     @cuda.jit(device=True)
     def exact_values(acc, v_rows, r0, live, pb0, pb1, gid):
@@ -290,22 +291,28 @@ def _decode_kernel(  # noqa: C901, PLR0915
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
-        first = ((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)  # d0, even
-        for i in range(NC // 2):  # chunks 2i, 2i + 1: one word of two halves per key and row
-            lo = first // 2 + i
-            hi = lo + 8  # dims + 16
+        first = (((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)) // 4  # d0 / 4 (d0 % 4 == 0)
+        r0 = uint64(r0 * HQ + first)  # (from here: the keys' first words)
+        r1 = uint64(r1 * HQ + first)
+        r8 = uint64(r8 * HQ + first)
+        r9 = uint64(r9 * HQ + first)
+        for j in range(NC // 4):  # chunks 4j .. 4j + 3: one 64-bit word per key and row
+            lo = j
+            hi = j + 4  # dims + 16
             w0, w1 = row_word(v_rows, r0, lo, live[0]), row_word(v_rows, r1, lo, live[1])
             w8, w9 = row_word(v_rows, r8, lo, live[2]), row_word(v_rows, r9, lo, live[3])
             u0, u1 = row_word(v_rows, r0, hi, live[0]), row_word(v_rows, r1, hi, live[1])
             u8, u9 = row_word(v_rows, r8, hi, live[2]), row_word(v_rows, r9, hi, live[3])
-            for step in range(2):
-                c = 2 * i + step
-                sel = 0x7632 if step else 0x5410
-                acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
-                    byte_perm(w0, w1, sel), byte_perm(u0, u1, sel), byte_perm(w8, w9, sel),
-                    byte_perm(u8, u9, sel), pb0, pb1,
-                    acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
-                )  # fmt: skip
+            for sub in range(2):
+                at = 32 * sub  # (byte_perm takes the low 32 bits)
+                for step in range(2):
+                    c = 4 * j + 2 * sub + step
+                    sel = 0x7632 if step else 0x5410
+                    acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
+                        byte_perm(w0 >> at, w1 >> at, sel), byte_perm(u0 >> at, u1 >> at, sel),
+                        byte_perm(w8 >> at, w9 >> at, sel), byte_perm(u8 >> at, u9 >> at, sel),
+                        pb0, pb1, acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
+                    )  # fmt: skip
 
     # resident blocks per SM: the sink tiles' extra registers (130 uncapped on sm_90) capped
     # at 128 for 4 blocks; without them ptxas takes 96 uncapped (5 blocks), and 116 with the
@@ -527,9 +534,9 @@ def decode_attention_mma(
            f"4-bit pages, sink pages {sink_dtype}")  # fmt: skip
     sinks = k_sinks is not None
     if sinks:
-        rows = tuple(x.view(torch.int32).reshape(-1) for x in (k_sinks, v_sinks))
+        rows = tuple(x.view(torch.int64).reshape(-1) for x in (k_sinks, v_sinks))
     else:  # (never read)
-        rows = (_dummy(torch.int32, q.device),) * 2
+        rows = (_dummy(torch.int64, q.device),) * 2
     kernel = _decode_kernel(q.shape[2], batch.page_size, q.shape[1] // k_pages.shape[2],
                             k_pages.shape[2], rotate, sinks)  # fmt: skip
     codes = (
@@ -576,7 +583,7 @@ def decode_attention_mma_fp16(
     device = q.device
     codes = (_dummy(torch.int32, device), _dummy(torch.int32, device),
              _dummy(torch.float16, device), _dummy(torch.int16, device))  # fmt: skip
-    rows = tuple(x.view(torch.int32).reshape(-1) for x in (k_pages, v_pages))
+    rows = tuple(x.view(torch.int64).reshape(-1) for x in (k_pages, v_pages))
     return _launch_decode(kernel, q, batch, scale, num_splits, kv_heads, codes, rows, 0)
 
 
