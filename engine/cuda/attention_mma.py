@@ -50,6 +50,7 @@ from engine.cuda._launch import SIMULATOR, cuda, launch
 from engine.cuda.bits import byte_perm
 from engine.cuda.mma import (
     HALF2_1032,
+    HALF2_1152,
     HALF2_MAGIC,
     hmul2,
     hsub2,
@@ -93,11 +94,10 @@ def supports(
     page_size: int,
     max_query_len: int,
 ) -> bool:
-    """Whether this kernel serves the batch (otherwise attention.py's does). ``sink_dtype``:
-    the sink pages' dtype (None: no sink pages); the kernel reads fp16 ones."""
+    """Whether this kernel serves the batch (otherwise attention.py's does): q4, q6 or q8
+    pages. ``sink_dtype``: the sink pages' dtype (None: no sink pages); it reads fp16 ones."""
     return (
-        k_bits == 4
-        and v_bits == 4
+        (k_bits, v_bits) in ((4, 4), (8, 4), (8, 8))  # q4, q6, q8
         and sink_dtype in (None, torch.float16)
         and not sliding_window
         and head_dim in (64, 128, 256)
@@ -116,6 +116,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
     rotate: bool,
     sinks: bool = False,
     fp16_pages: bool = False,
+    k_bits: int = 4,
+    v_bits: int = 4,
 ):
     D = head_dim
     NG = D // GROUP  # quantization groups per row
@@ -127,8 +129,14 @@ def _decode_kernel(  # noqa: C901, PLR0915
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
     HQ = D // 4  # 64-bit words (four fp16) per fp16 row
+    K8W = D // 4  # 32-bit words per 8-bit row
+    V8W = D // 4
     SINKS = sinks
     FP16 = fp16_pages
+    K8 = k_bits == 8  # 8-bit keys (q8, q6): fp16 MMAs with fp16 q, no byte rounding of q
+    V8 = v_bits == 8  # 8-bit values (q8)
+    BYTE_Q = not (FP16 or K8)  # q rounded to bytes for the int8 MMA over 4-bit keys
+    HALF_Q = SINKS or FP16 or K8  # q as fp16 pairs (qh0 / qh1)
     PS = page_size
     KV = kv_heads
     G = group
@@ -232,6 +240,74 @@ def _decode_kernel(  # noqa: C901, PLR0915
             s2 += sb * float32(d2)
             s3 += sb * float32(d3)
         return s0, s1, s2, s3
+
+    @cuda.jit(device=True)
+    def byte_codes(word):
+        """Bytes 0 and 2 of ``word`` as signed 8-bit codes, an exact fp16 pair: (b ^ 0x80) under
+        0x64 is 1152 + code."""
+        return hsub2((word & 0x00FF00FF) ^ HALF2_1152, HALF2_1152)
+
+    @cuda.jit(device=True)
+    def code_scores8(k_bytes, k_scales, row_a, row_b, qh0, qh1, t):
+        """``code_scores`` over 8-bit keys (fp16 q): lane t's dims 16 c + 4 t ... of chunk c
+        are one 32-bit word per row; the two chunks of a group share its scale."""
+        s0 = float32(0.0)
+        s1 = float32(0.0)
+        s2 = float32(0.0)
+        s3 = float32(0.0)
+        base_a = uint64(row_a * K8W + t)
+        base_b = uint64(row_b * K8W + t)
+        for g in range(NG):
+            e0 = float32(0.0)
+            e1 = float32(0.0)
+            e2 = float32(0.0)
+            e3 = float32(0.0)
+            for h in range(2):
+                c = 2 * g + h
+                wa = k_bytes[base_a + uint64(4 * c)]
+                wb = k_bytes[base_b + uint64(4 * c)]
+                e0, e1, e2, e3 = mma_f16(
+                    byte_codes(byte_perm(wa, 0, 0x4140)), byte_codes(byte_perm(wb, 0, 0x4140)),
+                    byte_codes(byte_perm(wa, 0, 0x4342)), byte_codes(byte_perm(wb, 0, 0x4342)),
+                    qh0[c], qh1[c], e0, e1, e2, e3,
+                )  # fmt: skip
+            sa = float32(k_scales[uint64(row_a * NG + g)])
+            sb = float32(k_scales[uint64(row_b * NG + g)])
+            s0 += sa * e0
+            s1 += sa * e1
+            s2 += sb * e2
+            s3 += sb * e3
+        return s0, s1, s2, s3
+
+    @cuda.jit(device=True)
+    def code_values8(acc, v_bytes, v_scale_bits, r0, live, pb0, pb1, gid):
+        """``code_values`` over 8-bit values: chunk c's MMA rows gid / gid + 8 are bytes (dims)
+        d0 + c and d0 + 16 + c of each key's row, one group, one scale per key."""
+        r1 = r0 + KV
+        r8 = r0 + 8 * KV
+        r9 = r8 + KV
+        sc0 = v_scale(v_scale_bits, r0, live[0]) | (v_scale(v_scale_bits, r1, live[1]) << 16)
+        sc1 = v_scale(v_scale_bits, r8, live[2]) | (v_scale(v_scale_bits, r9, live[3]) << 16)
+        first = (((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)) // 4  # d0 / 4 (d0 % 4 == 0)
+        b0 = uint64(r0 * V8W + first)
+        b1 = uint64(r1 * V8W + first)
+        b8 = uint64(r8 * V8W + first)
+        b9 = uint64(r9 * V8W + first)
+        for j in range(NC // 4):  # chunks 4j .. 4j + 3: one word per key for each MMA row
+            lo = uint64(j)
+            hi = uint64(j + 4)  # dims + 16
+            w0, w1, w8, w9 = v_bytes[b0 + lo], v_bytes[b1 + lo], v_bytes[b8 + lo], v_bytes[b9 + lo]
+            u0, u1, u8, u9 = v_bytes[b0 + hi], v_bytes[b1 + hi], v_bytes[b8 + hi], v_bytes[b9 + hi]
+            for i in range(4):
+                c = 4 * j + i
+                sel = i | ((4 + i) << 8)  # byte i of each key's word to bytes 0 and 2
+                acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3] = mma_f16(
+                    hmul2(byte_codes(byte_perm(w0, w1, sel)), sc0),
+                    hmul2(byte_codes(byte_perm(u0, u1, sel)), sc0),
+                    hmul2(byte_codes(byte_perm(w8, w9, sel)), sc1),
+                    hmul2(byte_codes(byte_perm(u8, u9, sel)), sc1),
+                    pb0, pb1, acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
+                )  # fmt: skip
 
     @cuda.jit(device=True)
     def exact_scores(k_rows, row_a, row_b, qh0, qh1, t):
@@ -355,7 +431,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         ci1 = cuda.local.array(NG, int32)  # column 2t + 1
         mult0 = float32(0.0)
         mult1 = float32(0.0)
-        if not FP16:  # (fp16 pages: every tile is exact)
+        if BYTE_Q:  # (8-bit keys and fp16 pages take q in fp16)
             amax = float32(0.0)
             for i in range(QN):
                 amax = max(amax, abs(qv[i]))
@@ -376,7 +452,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         exact_mult = scale * LOG2E  # exact tiles: fp16 q, no byte scale
         qh0 = cuda.local.array(NC, int32)  # q's halves for exact tiles' fp16 MMA (B operand)
         qh1 = cuda.local.array(NC, int32)
-        if SINKS or FP16:
+        if HALF_Q:
             for c in range(NC):
                 at = (c >> 1) * 8 + (c & 1) * 4  # dims 16 c + 4 t ... in qv
                 qh0[c] = pack_half2(qv[at], qv[at + 1])
@@ -402,6 +478,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
             exact = FP16 or (SINKS and page < num_sink_pages)
             if exact:
                 s0, s1, s2, s3 = exact_scores(k_rows, row_a, row_b, qh0, qh1, t)
+                f0 = exact_mult
+                f1 = exact_mult
+            elif K8:
+                s0, s1, s2, s3 = code_scores8(k_words, k_scales, row_a, row_b, qh0, qh1, t)
                 f0 = exact_mult
                 f1 = exact_mult
             else:
@@ -452,6 +532,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
             live = (j0 + 2 * t < hi, j0 + 2 * t + 1 < hi, j0 + 2 * t + 8 < hi, j0 + 2 * t + 9 < hi)
             if exact:
                 exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
+            elif V8:
+                code_values8(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
             else:
                 code_values(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
             j0 += TILE
@@ -516,29 +598,32 @@ def decode_attention_mma(
     scale: float,
     *,
     rotate: bool,
+    k_bits: int = 4,
+    v_bits: int = 4,
     k_sinks: torch.Tensor | None = None,
     v_sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over 4-bit pages; returns a new [T, H, D].
+    """Attention of one query token per sequence over quantized pages; returns a new
+    [T, H, D].
 
-    q [T, H, D] (row i is sequence i's token); k_pages / v_pages uint8 [P, S, KV, D / 2] and
-    k_scales / v_scales float16 [P, S, KV, D / 32] in engine/cache/quant.py's layout, stored
-    rotated when ``rotate``; k_sinks / v_sinks: the sink pages' fp16 rows [R, S, KV, D]
-    (pages 0..R-1 are read from there; QuantPages.sinks). ``num_splits`` forces the split
-    count (tests, benchmarks).
+    q [T, H, D] (row i is sequence i's token); k_pages / v_pages in engine/cache/quant.py's
+    layout for ``k_bits`` / ``v_bits`` (4: uint8 [P, S, KV, D / 2]; 8: int8 [P, S, KV, D]),
+    k_scales / v_scales float16 [P, S, KV, D / 32], stored rotated when ``rotate``;
+    k_sinks / v_sinks: the sink pages' fp16 rows [R, S, KV, D] (pages 0..R-1 are read from
+    there; QuantPages.sinks). ``num_splits`` forces the split count (tests, benchmarks).
     """
     sink_dtype = None if k_sinks is None else k_sinks.dtype
-    _check(q, k_pages.shape[2], batch, supports(4, 4, sink_dtype, None, q.shape[2],
+    _check(q, k_pages.shape[2], batch, supports(k_bits, v_bits, sink_dtype, None, q.shape[2],
            q.shape[1] // k_pages.shape[2], batch.page_size, batch.max_query_len),
-           f"4-bit pages, sink pages {sink_dtype}")  # fmt: skip
+           f"{k_bits}/{v_bits}-bit pages, sink pages {sink_dtype}")  # fmt: skip
     sinks = k_sinks is not None
     if sinks:
         rows = tuple(x.view(torch.int64).reshape(-1) for x in (k_sinks, v_sinks))
     else:  # (never read)
         rows = (_dummy(torch.int64, q.device),) * 2
     kernel = _decode_kernel(q.shape[2], batch.page_size, q.shape[1] // k_pages.shape[2],
-                            k_pages.shape[2], rotate, sinks)  # fmt: skip
+                            k_pages.shape[2], rotate, sinks, False, k_bits, v_bits)  # fmt: skip
     codes = (
         k_pages.view(torch.int32).reshape(-1),
         v_pages.view(torch.int32).reshape(-1),

@@ -32,6 +32,7 @@ float32 = cuda.float32
 
 HALF2_1032 = 0x64086408  # two fp16 1032.0: a nibble u put in 0x6400 | u is 1024 + u
 HALF2_MAGIC = 0x64006400  # fp16 1024.0 twice
+HALF2_1152 = 0x64806480  # two fp16 1152.0: a byte u put in 0x6400 | u is 1024 + u
 
 
 def _u32(x) -> int:

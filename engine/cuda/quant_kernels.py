@@ -81,7 +81,7 @@ def paged_attention_quant_cuda(
 ) -> torch.Tensor:
     """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D].
 
-    With ``attention_mma.ENABLED`` (ENGINE_TENSOR_CORE_DECODE=1), 4-bit decode batches go to the
+    With ``attention_mma.ENABLED`` (ENGINE_TENSOR_CORE_DECODE=1), decode batches go to the
     tensor-core kernel instead (attention_mma.supports names which)."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
     group = q.shape[1] // k_pages.shape[2]
@@ -92,8 +92,8 @@ def paged_attention_quant_cuda(
     ):  # fmt: skip
         return attention_mma.decode_attention_mma(
             q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
-            rotate=k_pages.rotate, k_sinks=k_pages.sinks, v_sinks=v_pages.sinks,
-            num_splits=num_splits,
+            rotate=k_pages.rotate, k_bits=k_pages.bits, v_bits=v_pages.bits,
+            k_sinks=k_pages.sinks, v_sinks=v_pages.sinks, num_splits=num_splits,
         )  # fmt: skip
     pages = KVArgs(
         k_pages.data,

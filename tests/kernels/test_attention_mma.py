@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache.quant import allocate_quant_pages, dequantize_pages, rotate_groups, write_slots
+from engine.cache.quant import (
+    QUANT_BITS,
+    allocate_quant_pages,
+    dequantize_pages,
+    rotate_groups,
+    write_slots,
+)
 from engine.cuda import mma
 from engine.cuda._launch import SIMULATOR, cuda
 from engine.cuda.attention import paged_attention_reference
@@ -32,7 +38,10 @@ from tests.kernels.test_attention import make_case
 PAGE = 16
 
 
-def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False, sinks=0):
+def _case(
+    lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False, sinks=0,
+    quant="q4",
+):  # fmt: skip
     """q4 pages holding random K/V; one decode token per sequence of each length in ``lens``
     (or ``specs``: [(num_cached, num_new)]); ``center``: keys stored less a random center;
     ``sinks``: pages 0..sinks-1 are fp16 sink pages, every sequence's first page one of them.
@@ -44,8 +53,8 @@ def _case(lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=Fa
         batch.block_tables.copy_(_first_pages_first(batch.block_tables, pool))
     mean = torch.randn(kv_heads, head_dim, device=DEVICE) if center else None
     k_pages, v_pages = (
-        allocate_quant_pages(pool, PAGE, kv_heads, head_dim, 4, rotate, DEVICE, c, sinks)
-        for c in (mean, None)
+        allocate_quant_pages(pool, PAGE, kv_heads, head_dim, bits, rotate, DEVICE, c, sinks)
+        for bits, c in zip(QUANT_BITS[quant], (mean, None), strict=True)
     )
     slots = torch.arange(pool * PAGE, device=DEVICE)
     write_slots(k_pages, k.reshape(-1, kv_heads, head_dim), slots)
@@ -143,7 +152,9 @@ def test_supports_names_what_the_kernel_serves():
     assert supports(4, 4, None, None, 128, 4, 16, 1)
     assert supports(4, 4, torch.float16, None, 128, 4, 16, 1)  # fp16 sink pages
     assert not supports(4, 4, torch.bfloat16, None, 128, 4, 16, 1)  # bf16 sink pages
-    assert not supports(8, 8, None, None, 128, 4, 16, 1)  # q8 pages
+    assert supports(8, 8, None, None, 128, 4, 16, 1)  # q8 pages
+    assert supports(8, 4, None, None, 128, 4, 16, 1)  # q6 pages
+    assert not supports(4, 8, None, None, 128, 4, 16, 1)  # no cache mode stores these
     assert not supports(4, 4, None, 64, 128, 4, 16, 1)  # sliding window
     assert not supports(4, 4, None, None, 128, 16, 16, 1)  # 16 heads per KV head
     assert not supports(4, 4, None, None, 128, 4, 8, 1)  # page of 8 slots
@@ -361,3 +372,27 @@ def test_fp16_op_sends_decode_batches_to_tensor_cores_when_enabled(monkeypatch, 
     out = attention.paged_attention_cuda(q, k, v, batch, 64**-0.5)
     assert bool(calls) == used
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+# --- 8-bit keys (q6, q8) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quant", "lens", "head_dim", "rotate", "splits"),
+    [("q8", [17, 70], 64, True, 2), ("q6", [9, 33], 128, False, 1), ("q8", [20], 256, False, 1)],
+)
+def test_mma_decode_over_8_bit_keys_matches_the_reference(quant, lens, head_dim, rotate, splits):
+    """q8 (8-bit K and V) and q6 (8-bit K, 4-bit V): the keys' codes become exact fp16 pairs
+    for fp16 MMAs with q in fp16; q on the byte grid, so what is left is P's and V's fp16
+    rounding."""
+    q, k_pages, v_pages, batch = _case(lens, 4, 1, head_dim, rotate, quant=quant)
+    q = _grid_q(q, rotate)
+    scale = head_dim**-0.5
+    out = decode_attention_mma(
+        q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
+        rotate=rotate, k_bits=k_pages.bits, v_bits=v_pages.bits, num_splits=splits,
+    )  # fmt: skip
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
+    v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
+    err = (out - ref).abs().max().item()
+    assert err <= 2**-10 * v_max + 1e-5, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
