@@ -8,12 +8,12 @@ the kernel's rule); ``splits``: the flash-decoding split count (0: the kernel's 
 ``unpack``: how 4-bit word codes become floats (``affine``: one byte permute each,
 kv_load.word_affine; ``codes``: a permute and an add; ``auto``: the kernel's default). Modes:
 the cache formats, ``q4+sinks`` (q4 pages whose every sequence's first page is a sink page,
-read from unquantized rows: engine/cache/quant.py), and ``q4-mma`` / ``fp16-mma`` (q4 or fp16
-pages through the tensor-core decode kernel, engine/cuda/attention_mma.py: its split rule,
-then 4, 8 and 16 splits; the configs do not apply; q4-mma's error includes q's rounding to
-bytes). This sweeps them at Llama-3-8B's attention shape, decode at batch 32 x 4096-token
-context (issue "Quantized KV cache": q4's decode attention vs fp16's), and checks each output
-against the torch reference of its mode.
+read from unquantized rows: engine/cache/quant.py), and ``fp16-mma`` / ``q8-mma`` /
+``q6-mma`` / ``q4-mma`` (those pages through the tensor-core decode kernel,
+engine/cuda/attention_mma.py: its split rule, then 4, 8 and 16 splits; the configs do not
+apply; q4-mma's error includes q's rounding to bytes). This sweeps them at Llama-3-8B's
+attention shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's
+decode attention vs fp16's), and checks each output against the torch reference of its mode.
 
     time   one paged-attention op per call (quantized: the kernel rotates q and the output),
            a CUDA graph of --iters calls, CUDA events; kernel_ms: the attention launches alone
@@ -50,7 +50,7 @@ from attention_kernel import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
-MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4-mma", "fp16-mma")
+MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "fp16-mma", "q8-mma", "q6-mma", "q4-mma")
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
 UNPACK = {"auto": None, "affine": True, "codes": False}  # 4-bit word codes (kv_load)
@@ -156,8 +156,8 @@ def reference(mode: str, q, k, v, fb) -> torch.Tensor:
 
 
 def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
-    """The tensor-core decode kernel (``q4-mma``: rotated q4 pages; ``fp16-mma``: fp16
-    pages): splits by its rule, then forced to 4, 8 and 16."""
+    """The tensor-core decode kernel (``q4-mma``, ``q6-mma``, ``q8-mma``: rotated quantized
+    pages; ``fp16-mma``: fp16 pages): splits by its rule, then forced to 4, 8 and 16."""
     from engine.cuda.attention_mma import (
         _auto_splits,
         decode_attention_mma,
@@ -176,8 +176,8 @@ def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
             if base == "fp16":
                 return decode_attention_mma_fp16(q, k, v, fb, HEAD_DIM**-0.5, num_splits=forced)
             return decode_attention_mma(q, k.data, v.data, k.scales, v.scales, fb,
-                                        HEAD_DIM**-0.5, rotate=k.rotate,
-                                        num_splits=forced)  # fmt: skip
+                                        HEAD_DIM**-0.5, rotate=k.rotate, k_bits=k.bits,
+                                        v_bits=v.bits, num_splits=forced)  # fmt: skip
 
         err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
         ms, _ = time_ms(fn, iters)

@@ -16,8 +16,8 @@ Needs ``cuobjdump`` and ``nvdisasm`` on PATH, or the wheels that carry them:
 ``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``.
 
     python bench/kernel_sass.py [--modes fp16,q8,q6,q4,q4+sinks,q4-mma]  # (q4-codes: 4-bit
-                                     # words unpacked by permute and add; q4-mma, fp16-mma:
-                                     # tensor cores, engine/cuda/attention_mma.py)
+                                     # words unpacked by permute and add; *-mma: tensor
+                                     # cores, engine/cuda/attention_mma.py)
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
         from engine.cuda import attention_mma as M
 
         fp16 = mode == "fp16-mma"
+        kb, vb = (4, 4) if fp16 else BITS[mode.split("-")[0]]
         kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, not fp16,
-                                  mode.endswith("+sinks"), fp16)  # fmt: skip
+                                  mode.endswith("+sinks"), fp16, kb, vb)  # fmt: skip
         path = out_dir / f"attention_{mode.replace('-', '_').replace('+', '_')}.cubin"
         return (path, M.TILE, *_link(kernel, MMA_ARGS, path))
 
@@ -184,7 +185,9 @@ def measure(mode: str, out_dir: Path) -> KernelSass:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma,q4-mma+sinks,fp16-mma")
+    parser.add_argument(
+        "--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma,q4-mma+sinks,q6-mma,q8-mma,fp16-mma"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
