@@ -91,3 +91,37 @@ def test_longer_queries_take_the_reference_and_decode_rows_the_kernel(monkeypatc
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")
     with pytest.raises(ValueError, match="ENGINE_PREFILL_ATTENTION='sdpa'"):
         by_query_length(kernel, reference)
+
+
+def test_generator_decodes_on_tensor_cores_as_on_the_cuda_core_kernel(
+    tiny, tmp_path_factory, monkeypatch
+):
+    """With ENGINE_TENSOR_CORE_DECODE's switch on, a q4 cache's decode steps go through the
+    tensor-core kernel (engine/cuda/attention_mma.py) and pick the same greedy tokens (q8/q6
+    and fp16 pages: the kernel tests)."""
+    from engine.cuda import attention_mma
+
+    folder = simulator_model_folder(tiny, tmp_path_factory.mktemp("sim64"), hidden_size=128)
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    model = Model.from_pretrained(folder)  # heads of 64: the kernel's smallest
+    calls = []
+    real = attention_mma.decode_attention_mma
+    monkeypatch.setattr(
+        attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    prompts = [[5, 9, 17, 3, 40, 2], [200]]
+
+    def greedy(enabled: bool) -> list[list[int]]:
+        monkeypatch.setattr(attention_mma, "ENABLED", enabled)
+        cache = PagedCache(model, 256, page_size=16, quant="q4")
+        generator = DynamicGenerator(model, cache, tiny.tokenizer, max_chunk_size=16)
+        jobs = [
+            DynamicJob(p, 2, gen_settings=SamplerSettings.greedy(), stop_conditions=[])
+            for p in prompts
+        ]
+        return run_to_end(generator, jobs)
+
+    on_cuda_cores = greedy(False)
+    assert not calls
+    assert greedy(True) == on_cuda_cores
+    assert calls  # the decode steps took it
