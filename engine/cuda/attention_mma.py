@@ -59,6 +59,7 @@ from engine.cuda.mma import (
     pack_half2,
     warp_shfl,
     warp_shfl_xor,
+    warp_shfl_xor_all,
     wrap_i32,
 )
 
@@ -154,7 +155,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
     @cuda.jit(device=True)
     def rotate_q(qv, t):
         """qv[g * 8 + i]: dim 32 g + 16 (i >> 2) + 4 t + (i & 3) of this lane's head; in place
-        times H_32 / sqrt(32) per group (index bits 0-1 and 4 in the lane, 2-3 across it)."""
+        times H_32 / sqrt(32) per group (index bits 0-1 and 4 in the lane, 2-3 across it; the
+        levels commute, so the lane's come first)."""
         for g in range(NG):
             b = g * 8
             for stride in (1, 2, 4):
@@ -162,12 +164,14 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     if i & stride == 0:
                         x, y = qv[b + i], qv[b + i + stride]
                         qv[b + i], qv[b + i + stride] = x + y, x - y
-            for bit in range(2):
-                upper = (t >> bit) & 1
-                for i in range(8):
-                    qv[b + i] = butterfly(qv[b + i], warp_shfl_xor(qv[b + i], 1 << bit), upper)
-            for i in range(8):
-                qv[b + i] *= INV_SQRT
+        partner = cuda.local.array(QN, float32)
+        for bit in range(2):
+            upper = (t >> bit) & 1
+            warp_shfl_xor_all(qv, partner, QN, 1 << bit)
+            for i in range(QN):
+                qv[i] = butterfly(qv[i], partner[i], upper)
+        for i in range(QN):
+            qv[i] *= INV_SQRT
 
     @cuda.jit(device=True)
     def rotate_out(acc, gid):
@@ -185,10 +189,12 @@ def _decode_kernel(  # noqa: C901, PLR0915
                         for r in range(4):
                             x, y = acc[c * 4 + r], acc[(c + stride) * 4 + r]
                             acc[c * 4 + r], acc[(c + stride) * 4 + r] = x + y, x - y
+        partner = cuda.local.array(NA, float32)
         for bit in range(CROSS):
             upper = (gid >> bit) & 1
+            warp_shfl_xor_all(acc, partner, NA, 4 << bit)
             for i in range(NA):
-                acc[i] = butterfly(acc[i], warp_shfl_xor(acc[i], 4 << bit), upper)
+                acc[i] = butterfly(acc[i], partner[i], upper)
         for i in range(NA):
             acc[i] *= INV_SQRT
 

@@ -16,9 +16,10 @@ The emulation reproduces that layout from the definitions above, so a kernel tes
 simulator is only as right as the layout reading; a GPU run checks the two against each other
 (tests/kernels/test_attention_mma.py on a GPU).
 
-``warp_shfl(value, lane)`` / ``warp_shfl_xor(value, mask)`` are the shuffles the kernels built
-on these use: full-warp ``shfl.sync`` on a GPU, one block barrier each in the simulator (valid
-when every thread of the block makes the same sequence of calls).
+``warp_shfl(value, lane)`` / ``warp_shfl_xor(value, mask)`` / ``warp_shfl_xor_all(src, dst,
+count, mask)`` (a local array's values at once) are the shuffles the kernels built on these
+use: full-warp ``shfl.sync`` on a GPU, one pair of block barriers per call in the simulator
+(valid when every thread of the block makes the same sequence of calls).
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def _warp_shfl_xor_sim(value, mask):
     return _warp_shfl_sim(value, (cuda.threadIdx.x & 31) ^ int(mask))
 
 
+def _exchange_buffer():
+    return cuda.shared.array((1024, 64), np.float64)  # (one per block, as _barrier_buffer)
+
+
+def _warp_shfl_xor_all_sim(src, dst, count, mask):
+    buf = _exchange_buffer()
+    tid = cuda.threadIdx.x
+    for i in range(count):
+        buf[tid, i] = src[i]
+    cuda.syncthreads()
+    for i in range(count):
+        dst[i] = buf[tid ^ int(mask), i]
+    cuda.syncthreads()
+
+
 def _mma_sim(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, dot, zero):
     """D = A B + C from the fragments: every lane puts its registers in a block buffer, then
     reads the A rows and B columns its D entries need (``dot``: a register pair's elementwise
@@ -137,6 +153,7 @@ if SIMULATOR:
     pack_half2 = cuda.jit(device=True)(_pack_half2_sim)
     warp_shfl = cuda.jit(device=True)(_warp_shfl_sim)
     warp_shfl_xor = cuda.jit(device=True)(_warp_shfl_xor_sim)
+    warp_shfl_xor_all = cuda.jit(device=True)(_warp_shfl_xor_all_sim)
     mma_u8s8 = cuda.jit(device=True)(_mma_u8s8_sim)
     mma_f16 = cuda.jit(device=True)(_mma_f16_sim)
 else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass.py)
@@ -205,6 +222,12 @@ else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass
     @cuda.jit(device=True)
     def warp_shfl_xor(value, mask):
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, mask)
+
+    @cuda.jit(device=True)
+    def warp_shfl_xor_all(src, dst, count, mask):
+        """dst[i] = lane ``lane ^ mask``'s src[i] for i < count (at most 64)."""
+        for i in range(count):
+            dst[i] = cuda.shfl_xor_sync(0xFFFFFFFF, src[i], mask)
 
     def _mma_intrinsic(asm: str, acc):
         """A 10-operand mma.sync (4 A registers, 2 B, 4 C) returning its 4 D registers."""
