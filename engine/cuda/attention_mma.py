@@ -57,6 +57,7 @@ from engine.cuda.mma import (
     mma_f16,
     mma_u8s8,
     pack_half2,
+    warp_any,
     warp_shfl,
     warp_shfl_xor,
     warp_shfl_xor_all,
@@ -518,11 +519,13 @@ def _decode_kernel(  # noqa: C901, PLR0915
             p3 = math.exp2(s3 - new1)
             l0 = l0 * alpha0 + p0 + p2
             l1 = l1 * alpha1 + p1 + p3
-            for c in range(NC):
-                acc[c * 4] *= alpha0
-                acc[c * 4 + 1] *= alpha1
-                acc[c * 4 + 2] *= alpha0
-                acc[c * 4 + 3] *= alpha1
+            # once the running maxima settle, no column moves: skip the accumulator's rescale
+            if warp_any(alpha0 != float32(1.0) or alpha1 != float32(1.0)):
+                for c in range(NC):
+                    acc[c * 4] *= alpha0
+                    acc[c * 4 + 1] *= alpha1
+                    acc[c * 4 + 2] *= alpha0
+                    acc[c * 4 + 3] *= alpha1
             # P^T as the PV product's B operand: column gid, keys 2t, 2t+1 | 2t+8, 2t+9
             even_col = pack_half2(p0, p2)
             odd_col = pack_half2(p1, p3)

@@ -18,8 +18,9 @@ simulator is only as right as the layout reading; a GPU run checks the two again
 
 ``warp_shfl(value, lane)`` / ``warp_shfl_xor(value, mask)`` / ``warp_shfl_xor_all(src, dst,
 count, mask)`` (a local array's values at once) are the shuffles the kernels built on these
-use: full-warp ``shfl.sync`` on a GPU, one pair of block barriers per call in the simulator
-(valid when every thread of the block makes the same sequence of calls).
+use, ``warp_any(predicate)`` their vote: full-warp ``shfl.sync`` / ``vote.any`` on a GPU, one
+pair of block barriers per call in the simulator (valid when every thread of the block makes
+the same sequence of calls).
 """
 
 from __future__ import annotations
@@ -90,6 +91,16 @@ def _warp_shfl_xor_sim(value, mask):
     return _warp_shfl_sim(value, (cuda.threadIdx.x & 31) ^ int(mask))
 
 
+def _warp_any_sim(predicate):
+    buf = _barrier_buffer()
+    tid = cuda.threadIdx.x
+    buf[tid] = 1.0 if predicate else 0.0
+    cuda.syncthreads()
+    out = bool(buf[tid & ~31 : (tid & ~31) + 32].any())
+    cuda.syncthreads()
+    return out
+
+
 def _exchange_buffer():
     return cuda.shared.array((1024, 64), np.float64)  # (one per block, as _barrier_buffer)
 
@@ -154,6 +165,7 @@ if SIMULATOR:
     warp_shfl = cuda.jit(device=True)(_warp_shfl_sim)
     warp_shfl_xor = cuda.jit(device=True)(_warp_shfl_xor_sim)
     warp_shfl_xor_all = cuda.jit(device=True)(_warp_shfl_xor_all_sim)
+    warp_any = cuda.jit(device=True)(_warp_any_sim)
     mma_u8s8 = cuda.jit(device=True)(_mma_u8s8_sim)
     mma_f16 = cuda.jit(device=True)(_mma_f16_sim)
 else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass.py)
@@ -222,6 +234,11 @@ else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass
     @cuda.jit(device=True)
     def warp_shfl_xor(value, mask):
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, mask)
+
+    @cuda.jit(device=True)
+    def warp_any(predicate):
+        """Whether ``predicate`` holds in any lane of the warp (vote.any)."""
+        return cuda.any_sync(0xFFFFFFFF, predicate)
 
     @cuda.jit(device=True)
     def warp_shfl_xor_all(src, dst, count, mask):
