@@ -75,7 +75,7 @@ def _tool(name: str) -> str:
 MMA_ARGS = (  # attention_mma's decode kernel
     "float16[:, :, ::1], int32[::1], int32[::1], float16[::1], int16[::1], float16[:, :, ::1], "
     "float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], int32[::1], float32, int64, "
-    "int64[::1], int64[::1], int64"
+    "int64[::1], int64[::1], int64, int64"
 )
 
 

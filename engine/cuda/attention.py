@@ -1175,10 +1175,10 @@ def paged_attention_cuda(
 
     group = q.shape[1] // k_pages.shape[2]
     if attention_mma.ENABLED and attention_mma.supports_fp16(
-        k_pages.dtype, sliding_window, q.shape[2], group, batch.page_size, batch.max_query_len
+        k_pages.dtype, q.shape[2], group, batch.page_size, batch.max_query_len
     ):
         return attention_mma.decode_attention_mma_fp16(
-            q, k_pages, v_pages, batch, scale, num_splits=num_splits
+            q, k_pages, v_pages, batch, scale, sliding_window=sliding_window, num_splits=num_splits
         )
     pages = KVArgs(k_pages, v_pages, k_pages, v_pages, 0, 0, k_pages.shape[2])
     return launch_attention(q, pages, batch, scale, sliding_window, num_splits)

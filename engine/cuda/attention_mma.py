@@ -24,8 +24,8 @@ shows as speed. Here each warp takes 16 keys at a time and one KV head's query h
 - Lanes own V's dims as bytes gid * D / 16 ... of each row, one quantization group, so each
   key's V costs one scale per lane.
 
-Serves decode batches (one query token per sequence) over 4-bit K and V without a sliding
-window, head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16
+Serves decode batches (one query token per sequence), with a sliding window or without,
+head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16
 slots (``supports``); fp16 sink pages are read from their rows by fp16 MMAs (scores and
 values alike). attention.py's kernel serves everything else.
 fp16 pages take the same kernel with every tile on that fp16 path
@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -90,7 +91,6 @@ def supports(
     k_bits: int,
     v_bits: int,
     sink_dtype: torch.dtype | None,
-    sliding_window: int | None,
     head_dim: int,
     group: int,
     page_size: int,
@@ -101,7 +101,6 @@ def supports(
     return (
         (k_bits, v_bits) in ((4, 4), (8, 4), (8, 8))  # q4, q6, q8
         and sink_dtype in (None, torch.float16)
-        and not sliding_window
         and head_dim in (64, 128, 256)
         and 1 <= group <= MAX_HEADS
         and page_size % TILE == 0
@@ -406,7 +405,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
     @cuda.jit(fastmath=True, **options)
     def decode(  # noqa: C901, PLR0915
         q, k_words, v_words, k_scales, v_scale_bits, out, part_ml, part_o, block_tables,
-        seq_lens, scale, num_splits, k_rows, v_rows, num_sink_pages,
+        seq_lens, scale, num_splits, k_rows, v_rows, num_sink_pages, window,
     ):  # fmt: skip
         seq = cuda.blockIdx.x
         kv = cuda.blockIdx.y
@@ -417,10 +416,14 @@ def _decode_kernel(  # noqa: C901, PLR0915
         gid = lane >> 2
         t = lane & 3
         n_ctx = seq_lens[seq]
-        # an even share of this sequence's keys in whole tiles, at least MIN_CHUNK (a CUDA
-        # graph plans the split count for the longest context; short ones fill fewer splits)
-        chunk = max((-(-n_ctx // num_splits) + TILE - 1) // TILE * TILE, MIN_CHUNK)
-        lo = split * chunk
+        # keys [first, n_ctx) count (a sliding window of ``window`` keys; 0: none); tiles start
+        # at multiples of 16, so the first may hold keys below ``first`` (masked)
+        first = max(0, n_ctx - window) if window > 0 else 0
+        start = first // TILE * TILE
+        # an even share of those keys in whole tiles, at least MIN_CHUNK (a CUDA graph plans
+        # the split count for the longest context; short ones fill fewer splits)
+        chunk = max((-(-(n_ctx - start) // num_splits) + TILE - 1) // TILE * TILE, MIN_CHUNK)
+        lo = start + split * chunk
         hi = min(lo + chunk, n_ctx)
 
         # this lane's head (column gid) and dims of q, rotated, as signed bytes
@@ -496,8 +499,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
                                              ci1, t)  # fmt: skip
                 f0 = mult0
                 f1 = mult1
-            live_a = j0 + gid < hi
-            live_b = j0 + gid + 8 < hi
+            live_a = first <= j0 + gid < hi
+            live_b = first <= j0 + gid + 8 < hi
             s0 = s0 * f0 if live_a else NEG
             s1 = s1 * f1 if live_a else NEG
             s2 = s2 * f0 if live_b else NEG
@@ -507,7 +510,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
             for off in (4, 8, 16):
                 top0 = max(top0, warp_shfl_xor(top0, off))
                 top1 = max(top1, warp_shfl_xor(top1, off))
-            new0 = max(m0, top0)  # key j0 is live, so the tile's maximum is a real score
+            # every tile holds a live key (the first tile holds ``first``), so the tile's
+            # maximum is a real score
+            new0 = max(m0, top0)
             new1 = max(m1, top1)
             alpha0 = math.exp2(m0 - new0)
             alpha1 = math.exp2(m1 - new1)
@@ -538,7 +543,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
             pb0 = byte_perm(x, y, 0x5410)
             pb1 = byte_perm(x, y, 0x7632)
             r0 = base + (2 * t) * KV  # key 2t's row
-            live = (j0 + 2 * t < hi, j0 + 2 * t + 1 < hi, j0 + 2 * t + 8 < hi, j0 + 2 * t + 9 < hi)
+            k0 = j0 + 2 * t
+            live = (first <= k0 < hi, first <= k0 + 1 < hi, first <= k0 + 8 < hi,
+                    first <= k0 + 9 < hi)  # fmt: skip
             if exact:
                 exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
             elif V8:
@@ -611,6 +618,7 @@ def decode_attention_mma(
     v_bits: int = 4,
     k_sinks: torch.Tensor | None = None,
     v_sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over quantized pages; returns a new
@@ -620,10 +628,11 @@ def decode_attention_mma(
     layout for ``k_bits`` / ``v_bits`` (4: uint8 [P, S, KV, D / 2]; 8: int8 [P, S, KV, D]),
     k_scales / v_scales float16 [P, S, KV, D / 32], stored rotated when ``rotate``;
     k_sinks / v_sinks: the sink pages' fp16 rows [R, S, KV, D] (pages 0..R-1 are read from
-    there; QuantPages.sinks). ``num_splits`` forces the split count (tests, benchmarks).
+    there; QuantPages.sinks); ``sliding_window``: each query sees its last that many keys.
+    ``num_splits`` forces the split count (tests, benchmarks).
     """
     sink_dtype = None if k_sinks is None else k_sinks.dtype
-    _check(q, k_pages.shape[2], batch, supports(k_bits, v_bits, sink_dtype, None, q.shape[2],
+    _check(q, k_pages.shape[2], batch, supports(k_bits, v_bits, sink_dtype, q.shape[2],
            q.shape[1] // k_pages.shape[2], batch.page_size, batch.max_query_len),
            f"{k_bits}/{v_bits}-bit pages, sink pages {sink_dtype}")  # fmt: skip
     sinks = k_sinks is not None
@@ -639,13 +648,12 @@ def decode_attention_mma(
         k_scales.reshape(-1),
         v_scales.view(torch.int16).reshape(-1),
     )
-    return _launch_decode(kernel, q, batch, scale, num_splits, k_pages.shape[2], codes, rows,
-                          k_sinks.shape[0] if sinks else 0)  # fmt: skip
+    pages = _Pages(k_pages.shape[2], codes, rows, k_sinks.shape[0] if sinks else 0)
+    return _launch_decode(kernel, q, batch, scale, pages, sliding_window, num_splits)
 
 
 def supports_fp16(
     dtype: torch.dtype,
-    sliding_window: int | None,
     head_dim: int,
     group: int,
     page_size: int,
@@ -653,8 +661,8 @@ def supports_fp16(
 ) -> bool:
     """Whether ``decode_attention_mma_fp16`` serves the batch: fp16 pages, otherwise as
     ``supports``."""
-    return dtype == torch.float16 and supports(4, 4, None, sliding_window, head_dim, group,
-                                               page_size, max_query_len)  # fmt: skip
+    return dtype == torch.float16 and supports(4, 4, None, head_dim, group, page_size,
+                                               max_query_len)  # fmt: skip
 
 
 def decode_attention_mma_fp16(
@@ -664,12 +672,13 @@ def decode_attention_mma_fp16(
     batch: ForwardBatch,
     scale: float,
     *,
+    sliding_window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """``decode_attention_mma`` over unquantized fp16 pages [P, S, KV, D]: every tile through
     the fp16 MMAs a 4-bit cache's sink pages take (q in fp16, no byte rounding)."""
     kv_heads = k_pages.shape[2]
-    _check(q, kv_heads, batch, supports_fp16(k_pages.dtype, None, q.shape[2],
+    _check(q, kv_heads, batch, supports_fp16(k_pages.dtype, q.shape[2],
            q.shape[1] // kv_heads, batch.page_size, batch.max_query_len),
            f"{k_pages.dtype} pages")  # fmt: skip
     kernel = _decode_kernel(q.shape[2], batch.page_size, q.shape[1] // kv_heads, kv_heads,
@@ -678,7 +687,8 @@ def decode_attention_mma_fp16(
     codes = (_dummy(torch.int32, device), _dummy(torch.int32, device),
              _dummy(torch.float16, device), _dummy(torch.int16, device))  # fmt: skip
     rows = tuple(x.view(torch.int64).reshape(-1) for x in (k_pages, v_pages))
-    return _launch_decode(kernel, q, batch, scale, num_splits, kv_heads, codes, rows, 0)
+    pages = _Pages(kv_heads, codes, rows, 0)
+    return _launch_decode(kernel, q, batch, scale, pages, sliding_window, num_splits)
 
 
 def _dummy(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -699,12 +709,25 @@ def _check(q: torch.Tensor, kv_heads: int, batch: ForwardBatch, supported: bool,
         )
 
 
-def _launch_decode(kernel, q, batch, scale, num_splits, kv_heads, codes, rows, num_sink_pages):
+@dataclass(frozen=True, slots=True)
+class _Pages:
+    """What one decode launch reads: the code arrays (K words, V words, K scales, V scale
+    bits; dummies for fp16 pages) and the fp16 rows (sink pages, or fp16 pages; dummies
+    without), as the kernel indexes them flat."""
+
+    kv_heads: int
+    codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    rows: tuple[torch.Tensor, torch.Tensor]
+    num_sink_pages: int
+
+
+def _launch_decode(kernel, q, batch, scale, pages: _Pages, sliding_window, num_splits):
     """The decode launch (+ the merge of its splits); returns a new [T, H, D]."""
     from engine.cuda.attention import _MERGE_THREADS, _merge_kernel
 
     tokens, heads, head_dim = q.shape
-    splits = num_splits or _auto_splits(tokens, kv_heads, batch.max_seq_len, q.device)
+    span = min(batch.max_seq_len, sliding_window or batch.max_seq_len)
+    splits = num_splits or _auto_splits(tokens, pages.kv_heads, span, q.device)
     out = torch.empty_like(q)
     parts = (splits, tokens, heads) if splits > 1 else (1, 1, 1)  # (dummies when unsplit)
     part_ml = torch.empty((*parts, 2), dtype=torch.float32, device=q.device)
@@ -712,9 +735,10 @@ def _launch_decode(kernel, q, batch, scale, num_splits, kv_heads, codes, rows, n
                          device=q.device)  # fmt: skip
     if SIMULATOR and not q.is_contiguous():
         q = q.contiguous()
-    launch(kernel, (tokens, kv_heads, -(-splits // _WARPS)), _WARPS * 32, q, *codes, out,
-           part_ml, part_o, batch.block_tables, batch.seq_lens, np.float32(scale), splits,
-           *rows, num_sink_pages)  # fmt: skip
+    launch(kernel, (tokens, pages.kv_heads, -(-splits // _WARPS)), _WARPS * 32, q,
+           *pages.codes, out, part_ml, part_o, batch.block_tables, batch.seq_lens,
+           np.float32(scale), splits, *pages.rows, pages.num_sink_pages,
+           sliding_window or 0)  # fmt: skip
     if splits > 1:
         launch(_merge_kernel(head_dim), tokens, _MERGE_THREADS, part_ml, part_o, out, splits)
     return out

@@ -87,13 +87,14 @@ def paged_attention_quant_cuda(
     group = q.shape[1] // k_pages.shape[2]
     sink_dtype = None if k_pages.sinks is None else k_pages.sinks.dtype
     if attention_mma.ENABLED and attention_mma.supports(
-        k_pages.bits, v_pages.bits, sink_dtype, sliding_window, q.shape[2], group,
-        batch.page_size, batch.max_query_len,
+        k_pages.bits, v_pages.bits, sink_dtype, q.shape[2], group, batch.page_size,
+        batch.max_query_len,
     ):  # fmt: skip
         return attention_mma.decode_attention_mma(
             q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
             rotate=k_pages.rotate, k_bits=k_pages.bits, v_bits=v_pages.bits,
-            k_sinks=k_pages.sinks, v_sinks=v_pages.sinks, num_splits=num_splits,
+            k_sinks=k_pages.sinks, v_sinks=v_pages.sinks, sliding_window=sliding_window,
+            num_splits=num_splits,
         )  # fmt: skip
     pages = KVArgs(
         k_pages.data,

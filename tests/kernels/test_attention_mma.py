@@ -149,17 +149,16 @@ def test_mma_decode_ignores_garbage_past_the_context():
 
 
 def test_supports_names_what_the_kernel_serves():
-    assert supports(4, 4, None, None, 128, 4, 16, 1)
-    assert supports(4, 4, torch.float16, None, 128, 4, 16, 1)  # fp16 sink pages
-    assert not supports(4, 4, torch.bfloat16, None, 128, 4, 16, 1)  # bf16 sink pages
-    assert supports(8, 8, None, None, 128, 4, 16, 1)  # q8 pages
-    assert supports(8, 4, None, None, 128, 4, 16, 1)  # q6 pages
-    assert not supports(4, 8, None, None, 128, 4, 16, 1)  # no cache mode stores these
-    assert not supports(4, 4, None, 64, 128, 4, 16, 1)  # sliding window
-    assert not supports(4, 4, None, None, 128, 16, 16, 1)  # 16 heads per KV head
-    assert not supports(4, 4, None, None, 128, 4, 8, 1)  # page of 8 slots
-    assert not supports(4, 4, None, None, 96, 4, 16, 1)  # a lane's V bytes would span groups
-    assert not supports(4, 4, None, None, 128, 4, 16, 3)  # drafts to verify
+    assert supports(4, 4, None, 128, 4, 16, 1)
+    assert supports(4, 4, torch.float16, 128, 4, 16, 1)  # fp16 sink pages
+    assert not supports(4, 4, torch.bfloat16, 128, 4, 16, 1)  # bf16 sink pages
+    assert supports(8, 8, None, 128, 4, 16, 1)  # q8 pages
+    assert supports(8, 4, None, 128, 4, 16, 1)  # q6 pages
+    assert not supports(4, 8, None, 128, 4, 16, 1)  # no cache mode stores these
+    assert not supports(4, 4, None, 128, 16, 16, 1)  # 16 heads per KV head
+    assert not supports(4, 4, None, 128, 4, 8, 1)  # page of 8 slots
+    assert not supports(4, 4, None, 96, 4, 16, 1)  # a lane's V bytes would span groups
+    assert not supports(4, 4, None, 128, 4, 16, 3)  # drafts to verify
 
 
 def test_mma_decode_refuses_what_it_does_not_serve():
@@ -395,4 +394,33 @@ def test_mma_decode_over_8_bit_keys_matches_the_reference(quant, lens, head_dim,
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
     v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
     err = (out - ref).abs().max().item()
+    assert err <= 2**-10 * v_max + 1e-5, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
+
+
+# --- sliding window -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("quant", "window", "splits"), [("q4", 21, 1), ("fp16", 50, 2)])
+def test_mma_decode_keeps_to_a_sliding_window(quant, window, splits):
+    """Each query sees its last ``window`` keys: the first tile starts below them (masked) and
+    a split's share counts from there. q on the byte grid, the bound of the tests above."""
+    lens, scale = [40, 90, 12], 64**-0.5
+    if quant == "fp16":
+        specs = [(n - 1, 1) for n in lens]
+        q, k, v, batch = make_case(specs, 4, 1, 64, torch.float16, PAGE, 4)
+        q = _grid_q(q.float(), False).half()
+        out = decode_attention_mma_fp16(q, k, v, batch, scale, sliding_window=window,
+                                        num_splits=splits)  # fmt: skip
+        ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, scale, window)
+        v_max = v.float().abs().max().item()
+    else:
+        q, k_pages, v_pages, batch = _case(lens, 4, 1, 64, True, seed=4)
+        q = _grid_q(q, True)
+        out = decode_attention_mma(
+            q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
+            rotate=True, sliding_window=window, num_splits=splits,
+        )  # fmt: skip
+        ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
+        v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
+    err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2**-10 * v_max + 1e-5, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
