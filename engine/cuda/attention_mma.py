@@ -67,6 +67,7 @@ from engine.cuda.mma import (
 
 float32 = cuda.float32
 int32 = cuda.int32
+uint32 = cuda.uint32
 int64 = cuda.int64  # (loads widened: simulator scalars are numpy's, which wrap or refuse)
 uint64 = cuda.uint64
 
@@ -425,6 +426,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         chunk = max((-(-(n_ctx - start) // num_splits) + TILE - 1) // TILE * TILE, MIN_CHUNK)
         lo = start + split * chunk
         hi = min(lo + chunk, n_ctx)
+        span = uint32(max(hi - first, 0))  # (live keys: first .. hi - 1)
 
         # this lane's head (column gid) and dims of q, rotated, as signed bytes
         qv = cuda.local.array(QN, float32)
@@ -499,8 +501,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
                                              ci1, t)  # fmt: skip
                 f0 = mult0
                 f1 = mult1
-            live_a = first <= j0 + gid < hi
-            live_b = first <= j0 + gid + 8 < hi
+            rel = j0 - first  # key j is live when 0 <= j - first < hi - first: one unsigned test
+            live_a = uint32(rel + gid) < span
+            live_b = uint32(rel + gid + 8) < span
             s0 = s0 * f0 if live_a else NEG
             s1 = s1 * f1 if live_a else NEG
             s2 = s2 * f0 if live_b else NEG
@@ -543,9 +546,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
             pb0 = byte_perm(x, y, 0x5410)
             pb1 = byte_perm(x, y, 0x7632)
             r0 = base + (2 * t) * KV  # key 2t's row
-            k0 = j0 + 2 * t
-            live = (first <= k0 < hi, first <= k0 + 1 < hi, first <= k0 + 8 < hi,
-                    first <= k0 + 9 < hi)  # fmt: skip
+            k0 = rel + 2 * t
+            live = (uint32(k0) < span, uint32(k0 + 1) < span, uint32(k0 + 8) < span,
+                    uint32(k0 + 9) < span)  # fmt: skip
             if exact:
                 exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
             elif V8:
