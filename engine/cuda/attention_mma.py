@@ -1,39 +1,44 @@
-"""Decode attention over 4-bit pages on tensor cores (engine/cuda/mma.py), one warp per split.
+"""Decode attention on tensor cores (engine/cuda/mma.py): q4, q6, q8 and fp16 pages, one warp
+per split.
 
 The CUDA-core decode kernel (attention.py) issues about 180 instructions per key for q4 at the
 8B shape: the same 64 FMAs per key as fp16 plus the unpack, so q4's quarter of the bytes never
 shows as speed. Here each warp takes 16 keys at a time and one KV head's query heads (at most
 8) as the MMA's 8 columns:
 
-- Scores: S^T[key, head] = K (16 x 32, one quantization group) times q^T, one
+- 4-bit scores: S^T[key, head] = K (16 x 32, one quantization group) times q^T, one
   ``mma_u8s8`` (m16n8k32) per group. K's nibbles go in as unsigned bytes (w & 0x0F0F0F0F: no
   unpack beyond a mask), q as signed bytes, quantized once per warp with one scale per head
   (q's rounding, |q| / 254 per element, is small beside K's 4-bit step). The accumulator
   starts at -8 * sum(q) over the group, which turns the stored u = code + 8 into the code;
   each key's group scale multiplies the integer sum after.
-- Output: O^T[dim, head] += V^T (16 dims x 16 keys) times P^T, one ``mma_f16`` (m16n8k16)
-  per 16 dims: V's nibbles become fp16 by the 0x6400 trick (1024 + u, exact), minus 1032,
-  times the key's scale (packed-half ops); P goes in as fp16, as FlashAttention's does.
-- Lanes map to the MMA's k index so that the page layout needs no change: a lane's 8 K
-  nibbles per key and group are one 32-bit word, its V nibbles per key and group one 16-bit
-  half (engine/cache/quant.py: byte b of group g holds dims 32 g + b and 32 g + 16 + b).
-- Softmax online per head in log2 units; split partials leave in attention.py's format and
-  its merge kernel combines them.
+- 8-bit scores (q8, q6): fp16 MMAs (m16n8k16) with q in fp16, each code byte an exact fp16
+  by one mask-xor under 0x64 and one subtract; the group scale multiplies after, as above.
+  (q rounded to bytes would add an error as large as the keys' own.)
+- Output: O^T[dim, head] += V^T (16 dims x 16 keys) times P^T, one ``mma_f16`` per 16 dims:
+  4-bit values become fp16 by the 0x6400 trick (1024 + u, exact) minus 1032, 8-bit ones as
+  the keys above, times the key's scale (packed-half ops); P goes in as fp16, as
+  FlashAttention's does.
+- fp16 rows (fp16 pages, and a quantized cache's sink pages) go through the same fp16 MMAs
+  as they are (``exact_scores`` / ``exact_values``).
+- The page layout is unchanged. Lanes map to the MMA's k index so that a lane's 8 K nibbles
+  per key and group are one 32-bit word (engine/cache/quant.py: byte b of group g holds dims
+  32 g + b and 32 g + 16 + b), and own V's dims as bytes gid * D / 16 ... of each row: one
+  quantization group, so one scale per key and lane.
+- Softmax online per head in log2 units, the accumulator rescaled only when a tile moved a
+  column's maximum (a warp vote); split partials leave in attention.py's format and its merge
+  kernel combines them.
 - Rotated pages: q is rotated per group of 32 (a Walsh-Hadamard transform in registers, two
   of its five levels across lanes) and the output rotated back the same way.
-- Lanes own V's dims as bytes gid * D / 16 ... of each row, one quantization group, so each
-  key's V costs one scale per lane.
 
 Serves decode batches (one query token per sequence), with a sliding window or without,
-head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16
-slots (``supports``); fp16 sink pages are read from their rows by fp16 MMAs (scores and
-values alike). attention.py's kernel serves everything else.
-fp16 pages take the same kernel with every tile on that fp16 path
-(``decode_attention_mma_fp16``), so the two cache modes can be compared on tensor cores.
+head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16 slots,
+fp16 sink pages or none (``supports``, ``supports_fp16``); attention.py's kernel serves
+everything else.
 
-Not yet timed on a GPU, so the op set takes it only when asked: ENGINE_TENSOR_CORE_DECODE=1
-(``ENABLED``) routes the 4-bit and fp16 decode batches of paged_attention_quant_cuda and
-paged_attention_cuda here.
+Not yet run on a GPU, so the op set takes it only when asked: ENGINE_TENSOR_CORE_DECODE=1
+(``ENABLED``) routes the decode batches of paged_attention_quant_cuda and
+paged_attention_cuda that it serves here.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ uint32 = cuda.uint32
 int64 = cuda.int64  # (loads widened: simulator scalars are numpy's, which wrap or refuse)
 uint64 = cuda.uint64
 
-# the op set's 4-bit and fp16 decode batches come here (quant_kernels.paged_attention_quant_cuda,
+# the op set's decode batches come here when served (quant_kernels.paged_attention_quant_cuda,
 # attention.paged_attention_cuda)
 ENABLED = os.environ.get("ENGINE_TENSOR_CORE_DECODE", "") == "1"
 GROUP = 32
@@ -121,6 +126,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
     k_bits: int = 4,
     v_bits: int = 4,
 ):
+    """The decode kernel specialised on its shape and page formats: ``k_bits`` / ``v_bits``
+    4 or 8 (quantized pages, ``rotate``: stored rotated), ``sinks``: fp16 sink pages among
+    them, ``fp16_pages``: unquantized fp16 pages (the bits then do not apply)."""
     D = head_dim
     NG = D // GROUP  # quantization groups per row
     NC = D // 16  # output MMA chunks (16 dims each)
@@ -428,7 +436,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
         hi = min(lo + chunk, n_ctx)
         span = uint32(max(hi - first, 0))  # (live keys: first .. hi - 1)
 
-        # this lane's head (column gid) and dims of q, rotated, as signed bytes
+        # this lane's head (column gid) and dims of q, rotated; as signed bytes for 4-bit keys,
+        # as fp16 pairs for 8-bit keys and fp16 rows
         qv = cuda.local.array(QN, float32)
         head = kv * G + gid
         for g in range(NG):
