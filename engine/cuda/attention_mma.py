@@ -703,7 +703,10 @@ def decode_attention_mma_fp16(
     return _launch_decode(kernel, q, batch, scale, pages, sliding_window, num_splits)
 
 
+@functools.cache
 def _dummy(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element stand-in for an array the kernel variant never reads (made once: a fill
+    per layer and step would be a launch each)."""
     return torch.zeros(1, dtype=dtype, device=device)
 
 
