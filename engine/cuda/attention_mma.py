@@ -577,11 +577,13 @@ def _decode_kernel(  # noqa: C901, PLR0915
             if col < G:
                 h = kv * G + col
                 total = l1 if r & 1 else l0
+                # (a CUDA graph's padding rows have no keys: zeros, as attention.py gives)
+                inv_total = float32(1.0) / total if total > float32(0.0) else float32(0.0)
                 for c in range(NC):
                     b = gid * NC + c
                     d = (b >> 4) * GROUP + (b & 15) + 16 * (r >> 1)
                     if num_splits == 1:
-                        out[seq, h, d] = acc[c * 4 + r] / total
+                        out[seq, h, d] = acc[c * 4 + r] * inv_total
                     else:
                         part_o[split, seq, h, d] = acc[c * 4 + r]
         if num_splits > 1 and gid == 0 and cols_live:
