@@ -603,9 +603,10 @@ def _auto_splits(num_seqs: int, kv_heads: int, max_len: int, device: torch.devic
     ``_MIN_SPLIT_KEYS`` keys of the longest context."""
     if SIMULATOR:
         return 1
+    from engine.cuda.attention import _num_sms  # (cached per device)
+
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return split_count(num_seqs * kv_heads, max_len, sms)
+    return split_count(num_seqs * kv_heads, max_len, _num_sms(index))
 
 
 def split_count(items: int, max_len: int, sms: int) -> int:
