@@ -424,3 +424,19 @@ def test_mma_decode_keeps_to_a_sliding_window(quant, window, splits):
         v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2**-10 * v_max + 1e-5, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
+
+
+@pytest.mark.parametrize(
+    ("items", "max_len", "want"),
+    [
+        (256, 4096, 8),  # 8B decode at batch 32: 9 splits fill 4 blocks per SM; whole blocks
+        (8, 4096, 16),  # one sequence: as many as 256-key splits allow
+        (256, 300, 1),  # short contexts do not split
+        (2048, 4096, 2),  # a large batch: fewer than a block's warps, kept as they are
+    ],
+)
+def test_split_count_fills_the_sms_in_whole_blocks(monkeypatch, items, max_len, want):
+    from engine.cuda import attention_mma
+
+    monkeypatch.setattr(attention_mma, "_WARPS", 4)  # (the GPU's block; the simulator runs 1)
+    assert attention_mma.split_count(items, max_len, 132) == want
