@@ -15,6 +15,8 @@ The model runs in float32. For each cache mode (``--modes``; default all):
                  quantization); ``--balance-alpha`` sets the exponent
     ...+ctr      EXPERIMENT, bench only: a fixed mean post-RoPE key (one forward over random
                  token ids) subtracted from every key (exact: softmax ignores the shift)
+    q4+rot+qbytes  the engine's q4+rot cache with one-token sequences' q rounded to bytes per
+                 head before attention, as the tensor-core decode kernel reads q
     ...+cal      EXPERIMENT, bench only: post-RoPE keys divided per channel by scales
                  measured on one calibration forward (``--calibration-text``, default
                  engine/cache/quant.py, which the scored text does not contain), q multiplied
@@ -173,6 +175,9 @@ EXPERIMENT_MODES.update(
         for quant in ("q8", "q6", "q4")
     }
 )
+# the tensor-core decode kernel's q (engine/cuda/attention_mma.py): one-token sequences' q
+# rounded to signed bytes per head before attention, on the engine's default q4+rot pages
+EXPERIMENT_MODES.update({"q4+rot+qbytes": Mode("q4+rot+qbytes", "q4", True, adjust=("qbytes",))})
 BALANCE_ALPHA = {"keys": 0.5, "values": 0.0}  # --balance-alpha / --balance-alpha-v
 CENTER_IDS: list[int] = []  # +ctr: --center-text's token ids (empty: random ids)
 CALIBRATION = {"stat": "absmax", "alpha": 0.5, "query_alpha": 0.5, "pairs": False}  # --cal-*
@@ -283,6 +288,8 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...], quant: str = "q4
     bench/kv_zero_point.py)."""
     from bench import kv_balance
 
+    if "qbytes" in adjust:
+        return q_bytes_ops(ops)
     if zero_point(adjust):
         from bench import kv_zero_point
 
@@ -310,6 +317,22 @@ def adjusted(model: Model, ops: OpSet, adjust: tuple[str, ...], quant: str = "q4
         )
         layers = kv_balance.calibrated(layers, scales)
     return kv_balance.adjusted_ops(ops, layers)
+
+
+def q_bytes_ops(ops: OpSet) -> OpSet:
+    """``ops`` whose attention reads one-token sequences' q rounded to bytes as the
+    tensor-core decode kernel reads it (``attention_mma.round_q_bytes``); longer queries
+    (prompt chunks) keep theirs, as on a GPU they go to the torch reference."""
+    from engine.cuda.attention_mma import round_q_bytes
+
+    def attention(q, k_pages, v_pages, batch, scale, window=None):
+        lens = torch.tensor(batch.q_lens, device=q.device)
+        decode_rows = torch.repeat_interleave(lens == 1, lens)
+        rounded = round_q_bytes(q, bool(k_pages.rotate))
+        q = torch.where(decode_rows[:, None, None], rounded, q)
+        return ops.paged_attention(q, k_pages, v_pages, batch, scale, window)
+
+    return dataclasses.replace(ops, paged_attention=attention)
 
 
 def allocate(model: Model, pages: int, mode: Mode):

@@ -597,6 +597,20 @@ def _decode_kernel(  # noqa: C901, PLR0915
     return decode
 
 
+def round_q_bytes(q: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """q [..., H, D] rounded to signed bytes per head as the kernel rounds it for 4-bit keys
+    (in the rotated basis when ``rotate``: one step of max|q| / 127 per head), returned in
+    q's own basis and dtype: a torch model of that rounding (tests, bench/kv_quant_quality.py).
+    """
+    from engine.cache.quant import rotate_groups
+
+    x = rotate_groups(q) if rotate else q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    rounded = torch.floor(x / step + 0.5) * step
+    return (rotate_groups(rounded) if rotate else rounded).to(q.dtype)
+
+
 def _auto_splits(num_seqs: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Splits per (sequence, KV head): enough warps for ``_BLOCKS_PER_SM`` blocks per SM, a
     multiple of the block's warps (a block's idle warps return at once), each split at least

@@ -30,7 +30,12 @@ from engine.cache.quant import (
 from engine.cuda import mma
 from engine.cuda._launch import SIMULATOR, cuda
 from engine.cuda.attention import paged_attention_reference
-from engine.cuda.attention_mma import decode_attention_mma, decode_attention_mma_fp16, supports
+from engine.cuda.attention_mma import (
+    decode_attention_mma,
+    decode_attention_mma_fp16,
+    round_q_bytes,
+    supports,
+)
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from tests.kernels.common import DEVICE
 from tests.kernels.test_attention import make_case
@@ -84,16 +89,6 @@ def _grid_q(q: torch.Tensor, rotate: bool) -> torch.Tensor:
     return rotate_groups(rotated) if rotate else rotated
 
 
-def _q_as_the_kernel_rounds_it(q: torch.Tensor, rotate: bool) -> torch.Tensor:
-    """q rounded to signed bytes per head as the kernel does it (in the rotated basis),
-    returned in the basis the reference takes."""
-    rotated = rotate_groups(q) if rotate else q.float()
-    amax = rotated.abs().amax(dim=-1, keepdim=True)
-    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    rounded = torch.floor(rotated / step + 0.5) * step
-    return rotate_groups(rounded) if rotate else rounded
-
-
 def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0, center=False):
     q, k_pages, v_pages, batch = _case(lens, heads, kv_heads, head_dim, rotate, seed, None, center)
     scale = head_dim**-0.5
@@ -101,7 +96,7 @@ def _run(lens, heads, kv_heads, head_dim, rotate, splits, seed=0, center=False):
         q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
         rotate=rotate, num_splits=splits,
     )  # fmt: skip
-    rounded_q = _q_as_the_kernel_rounds_it(q, rotate)
+    rounded_q = round_q_bytes(q, rotate)
     ref = quant_paged_attention_reference(rounded_q, k_pages, v_pages, batch, scale)
     v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
     err = (out.float() - ref.float()).abs().max().item()
@@ -301,7 +296,7 @@ def test_cuda_op_set_gives_a_mixed_batchs_decode_rows_to_tensor_cores(monkeypatc
     exact = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale)
     torch.testing.assert_close(out[:5], exact[:5], atol=1e-5, rtol=1e-5)  # the chunk
     rounded = quant_paged_attention_reference(
-        _q_as_the_kernel_rounds_it(q, True), k_pages, v_pages, batch, scale
+        round_q_bytes(q, True), k_pages, v_pages, batch, scale
     )
     v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
     assert (out[5:] - rounded[5:]).abs().max().item() <= 2**-10 * v_max + 1e-5
