@@ -19,11 +19,13 @@ simulator is only as right as the layout reading; a GPU run checks the two again
 ``warp_shfl(value, lane)`` / ``warp_shfl_xor(value, mask)`` / ``warp_shfl_xor_all(src, dst,
 count, mask)`` (a local array's values at once) are the shuffles the kernels built on these
 use, ``warp_any(predicate)`` their vote: full-warp ``shfl.sync`` / ``vote.any`` on a GPU, one
-pair of block barriers per call in the simulator (valid when every thread of the block makes
-the same sequence of calls).
+block barrier per call in the simulator (valid when every thread of the block makes the same
+sequence of calls).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -73,17 +75,29 @@ def _pack_half2_sim(lo, hi):
     return _from_halves(np.float16(np.float32(lo)), np.float16(np.float32(hi)))
 
 
-def _barrier_buffer():
-    return cuda.shared.array(1024, np.float64)  # one per block (the simulator keys by line)
+# The simulator's warp exchanges: each call writes this thread's values into a block buffer,
+# waits at one barrier, reads. Buffers alternate between two phases (a per-thread call count):
+# a thread can write a phase again only after the next call's barrier, which every thread
+# reaches only once it has read that phase, so one barrier per call suffices.
+_phase = threading.local()
+
+
+def _next_phase() -> int:
+    phase = getattr(_phase, "value", 0)
+    _phase.value = phase ^ 1
+    return phase
+
+
+def _value_buffer():
+    return cuda.shared.array((2, 1024), np.float64)  # one per block (the simulator keys by line)
 
 
 def _warp_shfl_sim(value, lane):
-    buf = _barrier_buffer()
+    buf = _value_buffer()[_next_phase()]
     tid = cuda.threadIdx.x
     buf[tid] = value
     cuda.syncthreads()
     out = buf[(tid & ~31) | (int(lane) & 31)]
-    cuda.syncthreads()
     return np.float32(out) if isinstance(value, (float, np.floating)) else int(out)
 
 
@@ -92,35 +106,36 @@ def _warp_shfl_xor_sim(value, mask):
 
 
 def _warp_any_sim(predicate):
-    buf = _barrier_buffer()
+    buf = _value_buffer()[_next_phase()]
     tid = cuda.threadIdx.x
     buf[tid] = 1.0 if predicate else 0.0
     cuda.syncthreads()
-    out = bool(buf[tid & ~31 : (tid & ~31) + 32].any())
-    cuda.syncthreads()
-    return out
+    return bool(buf[tid & ~31 : (tid & ~31) + 32].any())
 
 
-def _exchange_buffer():
-    return cuda.shared.array((1024, 64), np.float64)  # (one per block, as _barrier_buffer)
+def _array_buffer():
+    return cuda.shared.array((2, 1024, 64), np.float64)  # (one per block, as _value_buffer)
 
 
 def _warp_shfl_xor_all_sim(src, dst, count, mask):
-    buf = _exchange_buffer()
+    buf = _array_buffer()[_next_phase()]
     tid = cuda.threadIdx.x
     for i in range(count):
         buf[tid, i] = src[i]
     cuda.syncthreads()
     for i in range(count):
         dst[i] = buf[tid ^ int(mask), i]
-    cuda.syncthreads()
+
+
+def _register_buffer():
+    return cuda.shared.array((2, 1024, 6), np.int64)  # (one per block, as _value_buffer)
 
 
 def _mma_sim(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, dot, zero):
     """D = A B + C from the fragments: every lane puts its registers in a block buffer, then
     reads the A rows and B columns its D entries need (``dot``: a register pair's elementwise
     product sum)."""
-    regs = cuda.shared.array((1024, 6), np.int64)
+    regs = _register_buffer()[_next_phase()]
     tid = cuda.threadIdx.x
     warp = tid & ~31
     for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
@@ -134,7 +149,6 @@ def _mma_sim(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, dot, zero):
             rb = regs[warp + (2 * t + col) * 4 + source]
             d[col] += dot(ra[0], rb[4]) + dot(ra[2], rb[5])
             d[2 + col] += dot(ra[1], rb[4]) + dot(ra[3], rb[5])
-    cuda.syncthreads()
     return d[0], d[1], d[2], d[3]
 
 
