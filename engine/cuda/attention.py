@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from engine.batch import AttentionPlan, ForwardBatch
 from engine.cache.quant import rotate_groups
+from engine.cuda import attention_mma  # (it imports this module only inside functions)
 from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
 from engine.cuda.bits import odd_parity
 from engine.cuda.kv_load import (
@@ -1171,12 +1172,10 @@ def paged_attention_cuda(
     stream without a host sync.
     """
     _check_inputs(q, k_pages, v_pages, batch, sliding_window, num_splits)
-    from engine.cuda import attention_mma  # (it imports this module's merge kernel)
-
-    group = q.shape[1] // k_pages.shape[2]
     if attention_mma.ENABLED and attention_mma.supports_fp16(
-        k_pages.dtype, q.shape[2], group, batch.page_size, batch.max_query_len
-    ):
+        k_pages.dtype, q.shape[2], q.shape[1] // k_pages.shape[2], batch.page_size,
+        batch.max_query_len,
+    ):  # fmt: skip
         return attention_mma.decode_attention_mma_fp16(
             q, k_pages, v_pages, batch, scale, sliding_window=sliding_window, num_splits=num_splits
         )

@@ -134,13 +134,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
     NC = D // 16  # output MMA chunks (16 dims each)
     QN = 8 * NG  # q values per lane
     NA = 4 * NC  # accumulator values per lane
-    KW = D // 8  # 32-bit words per K row
-    VW = D // 8  # 32-bit words per V row
+    W4 = D // 8  # 32-bit words per 4-bit row (K or V)
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
     HQ = D // 4  # 64-bit words (four fp16) per fp16 row
-    K8W = D // 4  # 32-bit words per 8-bit row
-    V8W = D // 4
+    W8 = D // 4  # 32-bit words per 8-bit row
     SINKS = sinks
     FP16 = fp16_pages
     K8 = k_bits == 8  # 8-bit keys (q8, q6): fp16 MMAs with fp16 q, no byte rounding of q
@@ -226,10 +224,28 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return hmul2(hsub2(raw, HALF2_1032), scales)
 
     @cuda.jit(device=True)
-    def v_scale(v_scale_bits, row, live):
-        """The fp16 bits of the lane's V group scale of ``row``; 0 for a key out of range."""
-        lane_group = ((cuda.threadIdx.x & 31) >> 2) * NC // 16
-        return int64(v_scale_bits[uint64(row * NG + lane_group)]) & 0xFFFF if live else 0
+    def lane_dim(gid):
+        """d0, the first of this lane's output dims: chunk c's MMA rows gid / gid + 8 are dims
+        d0 + c and d0 + 16 + c, all in group d0 // 32 (d0 % 4 == 0)."""
+        return ((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)
+
+    @cuda.jit(device=True)
+    def v_scale(v_scale_bits, row, group, live):
+        """The fp16 bits of V's ``group`` scale of ``row``; 0 for a key out of range."""
+        return int64(v_scale_bits[uint64(row * NG + group)]) & 0xFFFF if live else 0
+
+    @cuda.jit(device=True)
+    def scale_pairs(v_scale_bits, r0, live, gid):
+        """The V scales of the lane's group for keys 2t, 2t+1 and 2t+8, 2t+9 (rows r0, r0 +
+        KV, r0 + 8 KV, r0 + 9 KV) as two fp16 pairs; a key past the range gets scale 0: its
+        page slot may hold anything."""
+        group = lane_dim(gid) // GROUP
+        r8 = r0 + 8 * KV
+        sc0 = v_scale(v_scale_bits, r0, group, live[0])
+        sc0 |= v_scale(v_scale_bits, r0 + KV, group, live[1]) << 16
+        sc1 = v_scale(v_scale_bits, r8, group, live[2])
+        sc1 |= v_scale(v_scale_bits, r8 + KV, group, live[3]) << 16
+        return sc0, sc1
 
     @cuda.jit(device=True)
     def code_scores(k_words, k_scales, row_a, row_b, qb0, qb1, ci0, ci1, t):
@@ -239,8 +255,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
         s1 = float32(0.0)
         s2 = float32(0.0)
         s3 = float32(0.0)
-        base_a = uint64(row_a * KW + t)
-        base_b = uint64(row_b * KW + t)
+        base_a = uint64(row_a * W4 + t)
+        base_b = uint64(row_b * W4 + t)
         for g in range(NG):
             wa = int64(k_words[base_a + uint64(4 * g)])
             wb = int64(k_words[base_b + uint64(4 * g)])
@@ -270,8 +286,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
         s1 = float32(0.0)
         s2 = float32(0.0)
         s3 = float32(0.0)
-        base_a = uint64(row_a * K8W + t)
-        base_b = uint64(row_b * K8W + t)
+        base_a = uint64(row_a * W8 + t)
+        base_b = uint64(row_b * W8 + t)
         for g in range(NG):
             e0 = float32(0.0)
             e1 = float32(0.0)
@@ -301,13 +317,12 @@ def _decode_kernel(  # noqa: C901, PLR0915
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
-        sc0 = v_scale(v_scale_bits, r0, live[0]) | (v_scale(v_scale_bits, r1, live[1]) << 16)
-        sc1 = v_scale(v_scale_bits, r8, live[2]) | (v_scale(v_scale_bits, r9, live[3]) << 16)
-        first = (((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)) // 4  # d0 / 4 (d0 % 4 == 0)
-        b0 = uint64(r0 * V8W + first)
-        b1 = uint64(r1 * V8W + first)
-        b8 = uint64(r8 * V8W + first)
-        b9 = uint64(r9 * V8W + first)
+        sc0, sc1 = scale_pairs(v_scale_bits, r0, live, gid)
+        first = lane_dim(gid) // 4
+        b0 = uint64(r0 * W8 + first)
+        b1 = uint64(r1 * W8 + first)
+        b8 = uint64(r8 * W8 + first)
+        b9 = uint64(r9 * W8 + first)
         for j in range(NC // 4):  # chunks 4j .. 4j + 3: one word per key for each MMA row
             lo = uint64(j)
             hi = uint64(j + 4)  # dims + 16
@@ -349,15 +364,13 @@ def _decode_kernel(  # noqa: C901, PLR0915
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
-        # a key past the range gets scale 0: its page slot may hold anything
-        sc0 = v_scale(v_scale_bits, r0, live[0]) | (v_scale(v_scale_bits, r1, live[1]) << 16)
-        sc1 = v_scale(v_scale_bits, r8, live[2]) | (v_scale(v_scale_bits, r9, live[3]) << 16)
+        sc0, sc1 = scale_pairs(v_scale_bits, r0, live, gid)
         for w in range(WPL):
             at = gid * WPL + w
-            k0 = v_words[uint64(r0 * VW + at)]
-            k1 = v_words[uint64(r1 * VW + at)]
-            k8 = v_words[uint64(r8 * VW + at)]
-            k9 = v_words[uint64(r9 * VW + at)]
+            k0 = v_words[uint64(r0 * W4 + at)]
+            k1 = v_words[uint64(r1 * W4 + at)]
+            k8 = v_words[uint64(r8 * W4 + at)]
+            k9 = v_words[uint64(r9 * W4 + at)]
             for half in range(2):  # bytes 2 half, 2 half + 1 of the words: chunks c, c + 1
                 sel = 0x7632 if half else 0x5410
                 x0 = byte_perm(k0, k1, sel)  # [k0 byte, k0 byte + 1, k1 byte, k1 byte + 1]
@@ -382,7 +395,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
-        first = (((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)) // 4  # d0 / 4 (d0 % 4 == 0)
+        first = lane_dim(gid) // 4
         r0 = uint64(r0 * HQ + first)  # (from here: the keys' first words)
         r1 = uint64(r1 * HQ + first)
         r8 = uint64(r8 * HQ + first)
@@ -580,8 +593,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 # (a CUDA graph's padding rows have no keys: zeros, as attention.py gives)
                 inv_total = float32(1.0) / total if total > float32(0.0) else float32(0.0)
                 for c in range(NC):
-                    b = gid * NC + c
-                    d = (b >> 4) * GROUP + (b & 15) + 16 * (r >> 1)
+                    d = lane_dim(gid) + c + 16 * (r >> 1)
                     if num_splits == 1:
                         out[seq, h, d] = acc[c * 4 + r] * inv_total
                     else:

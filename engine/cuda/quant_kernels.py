@@ -84,11 +84,9 @@ def paged_attention_quant_cuda(
     With ``attention_mma.ENABLED`` (ENGINE_TENSOR_CORE_DECODE=1), decode batches go to the
     tensor-core kernel instead (attention_mma.supports names which)."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
-    group = q.shape[1] // k_pages.shape[2]
-    sink_dtype = None if k_pages.sinks is None else k_pages.sinks.dtype
     if attention_mma.ENABLED and attention_mma.supports(
-        k_pages.bits, v_pages.bits, sink_dtype, q.shape[2], group, batch.page_size,
-        batch.max_query_len,
+        k_pages.bits, v_pages.bits, None if k_pages.sinks is None else k_pages.sinks.dtype,
+        q.shape[2], q.shape[1] // k_pages.shape[2], batch.page_size, batch.max_query_len,
     ):  # fmt: skip
         return attention_mma.decode_attention_mma(
             q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
