@@ -268,7 +268,11 @@ def write_result(args, props, copy_gbs: float, configs, rows: list[SweepRow]) ->
         "context": args.context,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
         "baseline": dict(
-            zip(("keys_per_step", "min_blocks", "lanes", "sums", "splits"), configs[0], strict=True)
+            zip(
+                ("keys_per_step", "min_blocks", "lanes", "sums", "splits", "unpack"),
+                configs[0],
+                strict=True,
+            )
         ),
         "rows": [asdict(r) for r in rows],
     }
