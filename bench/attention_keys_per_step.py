@@ -51,7 +51,20 @@ from attention_kernel import (
 
 RESULTS = Path(__file__).parent / "results" / "attention_keys_per_step.json"
 # the issue's comparison first (a run cut short by its time cap keeps those)
-MODES = ("fp16", "q4", "q4-mma", "fp16-mma", "q8", "q6", "q4+sinks", "q8-mma", "q6-mma")
+MODES = (
+    "fp16",
+    "q4",
+    "q4-mma",
+    "fp16-mma",
+    "q8",
+    "q6",
+    "q4+sinks",
+    "q8-mma",
+    "q6-mma",
+    "q4-mma-pipe0",
+    "q4-mma-pipe1",
+    "q4-mma-pipe2",
+)
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
 UNPACK = {"auto": None, "affine": True, "codes": False}  # 4-bit word codes (kv_load)
@@ -158,7 +171,20 @@ def reference(mode: str, q, k, v, fb) -> torch.Tensor:
 
 def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
     """The tensor-core decode kernel (``q4-mma``, ``q6-mma``, ``q8-mma``: rotated quantized
-    pages; ``fp16-mma``: fp16 pages): splits by its rule, then forced to 4, 8 and 16."""
+    pages; ``fp16-mma``: fp16 pages; ``q4-mma-pipe1``: 4-bit pages under that load pipeline,
+    attention_mma._PIPELINE): splits by its rule, then forced to 4, 8 and 16."""
+    from engine.cuda import attention_mma
+
+    shipped = attention_mma._PIPELINE
+    kernel, _, pipe = mode.partition("-pipe")
+    attention_mma._PIPELINE = int(pipe) if pipe else shipped
+    try:
+        return _mma_rows(mode, kernel.removesuffix("-mma"), batch, context, iters, copy_gbs)
+    finally:
+        attention_mma._PIPELINE = shipped
+
+
+def _mma_rows(mode, base, batch, context, iters, copy_gbs) -> list[SweepRow]:
     from engine.cuda.attention_mma import (
         _auto_splits,
         decode_attention_mma,
@@ -166,7 +192,6 @@ def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
     )
 
     torch.cuda.empty_cache()
-    base = mode.removesuffix("-mma")
     q, k, v, fb = quantized_case(base, batch, context)
     ref = reference(base, q, k, v, fb).float()
     nbytes = kv_bytes(k, v, fb)
@@ -195,7 +220,7 @@ def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
 def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]:
     from engine.cuda import attention
 
-    if mode.endswith("-mma"):
+    if "-mma" in mode:
         return mma_rows(mode, batch, context, iters, copy_gbs)
     torch.cuda.empty_cache()
     q, k, v, fb = quantized_case(mode, batch, context)

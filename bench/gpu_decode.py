@@ -95,6 +95,8 @@ class Workload:
     seed: int = 0
     quant_batch: int = 32  # KV-cache modes (bench/kv_quant_decode.py): batch x context
     quant_context: int = 4096
+    # (fp16 first: the others' ratios are to it; kv_quant_decode.MODES)
+    quant_modes: tuple[str, ...] = ("fp16", "q8", "q6", "q4", "q4+sinks")
 
 
 DRY_WORKLOAD = Workload(
@@ -939,6 +941,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-new-tokens", type=int, default=None)
     parser.add_argument("--decode-batches", default=None, help="comma list, e.g. 1,8,32,128")
     parser.add_argument("--prefill-batches", default=None, help="comma list, e.g. 1,8")
+    parser.add_argument(
+        "--kv-modes", default=None, help="KV-cache modes, fp16 first, e.g. fp16,q4 (default: all)"
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.output is None:  # a dry run never overwrites the real results
@@ -955,6 +960,11 @@ def workload_from(args: argparse.Namespace) -> Workload:
     for field in ("decode_batches", "prefill_batches"):
         if getattr(args, field):
             changes[field] = tuple(int(x) for x in getattr(args, field).split(","))
+    if args.kv_modes:
+        modes = tuple(m.strip() for m in args.kv_modes.split(",") if m.strip())
+        if modes[:1] != ("fp16",):
+            raise SystemExit(f"--kv-modes {args.kv_modes!r}: fp16 first (the ratios' base)")
+        changes["quant_modes"] = modes
     return dataclasses.replace(base, **changes)
 
 

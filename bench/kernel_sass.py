@@ -94,10 +94,12 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     if "-mma" in mode:  # tensor cores: a warp takes 16 keys per step
         from engine.cuda import attention_mma as M
 
-        fp16 = mode == "fp16-mma"
-        kb, vb = (4, 4) if fp16 else BITS[mode.split("-")[0]]
+        base, _, pipe = mode.partition("-pipe")  # q4-mma-pipe2: that load pipeline
+        fp16 = base == "fp16-mma"
+        kb, vb = (4, 4) if fp16 else BITS[base.split("-")[0]]
         kernel = M._decode_kernel(HEAD_DIM, PAGE, GROUP_HEADS, 8, not fp16,
-                                  mode.endswith("+sinks"), fp16, kb, vb)  # fmt: skip
+                                  base.endswith("+sinks"), fp16, kb, vb,
+                                  int(pipe) if pipe else M._PIPELINE)  # fmt: skip
         path = out_dir / f"attention_{mode.replace('-', '_').replace('+', '_')}.cubin"
         return (path, M.TILE, *_link(kernel, MMA_ARGS, path))
 

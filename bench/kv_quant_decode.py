@@ -280,7 +280,10 @@ def _page_lists(batch: int, per_seq: int, sinks: int) -> list[list[int]]:
 def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) -> dict:
     """Rows per mode plus the ratios to fp16; prints one line per mode."""
     rows = {}
-    for quant in MODES:
+    unknown = sorted(set(wl.quant_modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"unknown KV-cache modes {unknown}; choose from {MODES}")
+    for quant in wl.quant_modes:
         rows[quant] = measure_mode(model, quant, wl.quant_batch, wl.quant_context, wl, timer)
         free()
     base = rows["fp16"]

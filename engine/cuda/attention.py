@@ -952,31 +952,40 @@ def _lane_rotator(rows: int, dims_per_lane: int):
 
 @functools.cache
 def _merge_kernel(head_dim: int):
-    """out[t, h] = sum_z part_o[z, t, h] * exp(m_z - M) / sum_z l_z * exp(m_z - M)."""
+    """out[t, h] = sum_z part_o[z, t, h] * exp(m_z - M) / sum_z l_z * exp(m_z - M), one block
+    per (t, h). (One block per token, its threads walking every head's dims, was latency-bound:
+    29 us per call at batch 32 on the H200, 6% of an 8B decode forward: profile of
+    bench/results/forward_profile_h200_2026-11-27.txt.)"""
     D = head_dim
-    NT = _MERGE_THREADS
+    NT = min(_MERGE_THREADS, D)
     NEG = _NEG
 
     @cuda.jit(fastmath=True)
     def merge(part_ml, part_o, out, num_splits):
         t = cuda.blockIdx.x
-        for idx in range(cuda.threadIdx.x, out.shape[1] * D, NT):
-            h = idx // D
-            d = idx % D
-            mx = NEG
-            for z in range(num_splits):
-                mx = max(mx, part_ml[z, t, h, 0])
-            total = float32(0.0)
+        h = cuda.blockIdx.y
+        mx = NEG  # (every thread of the block reads the same few maxima and sums)
+        for z in range(num_splits):
+            mx = max(mx, part_ml[z, t, h, 0])
+        total = float32(0.0)
+        for z in range(num_splits):
+            total += part_ml[z, t, h, 1] * math.exp(part_ml[z, t, h, 0] - mx)
+        inv = float32(1.0) / total if total > 0.0 else float32(0.0)  # (no keys: zeros)
+        for d in range(cuda.threadIdx.x, D, NT):
             o = float32(0.0)
             for z in range(num_splits):
-                w = math.exp(part_ml[z, t, h, 0] - mx)
-                total += part_ml[z, t, h, 1] * w
-                o += part_o[z, t, h, d] * w
-            if total > 0.0:
-                o = o / total
-            out[t, h, d] = o
+                o += part_o[z, t, h, d] * math.exp(part_ml[z, t, h, 0] - mx)
+            out[t, h, d] = o * inv
 
     return merge
+
+
+def merge_splits(part_ml, part_o, out: torch.Tensor, num_splits: int) -> None:
+    """Combine a split decode's partials (part_ml [Z, T, H, 2]: max and sum per split,
+    part_o [Z, T, H, D] unnormalised) into out [T, H, D]."""
+    tokens, heads, head_dim = out.shape
+    threads = min(_MERGE_THREADS, head_dim)
+    launch(_merge_kernel(head_dim), (tokens, heads), threads, part_ml, part_o, out, num_splits)
 
 
 # (num_heads, num_kv_heads, head_dim, sliding_window, forced num_splits)
@@ -1172,7 +1181,7 @@ def paged_attention_cuda(
     stream without a host sync.
     """
     _check_inputs(q, k_pages, v_pages, batch, sliding_window, num_splits)
-    if attention_mma.ENABLED and attention_mma.supports_fp16(
+    if attention_mma.routes_decode(q) and attention_mma.supports_fp16(
         k_pages.dtype, q.shape[2], q.shape[1] // k_pages.shape[2], batch.page_size,
         batch.max_query_len,
     ):  # fmt: skip
@@ -1276,15 +1285,7 @@ def launch_attention(
         v_sinks,
     )
     if plan.num_splits > 1:
-        launch(
-            _merge_kernel(head_dim),
-            tokens,
-            _MERGE_THREADS,
-            plan.part_ml,
-            plan.part_o,
-            out,
-            plan.num_splits,
-        )
+        merge_splits(plan.part_ml, plan.part_o, out, plan.num_splits)
     return rotate_groups(out) if rotate_around else out
 
 

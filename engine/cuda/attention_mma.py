@@ -36,9 +36,10 @@ head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 
 fp16 sink pages or none (``supports``, ``supports_fp16``); attention.py's kernel serves
 everything else.
 
-Not yet run on a GPU, so the op set takes it only when asked: ENGINE_TENSOR_CORE_DECODE=1
-(``ENABLED``) routes the decode batches of paged_attention_quant_cuda and
-paged_attention_cuda that it serves here.
+On the H200 (8B shape, batch 32 x 4k, bench/results/attention_keys_per_step_h200_2026-11-27_
+pipeline.json) q4 decode attention takes 0.092 ms against fp16's 0.207 on the CUDA-core kernel
+(2.25x) and 0.156 here; the op set sends it the decode batches that ``routes_decode`` names
+(by default those a CUDA graph captures).
 """
 
 from __future__ import annotations
@@ -76,9 +77,28 @@ uint32 = cuda.uint32
 int64 = cuda.int64  # (loads widened: simulator scalars are numpy's, which wrap or refuse)
 uint64 = cuda.uint64
 
-# the op set's decode batches come here when served (quant_kernels.paged_attention_quant_cuda,
-# attention.paged_attention_cuda)
-ENABLED = os.environ.get("ENGINE_TENSOR_CORE_DECODE", "") == "1"
+# Which of the op set's decode batches that this kernel serves come here
+# (quant_kernels.paged_attention_quant_cuda, attention.paged_attention_cuda), by
+# ENGINE_TENSOR_CORE_DECODE: "graphs" (the default) those a CUDA graph captures, i.e. the graph
+# runner's decode steps; "1" every one, the decode rows of eager mixed steps too; "0" none. (An
+# eager mixed step of 32 decode rows at 4k context and a 2048-token prompt chunk, 8B shape,
+# H200, took 28.2 instead of 18.2 ms with fp16 pages and 57.9 instead of 41.0 with q4 with
+# every decode batch here, not yet understood, while its graph-captured decode forwards ran
+# 9% (fp16) and 15% (q4) more tokens/s: bench/results/gpu_decode_h200_2026-11-27_kv_mma*.json.)
+MODE = os.environ.get("ENGINE_TENSOR_CORE_DECODE", "graphs")
+if MODE not in ("graphs", "1", "0"):
+    raise ValueError(f"ENGINE_TENSOR_CORE_DECODE={MODE!r}: expected graphs, 1 or 0")
+
+
+def routes_decode(q: torch.Tensor) -> bool:
+    """Whether a decode batch of ``q`` that this kernel serves goes to it (``MODE``)."""
+    return MODE == "1" or (MODE == "graphs" and _capturing(q))
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 GROUP = 32
 TILE = 16  # keys per MMA step
 MAX_HEADS = 8  # the MMA's columns
@@ -89,7 +109,10 @@ _LN2 = 0.6931471805599453
 _MIN_SPLIT_KEYS = 256
 _MIN_CHUNK = 64  # keys a split takes at least (whole tiles)
 _MAX_SPLITS = 64
-_MIN_BLOCKS = 4  # launch bound of the sink-page kernel (registers <= 128)
+_MIN_BLOCKS = 4  # launch bound of the sink-page and double-buffered kernels (registers <= 128)
+# 4-bit pages' load pipeline (``_decode_kernel``'s ``pipeline``; bench/attention_keys_per_step.py
+# times each)
+_PIPELINE = 1
 _BLOCKS_PER_SM = 4  # (untuned: bench/attention_keys_per_step.py times q4-mma at 4, 8, 16 too)
 
 
@@ -125,10 +148,14 @@ def _decode_kernel(  # noqa: C901, PLR0915
     fp16_pages: bool = False,
     k_bits: int = 4,
     v_bits: int = 4,
+    pipeline: int = 0,
 ):
     """The decode kernel specialised on its shape and page formats: ``k_bits`` / ``v_bits``
     4 or 8 (quantized pages, ``rotate``: stored rotated), ``sinks``: fp16 sink pages among
-    them, ``fp16_pages``: unquantized fp16 pages (the bits then do not apply)."""
+    them, ``fp16_pages``: unquantized fp16 pages (the bits then do not apply); ``pipeline``
+    (4-bit pages without sinks; ``_PIPELINE``): 0, each tile's V loaded after its scores; 1,
+    its K and V loads issued together and the page-table read one tile early; 2, the next
+    tile's loads in flight while this one computes (double-buffered)."""
     D = head_dim
     NG = D // GROUP  # quantization groups per row
     NC = D // 16  # output MMA chunks (16 dims each)
@@ -136,6 +163,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
     NA = 4 * NC  # accumulator values per lane
     W4 = D // 8  # 32-bit words per 4-bit row (K or V)
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
+    KT = 2 * NG  # a 4-bit tile's K words (and scales) per lane: rows gid, gid + 8 per group
+    VT = 4 * WPL  # its V words per lane: keys 2t, 2t + 1, 2t + 8, 2t + 9
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
     HQ = D // 4  # 64-bit words (four fp16) per fp16 row
     W8 = D // 4  # 32-bit words per 8-bit row
@@ -143,6 +172,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
     FP16 = fp16_pages
     K8 = k_bits == 8  # 8-bit keys (q8, q6): fp16 MMAs with fp16 q, no byte rounding of q
     V8 = v_bits == 8  # 8-bit values (q8)
+    PIPE = pipeline if not (SINKS or FP16 or K8 or V8) else 0
+    DOUBLE_BUFFER = PIPE == 2
     BYTE_Q = not (FP16 or K8)  # q rounded to bytes for the int8 MMA over 4-bit keys
     HALF_Q = SINKS or FP16 or K8  # q as fp16 pairs (qh0 / qh1)
     PS = page_size
@@ -248,28 +279,36 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return sc0, sc1
 
     @cuda.jit(device=True)
-    def code_scores(k_words, k_scales, row_a, row_b, qb0, qb1, ci0, ci1, t):
-        """Scores of keys row_a / row_b (this lane's MMA rows) against columns 2t, 2t + 1 from
-        the 4-bit codes, before the per-column factor: one int8 MMA per group."""
+    def fetch_k4(k_words, k_scales, row_a, row_b, t, kw, ks):
+        """This lane's 4-bit key words of rows row_a / row_b (its MMA rows), one per group
+        (kw[2 g], kw[2 g + 1]), and the groups' scales (ks, same order)."""
+        base_a = uint64(row_a * W4 + t)
+        base_b = uint64(row_b * W4 + t)
+        for g in range(NG):
+            kw[2 * g] = k_words[base_a + uint64(4 * g)]
+            kw[2 * g + 1] = k_words[base_b + uint64(4 * g)]
+            ks[2 * g] = float32(k_scales[uint64(row_a * NG + g)])
+            ks[2 * g + 1] = float32(k_scales[uint64(row_b * NG + g)])
+
+    @cuda.jit(device=True)
+    def code_scores(kw, ks, qb0, qb1, ci0, ci1):
+        """Scores of the fetched keys (``fetch_k4``) against columns 2t, 2t + 1 from the 4-bit
+        codes, before the per-column factor: one int8 MMA per group."""
         s0 = float32(0.0)  # (key gid, column 2t), (gid, 2t+1), (gid+8, 2t), (gid+8, 2t+1)
         s1 = float32(0.0)
         s2 = float32(0.0)
         s3 = float32(0.0)
-        base_a = uint64(row_a * W4 + t)
-        base_b = uint64(row_b * W4 + t)
         for g in range(NG):
-            wa = int64(k_words[base_a + uint64(4 * g)])
-            wb = int64(k_words[base_b + uint64(4 * g)])
+            wa = int64(kw[2 * g])
+            wb = int64(kw[2 * g + 1])
             d0, d1, d2, d3 = mma_u8s8(
                 wa & 0x0F0F0F0F, wb & 0x0F0F0F0F, (wa >> 4) & 0x0F0F0F0F,
                 (wb >> 4) & 0x0F0F0F0F, qb0[g], qb1[g], ci0[g], ci1[g], ci0[g], ci1[g],
             )  # fmt: skip
-            sa = float32(k_scales[uint64(row_a * NG + g)])
-            sb = float32(k_scales[uint64(row_b * NG + g)])
-            s0 += sa * float32(d0)
-            s1 += sa * float32(d1)
-            s2 += sb * float32(d2)
-            s3 += sb * float32(d3)
+            s0 += ks[2 * g] * float32(d0)
+            s1 += ks[2 * g] * float32(d1)
+            s2 += ks[2 * g + 1] * float32(d2)
+            s3 += ks[2 * g + 1] * float32(d3)
         return s0, s1, s2, s3
 
     @cuda.jit(device=True)
@@ -357,20 +396,35 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return s0, s1, s2, s3
 
     @cuda.jit(device=True)
-    def code_values(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid):
-        """acc += V^T P^T over keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1) from the codes:
-        this lane's WPL words of each key's row (bytes gid * NC ...: chunk c is byte c, low
-        nibble MMA row gid, high nibble row gid + 8) times the one scale of its group."""
+    def fetch_v4(v_words, v_scale_bits, r0, live, gid, vw, vs):
+        """This lane's WPL words of the 4-bit value rows of keys 2t, 2t+1, 2t+8, 2t+9 (rows
+        r0, r0 + KV, r0 + 8 KV, r0 + 9 KV; vw[4 w ...], bytes gid * NC ... of each row: one
+        group) and that group's scales as two fp16 pairs (vs; 0 for a key past the range)."""
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
         sc0, sc1 = scale_pairs(v_scale_bits, r0, live, gid)
+        vs[0] = wrap_i32(sc0)
+        vs[1] = wrap_i32(sc1)
         for w in range(WPL):
             at = gid * WPL + w
-            k0 = v_words[uint64(r0 * W4 + at)]
-            k1 = v_words[uint64(r1 * W4 + at)]
-            k8 = v_words[uint64(r8 * W4 + at)]
-            k9 = v_words[uint64(r9 * W4 + at)]
+            vw[4 * w] = v_words[uint64(r0 * W4 + at)]
+            vw[4 * w + 1] = v_words[uint64(r1 * W4 + at)]
+            vw[4 * w + 2] = v_words[uint64(r8 * W4 + at)]
+            vw[4 * w + 3] = v_words[uint64(r9 * W4 + at)]
+
+    @cuda.jit(device=True)
+    def code_values(acc, vw, vs, pb0, pb1):
+        """acc += V^T P^T over keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1) from the fetched
+        codes (``fetch_v4``): chunk c is byte c of the lane's words, low nibble MMA row gid,
+        high nibble row gid + 8, times the one scale of its group."""
+        sc0 = vs[0]
+        sc1 = vs[1]
+        for w in range(WPL):
+            k0 = vw[4 * w]
+            k1 = vw[4 * w + 1]
+            k8 = vw[4 * w + 2]
+            k9 = vw[4 * w + 3]
             for half in range(2):  # bytes 2 half, 2 half + 1 of the words: chunks c, c + 1
                 sel = 0x7632 if half else 0x5410
                 x0 = byte_perm(k0, k1, sel)  # [k0 byte, k0 byte + 1, k1 byte, k1 byte + 1]
@@ -421,8 +475,67 @@ def _decode_kernel(  # noqa: C901, PLR0915
     # resident blocks per SM: the sink tiles' extra registers (130 uncapped on sm_90) capped
     # at 128 for 4 blocks; without them ptxas takes 96 uncapped (5 blocks), and 116 with the
     # same cap, for a longer loop (bench/kernel_sass.py)
-    options = {"launch_bounds": (W * 32, _MIN_BLOCKS)} if sinks and not SIMULATOR else {}
+    # (registers <= 128: 4 blocks per SM; the sink pages' and the double buffer's would exceed)
+    bounded = (sinks or DOUBLE_BUFFER) and not SIMULATOR
+    options = {"launch_bounds": (W * 32, _MIN_BLOCKS)} if bounded else {}
     # (fp16 pages: registers not yet looked at)
+
+    @cuda.jit(device=True)
+    def tile_live(rel, t, span):
+        """Whether keys 2t, 2t+1, 2t+8, 2t+9 of the tile at ``rel`` keys past the first live
+        one are live (0 <= key - first < span: one unsigned test each)."""
+        k0 = rel + 2 * t
+        return (uint32(k0) < span, uint32(k0 + 1) < span, uint32(k0 + 8) < span,
+                uint32(k0 + 9) < span)  # fmt: skip
+
+    @cuda.jit(device=True)
+    def fetch_tile(k_words, k_scales, v_words, v_scale_bits, j0, page, kv, gid, t, first,
+                   span, kw, ks, vw, vs):  # fmt: skip
+        """All of this lane's loads of the 4-bit tile of keys j0 .. j0 + 15 (on ``page``)."""
+        base = (page * PS + j0 % PS) * KV + kv
+        row_a = base + gid * KV
+        fetch_k4(k_words, k_scales, row_a, row_a + 8 * KV, t, kw, ks)
+        live = tile_live(j0 - first, t, span)
+        fetch_v4(v_words, v_scale_bits, base + (2 * t) * KV, live, gid, vw, vs)
+
+    @cuda.jit(device=True)
+    def online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1, src_a, src_b, odd):
+        """One tile's scores (log2 units, dead keys NEG) into the running maxima m and sums l
+        of columns 2t, 2t + 1, the accumulator rescaled where a maximum moved; returns them
+        and P^T as the PV product's B operand (column gid, keys 2t, 2t+1 | 2t+8, 2t+9)."""
+        top0 = max(s0, s2)
+        top1 = max(s1, s3)
+        for off in (4, 8, 16):
+            top0 = max(top0, warp_shfl_xor(top0, off))
+            top1 = max(top1, warp_shfl_xor(top1, off))
+        # every tile holds a live key (the first tile holds ``first``), so the tile's maximum
+        # is a real score
+        new0 = max(m0, top0)
+        new1 = max(m1, top1)
+        alpha0 = math.exp2(m0 - new0)
+        alpha1 = math.exp2(m1 - new1)
+        p0 = math.exp2(s0 - new0)
+        p1 = math.exp2(s1 - new1)
+        p2 = math.exp2(s2 - new0)
+        p3 = math.exp2(s3 - new1)
+        l0 = l0 * alpha0 + p0 + p2
+        l1 = l1 * alpha1 + p1 + p3
+        # once the running maxima settle, no column moves: skip the accumulator's rescale
+        if warp_any(alpha0 != float32(1.0) or alpha1 != float32(1.0)):
+            for c in range(NC):
+                acc[c * 4] *= alpha0
+                acc[c * 4 + 1] *= alpha1
+                acc[c * 4 + 2] *= alpha0
+                acc[c * 4 + 3] *= alpha1
+        even_col = pack_half2(p0, p2)
+        odd_col = pack_half2(p1, p3)
+        xe = warp_shfl(even_col, src_a)
+        xo = warp_shfl(odd_col, src_a)
+        ye = warp_shfl(even_col, src_b)
+        yo = warp_shfl(odd_col, src_b)
+        x = xo if odd else xe
+        y = yo if odd else ye
+        return new0, new1, l0, l1, byte_perm(x, y, 0x5410), byte_perm(x, y, 0x7632)
 
     @cuda.jit(fastmath=True, **options)
     def decode(  # noqa: C901, PLR0915
@@ -502,8 +615,56 @@ def _decode_kernel(  # noqa: C901, PLR0915
         src_a = (2 * t) * 4 + (gid >> 1)  # lanes holding P for keys 2t (+8) and 2t+1 (+9)
         src_b = (2 * t + 1) * 4 + (gid >> 1)
         odd = gid & 1
+        kw = cuda.local.array(KT, int32)  # a 4-bit tile's K / V (fetch_k4, fetch_v4)
+        ks = cuda.local.array(KT, float32)
+        vw = cuda.local.array(VT, int32)
+        vs = cuda.local.array(2, int32)
         j0 = lo
-        while j0 < hi:
+        if PIPE:  # 4-bit pages only: a tile's K and V loads issued together, ahead of use
+            nkw = cuda.local.array(KT, int32)  # the next tile, in flight (pipeline 2)
+            nks = cuda.local.array(KT, float32)
+            nvw = cuda.local.array(VT, int32)
+            nvs = cuda.local.array(2, int32)
+            # the page of the next tile to fetch, read one fetch early: a fetch never waits on
+            # its page-table read
+            page_next = block_tables[seq, lo // PS] if lo < hi else 0
+            if DOUBLE_BUFFER and lo < hi:
+                fetch_tile(k_words, k_scales, v_words, v_scale_bits, lo, page_next, kv, gid,
+                           t, first, span, kw, ks, vw, vs)  # fmt: skip
+                page_next = block_tables[seq, (lo + TILE) // PS] if lo + TILE < hi else 0
+            while j0 < hi:
+                ahead = j0 + TILE if DOUBLE_BUFFER else j0  # the tile fetched now
+                if ahead < hi:
+                    page = page_next
+                    if ahead + TILE < hi:
+                        page_next = block_tables[seq, (ahead + TILE) // PS]
+                    if DOUBLE_BUFFER:
+                        fetch_tile(k_words, k_scales, v_words, v_scale_bits, ahead, page, kv,
+                                   gid, t, first, span, nkw, nks, nvw, nvs)  # fmt: skip
+                    else:
+                        fetch_tile(k_words, k_scales, v_words, v_scale_bits, ahead, page, kv,
+                                   gid, t, first, span, kw, ks, vw, vs)  # fmt: skip
+                s0, s1, s2, s3 = code_scores(kw, ks, qb0, qb1, ci0, ci1)
+                rel = j0 - first
+                live_a = uint32(rel + gid) < span
+                live_b = uint32(rel + gid + 8) < span
+                s0 = s0 * mult0 if live_a else NEG
+                s1 = s1 * mult1 if live_a else NEG
+                s2 = s2 * mult0 if live_b else NEG
+                s3 = s3 * mult1 if live_b else NEG
+                m0, m1, l0, l1, pb0, pb1 = online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1,
+                                                          src_a, src_b, odd)  # fmt: skip
+                code_values(acc, vw, vs, pb0, pb1)
+                if DOUBLE_BUFFER:
+                    for i in range(KT):
+                        kw[i] = nkw[i]
+                        ks[i] = nks[i]
+                    for i in range(VT):
+                        vw[i] = nvw[i]
+                    vs[0] = nvs[0]
+                    vs[1] = nvs[1]
+                j0 += TILE
+        while j0 < hi:  # (every format; 4-bit pages here when PIPE is 0)
             page = block_tables[seq, j0 // PS]
             base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
             row_a = base + gid * KV
@@ -519,8 +680,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 f0 = exact_mult
                 f1 = exact_mult
             else:
-                s0, s1, s2, s3 = code_scores(k_words, k_scales, row_a, row_b, qb0, qb1, ci0,
-                                             ci1, t)  # fmt: skip
+                fetch_k4(k_words, k_scales, row_a, row_b, t, kw, ks)
+                s0, s1, s2, s3 = code_scores(kw, ks, qb0, qb1, ci0, ci1)
                 f0 = mult0
                 f1 = mult1
             rel = j0 - first  # key j is live when 0 <= j - first < hi - first: one unsigned test
@@ -530,53 +691,17 @@ def _decode_kernel(  # noqa: C901, PLR0915
             s1 = s1 * f1 if live_a else NEG
             s2 = s2 * f0 if live_b else NEG
             s3 = s3 * f1 if live_b else NEG
-            top0 = max(s0, s2)
-            top1 = max(s1, s3)
-            for off in (4, 8, 16):
-                top0 = max(top0, warp_shfl_xor(top0, off))
-                top1 = max(top1, warp_shfl_xor(top1, off))
-            # every tile holds a live key (the first tile holds ``first``), so the tile's
-            # maximum is a real score
-            new0 = max(m0, top0)
-            new1 = max(m1, top1)
-            alpha0 = math.exp2(m0 - new0)
-            alpha1 = math.exp2(m1 - new1)
-            m0 = new0
-            m1 = new1
-            p0 = math.exp2(s0 - new0)
-            p1 = math.exp2(s1 - new1)
-            p2 = math.exp2(s2 - new0)
-            p3 = math.exp2(s3 - new1)
-            l0 = l0 * alpha0 + p0 + p2
-            l1 = l1 * alpha1 + p1 + p3
-            # once the running maxima settle, no column moves: skip the accumulator's rescale
-            if warp_any(alpha0 != float32(1.0) or alpha1 != float32(1.0)):
-                for c in range(NC):
-                    acc[c * 4] *= alpha0
-                    acc[c * 4 + 1] *= alpha1
-                    acc[c * 4 + 2] *= alpha0
-                    acc[c * 4 + 3] *= alpha1
-            # P^T as the PV product's B operand: column gid, keys 2t, 2t+1 | 2t+8, 2t+9
-            even_col = pack_half2(p0, p2)
-            odd_col = pack_half2(p1, p3)
-            xe = warp_shfl(even_col, src_a)
-            xo = warp_shfl(odd_col, src_a)
-            ye = warp_shfl(even_col, src_b)
-            yo = warp_shfl(odd_col, src_b)
-            x = xo if odd else xe
-            y = yo if odd else ye
-            pb0 = byte_perm(x, y, 0x5410)
-            pb1 = byte_perm(x, y, 0x7632)
+            m0, m1, l0, l1, pb0, pb1 = online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1,
+                                                      src_a, src_b, odd)  # fmt: skip
             r0 = base + (2 * t) * KV  # key 2t's row
-            k0 = rel + 2 * t
-            live = (uint32(k0) < span, uint32(k0 + 1) < span, uint32(k0 + 8) < span,
-                    uint32(k0 + 9) < span)  # fmt: skip
+            live = tile_live(rel, t, span)
             if exact:
                 exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
             elif V8:
                 code_values8(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
             else:
-                code_values(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
+                fetch_v4(v_words, v_scale_bits, r0, live, gid, vw, vs)
+                code_values(acc, vw, vs, pb0, pb1)
             j0 += TILE
 
         for off in (4, 8, 16):
@@ -682,7 +807,8 @@ def decode_attention_mma(
     else:  # (never read)
         rows = (_dummy(torch.int64, q.device),) * 2
     kernel = _decode_kernel(q.shape[2], batch.page_size, q.shape[1] // k_pages.shape[2],
-                            k_pages.shape[2], rotate, sinks, False, k_bits, v_bits)  # fmt: skip
+                            k_pages.shape[2], rotate, sinks, False, k_bits, v_bits,
+                            _PIPELINE)  # fmt: skip
     codes = (
         k_pages.view(torch.int32).reshape(-1),
         v_pages.view(torch.int32).reshape(-1),
@@ -767,7 +893,7 @@ class _Pages:
 
 def _launch_decode(kernel, q, batch, scale, pages: _Pages, sliding_window, num_splits):
     """The decode launch (+ the merge of its splits); returns a new [T, H, D]."""
-    from engine.cuda.attention import _MERGE_THREADS, _merge_kernel
+    from engine.cuda.attention import merge_splits
 
     tokens, heads, head_dim = q.shape
     span = min(batch.max_seq_len, sliding_window or batch.max_seq_len)
@@ -784,5 +910,5 @@ def _launch_decode(kernel, q, batch, scale, pages: _Pages, sliding_window, num_s
            np.float32(scale), splits, *pages.rows, pages.num_sink_pages,
            sliding_window or 0)  # fmt: skip
     if splits > 1:
-        launch(_merge_kernel(head_dim), tokens, _MERGE_THREADS, part_ml, part_o, out, splits)
+        merge_splits(part_ml, part_o, out, splits)
     return out

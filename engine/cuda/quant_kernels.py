@@ -81,10 +81,11 @@ def paged_attention_quant_cuda(
 ) -> torch.Tensor:
     """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D].
 
-    With ``attention_mma.ENABLED`` (ENGINE_TENSOR_CORE_DECODE=1), decode batches go to the
-    tensor-core kernel instead (attention_mma.supports names which)."""
+    Decode batches that the tensor-core kernel serves (attention_mma.supports) go there
+    instead when ``attention_mma.routes_decode`` says so: by default those captured in a CUDA
+    graph (ENGINE_TENSOR_CORE_DECODE)."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
-    if attention_mma.ENABLED and attention_mma.supports(
+    if attention_mma.routes_decode(q) and attention_mma.supports(
         k_pages.bits, v_pages.bits, None if k_pages.sinks is None else k_pages.sinks.dtype,
         q.shape[2], q.shape[1] // k_pages.shape[2], batch.page_size, batch.max_query_len,
     ):  # fmt: skip

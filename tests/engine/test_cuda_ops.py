@@ -112,7 +112,7 @@ def test_generator_decodes_on_tensor_cores_as_on_the_cuda_core_kernel(
     prompts = [[5, 9, 17, 3, 40, 2], [200]]
 
     def greedy(enabled: bool) -> list[list[int]]:
-        monkeypatch.setattr(attention_mma, "ENABLED", enabled)
+        monkeypatch.setattr(attention_mma, "MODE", "1" if enabled else "0")
         cache = PagedCache(model, 256, page_size=16, quant="q4")
         generator = DynamicGenerator(model, cache, tiny.tokenizer, max_chunk_size=16)
         jobs = [

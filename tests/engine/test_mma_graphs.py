@@ -38,7 +38,7 @@ def test_decode_graph_steps_on_tensor_cores(heads64, monkeypatch, quant):
     from engine.cuda import attention_mma
 
     monkeypatch.setenv(OPS_ENV, "cuda")
-    monkeypatch.setattr(attention_mma, "ENABLED", True)
+    monkeypatch.setattr(attention_mma, "MODE", "1")
     calls = []
     real = attention_mma.decode_attention_mma
     monkeypatch.setattr(

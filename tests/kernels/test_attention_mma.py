@@ -264,13 +264,34 @@ def test_quant_op_sends_4_bit_decode_batches_to_tensor_cores_when_enabled(
 
     calls = []
     real = attention_mma.decode_attention_mma
-    monkeypatch.setattr(attention_mma, "ENABLED", enabled)
+    monkeypatch.setattr(attention_mma, "MODE", "1" if enabled else "0")
     monkeypatch.setattr(
         attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     q, k_pages, v_pages, batch = _case(None, 2, 1, 64, True, specs=specs)
     out = quant_kernels.paged_attention_quant_cuda(q, k_pages, v_pages, batch, 64**-0.5)
     assert bool(calls) == used  # (the numerics: the tests above)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("capturing", "used"), [(True, True), (False, False)])
+def test_by_default_decode_batches_go_to_tensor_cores_inside_cuda_graphs(
+    monkeypatch, capturing, used
+):
+    """ENGINE_TENSOR_CORE_DECODE's default ("graphs"): the graph runner's decode steps (a CUDA
+    graph capturing) take this kernel, eager decode batches attention.py's."""
+    from engine.cuda import attention_mma, quant_kernels
+
+    calls = []
+    real = attention_mma.decode_attention_mma
+    monkeypatch.setattr(attention_mma, "MODE", "graphs")
+    monkeypatch.setattr(attention_mma, "_capturing", lambda q: capturing)
+    monkeypatch.setattr(
+        attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    q, k_pages, v_pages, batch = _case(None, 2, 1, 64, True, specs=[(4, 1), (20, 1)])
+    out = quant_kernels.paged_attention_quant_cuda(q, k_pages, v_pages, batch, 64**-0.5)
+    assert bool(calls) == used
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
@@ -283,7 +304,7 @@ def test_cuda_op_set_gives_a_mixed_batchs_decode_rows_to_tensor_cores(monkeypatc
 
     calls = []
     real = attention_mma.decode_attention_mma
-    monkeypatch.setattr(attention_mma, "ENABLED", True)
+    monkeypatch.setattr(attention_mma, "MODE", "1")
     monkeypatch.setattr(
         attention_mma, "decode_attention_mma", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
@@ -357,7 +378,7 @@ def test_fp16_op_sends_decode_batches_to_tensor_cores_when_enabled(monkeypatch, 
 
     calls = []
     real = attention_mma.decode_attention_mma_fp16
-    monkeypatch.setattr(attention_mma, "ENABLED", enabled)
+    monkeypatch.setattr(attention_mma, "MODE", "1" if enabled else "0")
     monkeypatch.setattr(
         attention_mma, "decode_attention_mma_fp16",
         lambda *a, **k: calls.append(1) or real(*a, **k),
@@ -399,6 +420,21 @@ def test_mma_decode_over_8_bit_keys_matches_the_reference(quant, lens, head_dim,
 def test_mma_decode_keeps_to_a_sliding_window(quant, window, splits):
     """Each query sees its last ``window`` keys: the first tile starts below them (masked) and
     a split's share counts from there. q on the byte grid, the bound of the tests above."""
+    _check_window_case(quant, window, splits)
+
+
+@pytest.mark.parametrize(("pipeline", "window"), [(0, None), (2, 21)])
+def test_4_bit_load_pipelines_match_the_reference(monkeypatch, pipeline, window):
+    """4-bit tiles whose V loads follow the scores (0) or go out one tile ahead of their use
+    with K's (2) give the results of the default (1, the tests above): partial tiles, tiles
+    over pages, a window, an empty split."""
+    from engine.cuda import attention_mma
+
+    monkeypatch.setattr(attention_mma, "_PIPELINE", pipeline)
+    _check_window_case("q4", window, 2)
+
+
+def _check_window_case(quant, window, splits):
     lens, scale = [40, 90, 12], 64**-0.5
     if quant == "fp16":
         specs = [(n - 1, 1) for n in lens]
