@@ -218,10 +218,23 @@ def _mma_rows(mode, base, batch, context, iters, copy_gbs) -> list[SweepRow]:
 
 
 def sweep_mode(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]:
-    from engine.cuda import attention
+    from engine.cuda import attention_mma
 
     if "-mma" in mode:
         return mma_rows(mode, batch, context, iters, copy_gbs)
+    # the CUDA-core kernel (attention.py), also inside the timing's CUDA graph, where the op
+    # set would send decode batches to the tensor cores by default
+    shipped = attention_mma.MODE
+    attention_mma.MODE = "0"
+    try:
+        return _cuda_core_rows(mode, configs, batch, context, iters, copy_gbs)
+    finally:
+        attention_mma.MODE = shipped
+
+
+def _cuda_core_rows(mode, configs, batch, context, iters, copy_gbs) -> list[SweepRow]:
+    from engine.cuda import attention
+
     torch.cuda.empty_cache()
     q, k, v, fb = quantized_case(mode, batch, context)
     ref = reference(mode, q, k, v, fb).float()

@@ -16,8 +16,9 @@
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
 #      (ENGINE_NUMBA_LAUNCH=numba);
 #   7. bench/gpu_decode.py on the 8B shape (default op set, and transformers' generate_batch
-#      on the same weights), merged into the same JSON; then again with 4-bit decode batches
-#      and fp16 decode batches on the tensor-core kernel (ENGINE_TENSOR_CORE_DECODE=1).
+#      on the same weights), merged into the same JSON; then fp16 and q4 pages with every
+#      decode batch on the CUDA-core kernel (ENGINE_TENSOR_CORE_DECODE=0; by default the
+#      decode batches a CUDA graph captures take the tensor-core kernel).
 # Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).
 #
 #   OUT=/tmp/x bash bench/gpu_session.sh            # on the device machine
@@ -111,10 +112,11 @@ step gpu-decode-8b "${DECODE_8B_CAP:-150}" $PY bench/gpu_decode.py $dry \
   --prefill-batches 1 --decode-steps 32 --merge \
   --output "$OUT/gpu_decode.json"
 
-# the same 8B decode with 4-bit and fp16 decode batches on the tensor-core kernel
-step gpu-decode-8b-mma "${DECODE_8B_MMA_CAP:-120}" env ENGINE_TENSOR_CORE_DECODE=1 \
+# the same 8B decode with every decode batch on the CUDA-core kernel (by default those a CUDA
+# graph captures take the tensor-core kernel), fp16 and q4 pages
+step gpu-decode-8b-cuda-cores "${DECODE_8B_MMA_CAP:-120}" env ENGINE_TENSOR_CORE_DECODE=0 \
   $PY bench/gpu_decode.py $dry --models "$large" --ops default --decode-batches 32 \
-  --prefill-batches 1 --decode-steps 32 --skip-transformers \
-  --output "$OUT/gpu_decode_mma.json"
+  --prefill-batches 1 --decode-steps 16 --skip-transformers --kv-modes fp16,q4 \
+  --output "$OUT/gpu_decode_cuda_cores.json"
 
 echo "=== done in $(($(date +%s) - start))s" | tee -a "$log"
