@@ -11,7 +11,8 @@ the cache formats, ``q4+sinks`` (q4 pages whose every sequence's first page is a
 read from unquantized rows: engine/cache/quant.py), and ``fp16-mma`` / ``q8-mma`` /
 ``q6-mma`` / ``q4-mma`` (those pages through the tensor-core decode kernel,
 engine/cuda/attention_mma.py: its split rule, then 4, 8 and 16 splits; the configs do not
-apply; q4-mma's error includes q's rounding to bytes). This sweeps them at Llama-3-8B's
+apply; q4-mma's error includes q's rounding to bytes; ``q4-mma-pipe0``: under that load
+pipeline, attention_mma._PIPELINE). This sweeps them at Llama-3-8B's
 attention shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's
 decode attention vs fp16's), and checks each output against the torch reference of its mode.
 
@@ -62,7 +63,8 @@ MODES = (
     "q8-mma",
     "q6-mma",
     "q4-mma-pipe0",
-    "q4-mma-pipe1",
+    "q8-mma-pipe0",
+    "q6-mma-pipe0",
     "q4-mma-pipe2",
 )
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way

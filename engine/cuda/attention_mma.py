@@ -110,8 +110,11 @@ _MIN_SPLIT_KEYS = 256
 _MIN_CHUNK = 64  # keys a split takes at least (whole tiles)
 _MAX_SPLITS = 64
 _MIN_BLOCKS = 4  # launch bound of the sink-page and double-buffered kernels (registers <= 128)
-# 4-bit pages' load pipeline (``_decode_kernel``'s ``pipeline``; bench/attention_keys_per_step.py
-# times each)
+# The code pages' load pipeline (``_decode_kernel``'s ``pipeline``). H200, 8B shape, batch 32 x
+# 4k, 8 splits (bench/results/attention_keys_per_step_h200_2026-11-27_pipeline.json): q4 0.103
+# ms at 0, 0.092 at 1, 0.108 at 2 (128 registers, 16 bytes spilled). q8 and q6 take 1 too (128
+# and 125 registers, no spills: bench/kernel_sass.py), not yet timed against 0 (the sweep's
+# modes q8-mma-pipe0 and q6-mma-pipe0).
 _PIPELINE = 1
 _BLOCKS_PER_SM = 4  # (untuned: bench/attention_keys_per_step.py times q4-mma at 4, 8, 16 too)
 
@@ -153,7 +156,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
     """The decode kernel specialised on its shape and page formats: ``k_bits`` / ``v_bits``
     4 or 8 (quantized pages, ``rotate``: stored rotated), ``sinks``: fp16 sink pages among
     them, ``fp16_pages``: unquantized fp16 pages (the bits then do not apply); ``pipeline``
-    (4-bit pages without sinks; ``_PIPELINE``): 0, each tile's V loaded after its scores; 1,
+    (code pages, without sinks; ``_PIPELINE``): 0, each tile's V loaded after its scores; 1,
     its K and V loads issued together and the page-table read one tile early; 2, the next
     tile's loads in flight while this one computes (double-buffered)."""
     D = head_dim
@@ -163,8 +166,9 @@ def _decode_kernel(  # noqa: C901, PLR0915
     NA = 4 * NC  # accumulator values per lane
     W4 = D // 8  # 32-bit words per 4-bit row (K or V)
     WPL = D // 64  # V words per lane and key: bytes gid * D / 16 ... of the row, one group
-    KT = 2 * NG  # a 4-bit tile's K words (and scales) per lane: rows gid, gid + 8 per group
-    VT = 4 * WPL  # its V words per lane: keys 2t, 2t + 1, 2t + 8, 2t + 9
+    KS = 2 * NG  # a tile's K scales per lane: rows gid, gid + 8 per group
+    KT = 2 * NC if k_bits == 8 else 2 * NG  # its K words per lane (fetch_k8 / fetch_k4)
+    VT = 2 * NC if v_bits == 8 else 4 * WPL  # its V words per lane (fetch_v8 / fetch_v4)
     CROSS = {64: 2, 128: 1, 256: 0}[D]  # output index bits held across lanes (rotate_out)
     HQ = D // 4  # 64-bit words (four fp16) per fp16 row
     W8 = D // 4  # 32-bit words per 8-bit row
@@ -172,7 +176,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
     FP16 = fp16_pages
     K8 = k_bits == 8  # 8-bit keys (q8, q6): fp16 MMAs with fp16 q, no byte rounding of q
     V8 = v_bits == 8  # 8-bit values (q8)
-    PIPE = pipeline if not (SINKS or FP16 or K8 or V8) else 0
+    PIPE = pipeline if not (SINKS or FP16) else 0
     DOUBLE_BUFFER = PIPE == 2
     BYTE_Q = not (FP16 or K8)  # q rounded to bytes for the int8 MMA over 4-bit keys
     HALF_Q = SINKS or FP16 or K8  # q as fp16 pairs (qh0 / qh1)
@@ -318,15 +322,27 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return hsub2((word & 0x00FF00FF) ^ HALF2_1152, HALF2_1152)
 
     @cuda.jit(device=True)
-    def code_scores8(k_bytes, k_scales, row_a, row_b, qh0, qh1, t):
-        """``code_scores`` over 8-bit keys (fp16 q): lane t's dims 16 c + 4 t ... of chunk c
-        are one 32-bit word per row; the two chunks of a group share its scale."""
+    def fetch_k8(k_bytes, k_scales, row_a, row_b, t, kw, ks):
+        """This lane's 8-bit key words of rows row_a / row_b: lane t's dims 16 c + 4 t ... of
+        chunk c are one 32-bit word per row (kw[2 c], kw[2 c + 1]); the groups' scales as
+        ``fetch_k4``'s."""
+        base_a = uint64(row_a * W8 + t)
+        base_b = uint64(row_b * W8 + t)
+        for c in range(NC):
+            kw[2 * c] = k_bytes[base_a + uint64(4 * c)]
+            kw[2 * c + 1] = k_bytes[base_b + uint64(4 * c)]
+        for g in range(NG):
+            ks[2 * g] = float32(k_scales[uint64(row_a * NG + g)])
+            ks[2 * g + 1] = float32(k_scales[uint64(row_b * NG + g)])
+
+    @cuda.jit(device=True)
+    def code_scores8(kw, ks, qh0, qh1):
+        """``code_scores`` over fetched 8-bit keys (``fetch_k8``; fp16 q): the two chunks of a
+        group share its scale."""
         s0 = float32(0.0)
         s1 = float32(0.0)
         s2 = float32(0.0)
         s3 = float32(0.0)
-        base_a = uint64(row_a * W8 + t)
-        base_b = uint64(row_b * W8 + t)
         for g in range(NG):
             e0 = float32(0.0)
             e1 = float32(0.0)
@@ -334,39 +350,53 @@ def _decode_kernel(  # noqa: C901, PLR0915
             e3 = float32(0.0)
             for h in range(2):
                 c = 2 * g + h
-                wa = k_bytes[base_a + uint64(4 * c)]
-                wb = k_bytes[base_b + uint64(4 * c)]
+                wa = kw[2 * c]
+                wb = kw[2 * c + 1]
                 e0, e1, e2, e3 = mma_f16(
                     byte_codes(byte_perm(wa, 0, 0x4140)), byte_codes(byte_perm(wb, 0, 0x4140)),
                     byte_codes(byte_perm(wa, 0, 0x4342)), byte_codes(byte_perm(wb, 0, 0x4342)),
                     qh0[c], qh1[c], e0, e1, e2, e3,
                 )  # fmt: skip
-            sa = float32(k_scales[uint64(row_a * NG + g)])
-            sb = float32(k_scales[uint64(row_b * NG + g)])
-            s0 += sa * e0
-            s1 += sa * e1
-            s2 += sb * e2
-            s3 += sb * e3
+            s0 += ks[2 * g] * e0
+            s1 += ks[2 * g] * e1
+            s2 += ks[2 * g + 1] * e2
+            s3 += ks[2 * g + 1] * e3
         return s0, s1, s2, s3
 
     @cuda.jit(device=True)
-    def code_values8(acc, v_bytes, v_scale_bits, r0, live, pb0, pb1, gid):
-        """``code_values`` over 8-bit values: chunk c's MMA rows gid / gid + 8 are bytes (dims)
-        d0 + c and d0 + 16 + c of each key's row, one group, one scale per key."""
+    def fetch_v8(v_bytes, v_scale_bits, r0, live, gid, vw, vs):
+        """This lane's 8-bit value words of keys 2t, 2t+1, 2t+8, 2t+9 (rows r0, r0 + KV, r0 +
+        8 KV, r0 + 9 KV): per j < NC / 4, the word of dims d0 + 4 j ... (vw[8 j ...]) and of
+        dims d0 + 16 + 4 j ... (vw[8 j + 4 ...]) of each key; scales as ``fetch_v4``'s."""
         r1 = r0 + KV
         r8 = r0 + 8 * KV
         r9 = r8 + KV
         sc0, sc1 = scale_pairs(v_scale_bits, r0, live, gid)
+        vs[0] = wrap_i32(sc0)
+        vs[1] = wrap_i32(sc1)
         first = lane_dim(gid) // 4
         b0 = uint64(r0 * W8 + first)
         b1 = uint64(r1 * W8 + first)
         b8 = uint64(r8 * W8 + first)
         b9 = uint64(r9 * W8 + first)
+        for j in range(NC // 4):
+            for half in range(2):
+                at = uint64(j + 4 * half)  # (dims + 16 for the second half)
+                vw[8 * j + 4 * half] = v_bytes[b0 + at]
+                vw[8 * j + 4 * half + 1] = v_bytes[b1 + at]
+                vw[8 * j + 4 * half + 2] = v_bytes[b8 + at]
+                vw[8 * j + 4 * half + 3] = v_bytes[b9 + at]
+
+    @cuda.jit(device=True)
+    def code_values8(acc, vw, vs, pb0, pb1):
+        """``code_values`` over fetched 8-bit values (``fetch_v8``): chunk c's MMA rows gid /
+        gid + 8 are bytes (dims) d0 + c and d0 + 16 + c of each key's row, one group, one
+        scale per key."""
+        sc0 = vs[0]
+        sc1 = vs[1]
         for j in range(NC // 4):  # chunks 4j .. 4j + 3: one word per key for each MMA row
-            lo = uint64(j)
-            hi = uint64(j + 4)  # dims + 16
-            w0, w1, w8, w9 = v_bytes[b0 + lo], v_bytes[b1 + lo], v_bytes[b8 + lo], v_bytes[b9 + lo]
-            u0, u1, u8, u9 = v_bytes[b0 + hi], v_bytes[b1 + hi], v_bytes[b8 + hi], v_bytes[b9 + hi]
+            w0, w1, w8, w9 = vw[8 * j], vw[8 * j + 1], vw[8 * j + 2], vw[8 * j + 3]
+            u0, u1, u8, u9 = vw[8 * j + 4], vw[8 * j + 5], vw[8 * j + 6], vw[8 * j + 7]
             for i in range(4):
                 c = 4 * j + i
                 sel = i | ((4 + i) << 8)  # byte i of each key's word to bytes 0 and 2
@@ -491,12 +521,18 @@ def _decode_kernel(  # noqa: C901, PLR0915
     @cuda.jit(device=True)
     def fetch_tile(k_words, k_scales, v_words, v_scale_bits, j0, page, kv, gid, t, first,
                    span, kw, ks, vw, vs):  # fmt: skip
-        """All of this lane's loads of the 4-bit tile of keys j0 .. j0 + 15 (on ``page``)."""
+        """All of this lane's loads of the code tile of keys j0 .. j0 + 15 (on ``page``)."""
         base = (page * PS + j0 % PS) * KV + kv
         row_a = base + gid * KV
-        fetch_k4(k_words, k_scales, row_a, row_a + 8 * KV, t, kw, ks)
+        if K8:
+            fetch_k8(k_words, k_scales, row_a, row_a + 8 * KV, t, kw, ks)
+        else:
+            fetch_k4(k_words, k_scales, row_a, row_a + 8 * KV, t, kw, ks)
         live = tile_live(j0 - first, t, span)
-        fetch_v4(v_words, v_scale_bits, base + (2 * t) * KV, live, gid, vw, vs)
+        if V8:
+            fetch_v8(v_words, v_scale_bits, base + (2 * t) * KV, live, gid, vw, vs)
+        else:
+            fetch_v4(v_words, v_scale_bits, base + (2 * t) * KV, live, gid, vw, vs)
 
     @cuda.jit(device=True)
     def online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1, src_a, src_b, odd):
@@ -615,14 +651,14 @@ def _decode_kernel(  # noqa: C901, PLR0915
         src_a = (2 * t) * 4 + (gid >> 1)  # lanes holding P for keys 2t (+8) and 2t+1 (+9)
         src_b = (2 * t + 1) * 4 + (gid >> 1)
         odd = gid & 1
-        kw = cuda.local.array(KT, int32)  # a 4-bit tile's K / V (fetch_k4, fetch_v4)
-        ks = cuda.local.array(KT, float32)
+        kw = cuda.local.array(KT, int32)  # a code tile's K / V (fetch_k4 / fetch_k8 ...)
+        ks = cuda.local.array(KS, float32)
         vw = cuda.local.array(VT, int32)
         vs = cuda.local.array(2, int32)
         j0 = lo
-        if PIPE:  # 4-bit pages only: a tile's K and V loads issued together, ahead of use
+        if PIPE:  # code pages (no fp16 rows): a tile's K and V loads together, ahead of use
             nkw = cuda.local.array(KT, int32)  # the next tile, in flight (pipeline 2)
-            nks = cuda.local.array(KT, float32)
+            nks = cuda.local.array(KS, float32)
             nvw = cuda.local.array(VT, int32)
             nvs = cuda.local.array(2, int32)
             # the page of the next tile to fetch, read one fetch early: a fetch never waits on
@@ -644,20 +680,31 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     else:
                         fetch_tile(k_words, k_scales, v_words, v_scale_bits, ahead, page, kv,
                                    gid, t, first, span, kw, ks, vw, vs)  # fmt: skip
-                s0, s1, s2, s3 = code_scores(kw, ks, qb0, qb1, ci0, ci1)
+                if K8:
+                    s0, s1, s2, s3 = code_scores8(kw, ks, qh0, qh1)
+                    f0 = exact_mult
+                    f1 = exact_mult
+                else:
+                    s0, s1, s2, s3 = code_scores(kw, ks, qb0, qb1, ci0, ci1)
+                    f0 = mult0
+                    f1 = mult1
                 rel = j0 - first
                 live_a = uint32(rel + gid) < span
                 live_b = uint32(rel + gid + 8) < span
-                s0 = s0 * mult0 if live_a else NEG
-                s1 = s1 * mult1 if live_a else NEG
-                s2 = s2 * mult0 if live_b else NEG
-                s3 = s3 * mult1 if live_b else NEG
+                s0 = s0 * f0 if live_a else NEG
+                s1 = s1 * f1 if live_a else NEG
+                s2 = s2 * f0 if live_b else NEG
+                s3 = s3 * f1 if live_b else NEG
                 m0, m1, l0, l1, pb0, pb1 = online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1,
                                                           src_a, src_b, odd)  # fmt: skip
-                code_values(acc, vw, vs, pb0, pb1)
+                if V8:
+                    code_values8(acc, vw, vs, pb0, pb1)
+                else:
+                    code_values(acc, vw, vs, pb0, pb1)
                 if DOUBLE_BUFFER:
                     for i in range(KT):
                         kw[i] = nkw[i]
+                    for i in range(KS):
                         ks[i] = nks[i]
                     for i in range(VT):
                         vw[i] = nvw[i]
@@ -676,7 +723,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 f0 = exact_mult
                 f1 = exact_mult
             elif K8:
-                s0, s1, s2, s3 = code_scores8(k_words, k_scales, row_a, row_b, qh0, qh1, t)
+                fetch_k8(k_words, k_scales, row_a, row_b, t, kw, ks)
+                s0, s1, s2, s3 = code_scores8(kw, ks, qh0, qh1)
                 f0 = exact_mult
                 f1 = exact_mult
             else:
@@ -698,7 +746,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
             if exact:
                 exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
             elif V8:
-                code_values8(acc, v_words, v_scale_bits, r0, live, pb0, pb1, gid)
+                fetch_v8(v_words, v_scale_bits, r0, live, gid, vw, vs)
+                code_values8(acc, vw, vs, pb0, pb1)
             else:
                 fetch_v4(v_words, v_scale_bits, r0, live, gid, vw, vs)
                 code_values(acc, vw, vs, pb0, pb1)

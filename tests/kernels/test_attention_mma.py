@@ -423,15 +423,17 @@ def test_mma_decode_keeps_to_a_sliding_window(quant, window, splits):
     _check_window_case(quant, window, splits)
 
 
-@pytest.mark.parametrize(("pipeline", "window"), [(0, None), (2, 21)])
-def test_4_bit_load_pipelines_match_the_reference(monkeypatch, pipeline, window):
-    """4-bit tiles whose V loads follow the scores (0) or go out one tile ahead of their use
+@pytest.mark.parametrize(("quant", "pipeline", "window"), [
+    ("q4", 0, None), ("q4", 2, 21), ("q6", 0, 21), ("q8", 2, None),
+])  # fmt: skip
+def test_load_pipelines_match_the_reference(monkeypatch, quant, pipeline, window):
+    """Code tiles whose V loads follow the scores (0) or go out one tile ahead of their use
     with K's (2) give the results of the default (1, the tests above): partial tiles, tiles
     over pages, a window, an empty split."""
     from engine.cuda import attention_mma
 
     monkeypatch.setattr(attention_mma, "_PIPELINE", pipeline)
-    _check_window_case("q4", window, 2)
+    _check_window_case(quant, window, 2)
 
 
 def _check_window_case(quant, window, splits):
@@ -445,11 +447,12 @@ def _check_window_case(quant, window, splits):
         ref = paged_attention_reference(q.float(), k.float(), v.float(), batch, scale, window)
         v_max = v.float().abs().max().item()
     else:
-        q, k_pages, v_pages, batch = _case(lens, 4, 1, 64, True, seed=4)
+        q, k_pages, v_pages, batch = _case(lens, 4, 1, 64, True, seed=4, quant=quant)
         q = _grid_q(q, True)
         out = decode_attention_mma(
             q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
-            rotate=True, sliding_window=window, num_splits=splits,
+            rotate=True, k_bits=k_pages.bits, v_bits=v_pages.bits, sliding_window=window,
+            num_splits=splits,
         )  # fmt: skip
         ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
         v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
