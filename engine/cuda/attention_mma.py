@@ -44,9 +44,12 @@ pipeline.json) q4 decode attention takes 0.092 ms against fp16's 0.207 on the CU
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,8 +82,9 @@ uint64 = cuda.uint64
 
 # Which of the op set's decode batches that this kernel serves come here
 # (quant_kernels.paged_attention_quant_cuda, attention.paged_attention_cuda), by
-# ENGINE_TENSOR_CORE_DECODE: "graphs" (the default) those a CUDA graph captures, i.e. the graph
-# runner's decode steps; "1" every one, the decode rows of eager mixed steps too; "0" none. (An
+# ENGINE_TENSOR_CORE_DECODE: "graphs" (the default) the CUDA-graph runner's decode steps
+# (``graph_steps``; also any batch a CUDA graph captures); "1" every one, the decode rows of
+# eager mixed steps too; "0" none. (An
 # eager mixed step of 32 decode rows at 4k context and a 2048-token prompt chunk, 8B shape,
 # H200, took 28.2 instead of 18.2 ms with fp16 pages and 57.9 instead of 41.0 with q4 with
 # every decode batch here, not yet understood, while its graph-captured decode forwards ran
@@ -96,7 +100,25 @@ def routes_decode(q: torch.Tensor) -> bool:
 
 
 def _capturing(q: torch.Tensor) -> bool:
+    if getattr(_graph_work, "depth", 0):
+        return True
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_graph_work = threading.local()
+
+
+@contextlib.contextmanager
+def graph_steps() -> Iterator[None]:
+    """Decode batches inside count as a CUDA graph's (``MODE`` "graphs"): the graph runner's
+    steps that run eagerly, i.e. its run of each bucket before the capture, which compiles and
+    loads every kernel the capture then only launches (a first launch inside a capture would
+    fail it), and its buckets where capture is off or failed."""
+    _graph_work.depth = getattr(_graph_work, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _graph_work.depth -= 1
 
 
 GROUP = 32

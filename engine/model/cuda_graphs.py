@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
+from engine.cuda.attention_mma import graph_steps
 from engine.embeddings import EMBEDDING_ID_BASE
 from engine.inflight import TokenPatch
 from engine.ops import OpSet
@@ -171,15 +172,16 @@ class DecodeGraphs:
         # An eager run on a side stream first: it plans the attention (work list and partial
         # buffers, cached on the batch and reused by the graph) and loads every kernel module,
         # so the capture itself launches only.
+        # (graph_steps: the warm-up routes decode attention as the capture does)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(side):
+        with graph_steps(), torch.inference_mode(), torch.cuda.stream(side):
             network.hidden_states(bucket.batch, self.kv_pages, ops)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         capturing = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
-        with _nothing_freed(), torch.inference_mode(), capturing:
+        with _nothing_freed(), graph_steps(), torch.inference_mode(), capturing:
             hidden = network.hidden_states(bucket.batch, self.kv_pages, ops)
         bucket.graph, bucket.hidden = graph, hidden
 
@@ -256,8 +258,9 @@ class DecodeGraphs:
             self.replays += 1
             bucket.graph.replay()
             hidden = bucket.hidden
-        else:
-            hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.ops)
+        else:  # (the same kernels as a captured step)
+            with graph_steps():
+                hidden = self.model.network.hidden_states(bucket.batch, self.kv_pages, self.ops)
         return self.model.network.logits(hidden[: len(rows)])
 
     def _stage(self, rows: Sequence[DecodeRow], size: int) -> None:

@@ -30,15 +30,16 @@ def _forward(model: Model, kv, seqs: list[SequenceInput], ops=TORCH_OPS) -> torc
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # (the padding row: no 0 / 0 in the kernel)
-@pytest.mark.parametrize("quant", ["q4", "q8"])
-def test_decode_graph_steps_on_tensor_cores(heads64, monkeypatch, quant):
+@pytest.mark.parametrize(("quant", "mode"), [("q4", "graphs"), ("q8", "1")])
+def test_decode_graph_steps_on_tensor_cores(heads64, monkeypatch, quant, mode):
     """Three sequences in a bucket of four (a padding row with no keys): the graph step's
     logits match an eager forward through the same kernels (the kernel's numerics against the
-    torch reference: tests/kernels/test_attention_mma.py), and the step went through it."""
+    torch reference: tests/kernels/test_attention_mma.py), and the step went through it, by
+    default too ("graphs": the runner's steps, captured or, as here, eager)."""
     from engine.cuda import attention_mma
 
     monkeypatch.setenv(OPS_ENV, "cuda")
-    monkeypatch.setattr(attention_mma, "MODE", "1")
+    monkeypatch.setattr(attention_mma, "MODE", mode)
     calls = []
     real = attention_mma.decode_attention_mma
     monkeypatch.setattr(
@@ -61,7 +62,10 @@ def test_decode_graph_steps_on_tensor_cores(heads64, monkeypatch, quant):
     got = graphs.run(seqs)
     assert calls and graphs.steps == 1
     calls.clear()
-    want = _forward(model, kv, seqs, model.ops)  # (rewrites the step's K/V, the same values)
+    # (by default an eager forward outside the runner takes the CUDA-core kernel)
+    assert attention_mma.routes_decode(torch.zeros(1)) == (mode == "1")
+    with attention_mma.graph_steps():  # (the eager forward through the same kernels)
+        want = _forward(model, kv, seqs, model.ops)  # (rewrites the step's K/V, the same values)
     assert calls
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
