@@ -39,7 +39,7 @@ everything else.
 On the H200 (8B shape, batch 32 x 4k, bench/results/attention_keys_per_step_h200_2026-11-27_
 pipeline.json) q4 decode attention takes 0.092 ms against fp16's 0.207 on the CUDA-core kernel
 (2.25x) and 0.156 here; the op set sends it the decode batches that ``routes_decode`` names
-(by default those a CUDA graph captures).
+(by default the CUDA-graph runner's decode steps).
 """
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ uint64 = cuda.uint64
 # (quant_kernels.paged_attention_quant_cuda, attention.paged_attention_cuda), by
 # ENGINE_TENSOR_CORE_DECODE: "graphs" (the default) the CUDA-graph runner's decode steps
 # (``graph_steps``; also any batch a CUDA graph captures); "1" every one, the decode rows of
-# eager mixed steps too; "0" none. (An
-# eager mixed step of 32 decode rows at 4k context and a 2048-token prompt chunk, 8B shape,
-# H200, took 28.2 instead of 18.2 ms with fp16 pages and 57.9 instead of 41.0 with q4 with
-# every decode batch here, not yet understood, while its graph-captured decode forwards ran
-# 9% (fp16) and 15% (q4) more tokens/s: bench/results/gpu_decode_h200_2026-11-27_kv_mma*.json.)
+# eager mixed steps too; "0" none. (An eager mixed step of 32 decode rows at 4k context and a
+# 2048-token prompt chunk, 8B shape, H200, took 28.2 instead of 18.2 ms with fp16 pages and
+# 57.9 instead of 41.0 with q4 with every decode batch here, not yet understood, while its
+# graph-captured decode forwards ran 9% (fp16) and 15% (q4) more tokens/s:
+# bench/results/gpu_decode_h200_2026-11-27_kv_mma*.json.)
 MODE = os.environ.get("ENGINE_TENSOR_CORE_DECODE", "graphs")
 if MODE not in ("graphs", "1", "0"):
     raise ValueError(f"ENGINE_TENSOR_CORE_DECODE={MODE!r}: expected graphs, 1 or 0")
