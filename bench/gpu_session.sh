@@ -83,6 +83,10 @@ if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per
     $OUT/attention_ncu.txt"
   step kv-forward-profile "${PROFILE_CAP:-120}" $PY bench/kv_forward_profile.py \
     --output "$OUT/kv_forward_profile.txt"
+  # one eager mixed step's attention, its decode rows on CUDA cores and on tensor cores (why
+  # the latter was slower on the H200, stop 37)
+  step mixed-profile "${PROFILE_CAP:-120}" $PY bench/kv_forward_profile.py --mixed \
+    --modes fp16,q4 --output "$OUT/mixed_step_profile.txt"
 fi
 
 # prefill through SDPA (as shipped) and through the kernel, side by side, prefill rows only

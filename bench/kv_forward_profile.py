@@ -6,7 +6,14 @@ the kernels with the most CUDA time (per forward: total time, calls, mean). This
 quantized cache write's ~57 us per layer (one thread per group searching 4-bit scales) was
 found on the H200 on 2026-11-27. Writes the tables to --output (text).
 
+``--mixed``: instead, the attention (every layer, the op set's) of one eager mixed step, the
+B decode rows beside a new prompt's chunk of --chunk tokens, with the decode rows on the
+CUDA-core kernel and then on the tensor-core kernel (ENGINE_TENSOR_CORE_DECODE 0 and 1), CPU
+and CUDA activity both: on the H200 such a step took 28.2 instead of 18.2 ms (fp16) and 57.9
+instead of 41.0 (q4) with the tensor-core kernel, which alone is faster (stop 37).
+
     python bench/kv_forward_profile.py [--modes fp16,q4,q4+sinks] [--batch 32] [--context 4096]
+    python bench/kv_forward_profile.py --mixed --modes fp16,q4
 """
 
 from __future__ import annotations
@@ -56,6 +63,56 @@ def profile_mode(model, mode: str, batch: int, context: int, forwards: int, rows
     return f"===== {mode}: batch {batch} x {context}, {forwards} forwards\n{table}\n"
 
 
+def profile_mixed(model, mode: str, batch: int, context: int, chunk: int, rows: int) -> str:
+    """The op set's attention over every layer of one mixed step, per tensor-core routing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
+    from engine.cuda import attention_mma
+
+    quant = mode.removesuffix("+sinks")
+    sinks = batch if mode != quant else 0
+    per_seq = -(-(context + 1) // PAGE)
+    chunk_pages = -(-chunk // PAGE)
+    kv = model.allocate_kv(batch * per_seq + chunk_pages, PAGE, quant, num_sink_pages=sinks)
+    pages = kv_quant_decode._page_lists(batch, per_seq, sinks)
+    seqs = [SequenceInput([4 + b], num_cached=context, pages=p) for b, p in enumerate(pages)]
+    prompt_pages = list(range(batch * per_seq, batch * per_seq + chunk_pages))
+    seqs.append(SequenceInput([5] * chunk, 0, prompt_pages, prompt_chunk=True))
+    fwd = build_forward_batch(seqs, PAGE, model.device)
+    cfg = model.config
+    q = torch.randn((fwd.num_tokens, cfg.num_heads, cfg.head_dim), device=model.device)
+    q, scale = q.to(model.dtype), cfg.head_dim**-0.5
+
+    def step() -> None:
+        fwd.attention = AttentionPlan()
+        for k_pages, v_pages in kv:
+            model.ops.paged_attention(q, k_pages, v_pages, fwd, scale)
+
+    tables = []
+    shipped = attention_mma.MODE
+    try:
+        for routing in ("0", "1"):
+            attention_mma.MODE = routing
+            for _ in range(3):  # compile and warm up
+                step()
+            torch.cuda.synchronize()
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities) as prof:
+                step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+            )
+            tables.append(
+                f"===== {mode} mixed step: {batch} decode rows x {context} + a {chunk}-token "
+                f"chunk, ENGINE_TENSOR_CORE_DECODE={routing}\n{table}\n"
+            )
+    finally:
+        attention_mma.MODE = shipped
+    return "".join(tables)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="fp16,q8,q6,q4,q4+sinks")
@@ -63,6 +120,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--forwards", type=int, default=2)
     parser.add_argument("--rows", type=int, default=14)
+    parser.add_argument("--mixed", action="store_true", help="profile a mixed step's attention")
+    parser.add_argument("--chunk", type=int, default=2048, help="--mixed: prompt chunk tokens")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -73,7 +132,14 @@ def main() -> None:
     header = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}\n"
     tables = []
     for mode in args.modes.split(","):
-        tables.append(profile_mode(model, mode, args.batch, args.context, args.forwards, args.rows))
+        if args.mixed:
+            tables.append(
+                profile_mixed(model, mode, args.batch, args.context, args.chunk, args.rows)
+            )
+        else:
+            tables.append(
+                profile_mode(model, mode, args.batch, args.context, args.forwards, args.rows)
+            )
         torch.cuda.empty_cache()  # (the mode's pages went with profile_mode)
     text = header + "".join(tables)
     print(text)
