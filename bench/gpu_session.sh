@@ -9,8 +9,9 @@
 #   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth), then
 #      bench/attention_keys_per_step.py (decode attention per cache mode vs keys per step),
 #      ncu on one decode attention call per mode (bench/attention_ncu.py), the kernels of a
-#      decode forward per cache mode (bench/kv_forward_profile.py) and prefill through SDPA vs
-#      the kernel (1B shape, prefill rows only);
+#      decode forward per cache mode (bench/kv_forward_profile.py), one mixed step's attention
+#      with its decode rows on CUDA cores and on tensor cores (--mixed), and prefill through
+#      SDPA vs the kernel (1B shape, prefill rows only);
 #   6. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
 #      modes at batch 32 x 4k: issue "Quantized KV cache"), then its baselines: prefill
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
