@@ -963,19 +963,19 @@ def _merge_kernel(head_dim: int):
     @cuda.jit(fastmath=True)
     def merge(part_ml, part_o, out, num_splits):
         t = cuda.blockIdx.x
-        h = cuda.blockIdx.y
-        mx = NEG  # (every thread of the block reads the same few maxima and sums)
-        for z in range(num_splits):
-            mx = max(mx, part_ml[z, t, h, 0])
-        total = float32(0.0)
-        for z in range(num_splits):
-            total += part_ml[z, t, h, 1] * math.exp(part_ml[z, t, h, 0] - mx)
-        inv = float32(1.0) / total if total > 0.0 else float32(0.0)  # (no keys: zeros)
-        for d in range(cuda.threadIdx.x, D, NT):
-            o = float32(0.0)
+        for h in range(cuda.blockIdx.y, out.shape[1], cuda.gridDim.y):  # (see merge_splits)
+            mx = NEG  # (every thread of the block reads the same few maxima and sums)
             for z in range(num_splits):
-                o += part_o[z, t, h, d] * math.exp(part_ml[z, t, h, 0] - mx)
-            out[t, h, d] = o * inv
+                mx = max(mx, part_ml[z, t, h, 0])
+            total = float32(0.0)
+            for z in range(num_splits):
+                total += part_ml[z, t, h, 1] * math.exp(part_ml[z, t, h, 0] - mx)
+            inv = float32(1.0) / total if total > 0.0 else float32(0.0)  # (no keys: zeros)
+            for d in range(cuda.threadIdx.x, D, NT):
+                o = float32(0.0)
+                for z in range(num_splits):
+                    o += part_o[z, t, h, d] * math.exp(part_ml[z, t, h, 0] - mx)
+                out[t, h, d] = o * inv
 
     return merge
 
@@ -985,7 +985,11 @@ def merge_splits(part_ml, part_o, out: torch.Tensor, num_splits: int) -> None:
     part_o [Z, T, H, D] unnormalised) into out [T, H, D]."""
     tokens, heads, head_dim = out.shape
     threads = min(_MERGE_THREADS, head_dim)
-    launch(_merge_kernel(head_dim), (tokens, heads), threads, part_ml, part_o, out, num_splits)
+    # one block per (token, head) on a GPU; the simulator, which starts a Python thread per
+    # simulated thread of every block, takes one block per token walking the heads
+    head_blocks = 1 if SIMULATOR else heads
+    launch(_merge_kernel(head_dim), (tokens, head_blocks), threads, part_ml, part_o, out,
+           num_splits)  # fmt: skip
 
 
 # (num_heads, num_kv_heads, head_dim, sliding_window, forced num_splits)
