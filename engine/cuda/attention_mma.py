@@ -557,10 +557,18 @@ def _decode_kernel(  # noqa: C901, PLR0915
             fetch_v4(v_words, v_scale_bits, base + (2 * t) * KV, live, gid, vw, vs)
 
     @cuda.jit(device=True)
-    def online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1, src_a, src_b, odd):
-        """One tile's scores (log2 units, dead keys NEG) into the running maxima m and sums l
-        of columns 2t, 2t + 1, the accumulator rescaled where a maximum moved; returns them
-        and P^T as the PV product's B operand (column gid, keys 2t, 2t+1 | 2t+8, 2t+9)."""
+    def online_softmax(acc, s0, s1, s2, s3, rel, gid, span, m0, m1, l0, l1, src_a, src_b, odd):
+        """One tile's scores (log2 units; keys gid and gid + 8 of the tile ``rel`` keys past
+        the first live one, dead ones masked here: key j is live when 0 <= j - first < span,
+        one unsigned test) into the running maxima m and sums l of columns 2t, 2t + 1, the
+        accumulator rescaled where a maximum moved; returns them and P^T as the PV product's
+        B operand (column gid, keys 2t, 2t+1 | 2t+8, 2t+9)."""
+        live_a = uint32(rel + gid) < span
+        live_b = uint32(rel + gid + 8) < span
+        s0 = s0 if live_a else NEG
+        s1 = s1 if live_a else NEG
+        s2 = s2 if live_b else NEG
+        s3 = s3 if live_b else NEG
         top0 = max(s0, s2)
         top1 = max(s1, s3)
         for off in (4, 8, 16):
@@ -710,15 +718,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     s0, s1, s2, s3 = code_scores(kw, ks, qb0, qb1, ci0, ci1)
                     f0 = mult0
                     f1 = mult1
-                rel = j0 - first
-                live_a = uint32(rel + gid) < span
-                live_b = uint32(rel + gid + 8) < span
-                s0 = s0 * f0 if live_a else NEG
-                s1 = s1 * f1 if live_a else NEG
-                s2 = s2 * f0 if live_b else NEG
-                s3 = s3 * f1 if live_b else NEG
-                m0, m1, l0, l1, pb0, pb1 = online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1,
-                                                          src_a, src_b, odd)  # fmt: skip
+                m0, m1, l0, l1, pb0, pb1 = online_softmax(
+                    acc, s0 * f0, s1 * f1, s2 * f0, s3 * f1, j0 - first, gid, span, m0, m1, l0,
+                    l1, src_a, src_b, odd,
+                )  # fmt: skip
                 if V8:
                     code_values8(acc, vw, vs, pb0, pb1)
                 else:
@@ -754,15 +757,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 s0, s1, s2, s3 = code_scores(kw, ks, qb0, qb1, ci0, ci1)
                 f0 = mult0
                 f1 = mult1
-            rel = j0 - first  # key j is live when 0 <= j - first < hi - first: one unsigned test
-            live_a = uint32(rel + gid) < span
-            live_b = uint32(rel + gid + 8) < span
-            s0 = s0 * f0 if live_a else NEG
-            s1 = s1 * f1 if live_a else NEG
-            s2 = s2 * f0 if live_b else NEG
-            s3 = s3 * f1 if live_b else NEG
-            m0, m1, l0, l1, pb0, pb1 = online_softmax(acc, s0, s1, s2, s3, m0, m1, l0, l1,
-                                                      src_a, src_b, odd)  # fmt: skip
+            rel = j0 - first
+            m0, m1, l0, l1, pb0, pb1 = online_softmax(
+                acc, s0 * f0, s1 * f1, s2 * f0, s3 * f1, rel, gid, span, m0, m1, l0, l1, src_a,
+                src_b, odd,
+            )  # fmt: skip
             r0 = base + (2 * t) * KV  # key 2t's row
             live = tile_live(rel, t, span)
             if exact:

@@ -82,8 +82,8 @@ def paged_attention_quant_cuda(
     """``quant_paged_attention_reference`` as the Numba kernels; returns a new [T, H, D].
 
     Decode batches that the tensor-core kernel serves (attention_mma.supports) go there
-    instead when ``attention_mma.routes_decode`` says so: by default those captured in a CUDA
-    graph (ENGINE_TENSOR_CORE_DECODE)."""
+    instead when ``attention_mma.routes_decode`` says so: by default the CUDA-graph runner's
+    decode steps (ENGINE_TENSOR_CORE_DECODE)."""
     _check_attention(q, k_pages, v_pages, batch, sliding_window, num_splits)
     if attention_mma.routes_decode(q) and attention_mma.supports(
         k_pages.bits, v_pages.bits, None if k_pages.sinks is None else k_pages.sinks.dtype,
