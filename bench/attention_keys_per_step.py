@@ -12,9 +12,10 @@ read from unquantized rows: engine/cache/quant.py), and ``fp16-mma`` / ``q8-mma`
 ``q6-mma`` / ``q4-mma`` (those pages through the tensor-core decode kernel,
 engine/cuda/attention_mma.py: its split rule, then 4, 8 and 16 splits; the configs do not
 apply; q4-mma's error includes q's rounding to bytes; ``q4-mma-pipe0``: under that load
-pipeline, attention_mma._PIPELINE). This sweeps them at Llama-3-8B's
-attention shape, decode at batch 32 x 4096-token context (issue "Quantized KV cache": q4's
-decode attention vs fp16's), and checks each output against the torch reference of its mode.
+pipeline, attention_mma._PIPELINE; ``q4-mma+sinks``: q4+sinks' pages on tensor cores).
+This sweeps them at Llama-3-8B's attention shape, decode at batch 32 x 4096-token context
+(issue "Quantized KV cache": q4's decode attention vs fp16's), and checks each output against
+the torch reference of its mode.
 
     time   one paged-attention op per call (quantized: the kernel rotates q and the output),
            a CUDA graph of --iters calls, CUDA events; kernel_ms: the attention launches alone
@@ -66,6 +67,7 @@ MODES = (
     "q8-mma-pipe0",
     "q6-mma-pipe0",
     "q4-mma-pipe2",
+    "q4-mma+sinks",
 )
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
@@ -180,8 +182,9 @@ def mma_rows(mode, batch, context, iters, copy_gbs) -> list[SweepRow]:
     shipped = attention_mma._PIPELINE
     kernel, _, pipe = mode.partition("-pipe")
     attention_mma._PIPELINE = int(pipe) if pipe else shipped
+    base = kernel.replace("-mma", "")  # (q4-mma+sinks: the q4+sinks case)
     try:
-        return _mma_rows(mode, kernel.removesuffix("-mma"), batch, context, iters, copy_gbs)
+        return _mma_rows(mode, base, batch, context, iters, copy_gbs)
     finally:
         attention_mma._PIPELINE = shipped
 
@@ -205,7 +208,8 @@ def _mma_rows(mode, base, batch, context, iters, copy_gbs) -> list[SweepRow]:
                 return decode_attention_mma_fp16(q, k, v, fb, HEAD_DIM**-0.5, num_splits=forced)
             return decode_attention_mma(q, k.data, v.data, k.scales, v.scales, fb,
                                         HEAD_DIM**-0.5, rotate=k.rotate, k_bits=k.bits,
-                                        v_bits=v.bits, num_splits=forced)  # fmt: skip
+                                        v_bits=v.bits, k_sinks=k.sinks, v_sinks=v.sinks,
+                                        num_splits=forced)  # fmt: skip
 
         err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
         ms, _ = time_ms(fn, iters)
