@@ -8,7 +8,7 @@
   rotated space in between, never inverting anything per key (element reads: torch matmuls
   around the launch).
 - ``quant_rotary_cache_write_cuda``: rotary on q and k fused with the quantized write of k and
-  v (one launch, one block per token; see the comment above the kernel).
+  v (one launch, one block per (token, KV head); see the comment above the kernel).
 
 Torch references: engine/cuda/quant_reference.py; tests check these against them under the
 simulator.
@@ -34,7 +34,6 @@ from engine.cache.quant import (
 )
 from engine.cuda import _launch, attention_mma
 from engine.cuda.attention import KVArgs, launch_attention
-from engine.cuda.bits import odd_parity
 from engine.cuda.quant_reference import check_pair
 
 cuda = _launch.cuda
@@ -111,15 +110,21 @@ def paged_attention_quant_cuda(
 
 
 # --------------------------------------------------------------------------------------------
-# Rotary + quantized cache write, one launch, one block per token.
+# Rotary + quantized cache write, one launch, one block per (token, KV head): a 32-token
+# decode write is 32 * KV blocks, not 32 (one block per token left most of an H200's 132 SMs
+# idle), and a block's shared memory holds one head's rows.
 #
-# 1. Threads stride over the rotation pairs of q (rotated q goes to the output, as in
-#    rotary.py) and of k; rotated k (rounded to the run dtype, as the reference rounds it) and
-#    v go to shared memory as float32, buf[0] = K and buf[1] = V, [KV * D] each; with key
-#    centering (k_pages.center) the rotated k less its center, in float32.
-# 2. With rotation, each thread computes whole output elements of the 32-point Hadamard
-#    transform of its group (sum of +-x_j, sign = parity of popcount(i & j), times 1/sqrt(32))
-#    into the second buffer.
+# 1. Threads stride over the rotation pairs of the block's query heads (the KV head's group;
+#    rotated q goes to the output, as in rotary.py) and of its k head; rotated k (rounded to
+#    the run dtype, as the reference rounds it) and v go to shared memory as float32, sm[0] =
+#    K and sm[2] = V, [D] each; with key centering (k_pages.center) the rotated k less its
+#    center, in float32.
+# 2. With rotation, the 32-point Hadamard transform of every group in place: five butterfly
+#    stages (x_i, x_i+h) -> (x_i + x_i+h, x_i - x_i+h) for h = 1, 2, 4, 8, 16, threads striding
+#    over the pairs of both buffers, the last stage times 1/sqrt(32): 5 shared-memory reads per
+#    value. (Each output as a 32-term dot product, 32 reads and a parity per term, was ~19 us
+#    of a q4 write's 36 us per 32-token decode call on the H200, 8B shape, one block per
+#    token: bench/results/cache_write_kernel_h200_2026-11-27.json. Not yet timed on a GPU.)
 # 3. Each group's scale: absmax / qmax (clamped to fp16's range), or for rotated 4-bit groups
 #    quant.search_scales' search (the first element m of largest magnitude; per divisor d the
 #    fp16 scale -m / d and the group's squared error under it, in float64; the first least
@@ -139,7 +144,6 @@ def paged_attention_quant_cuda(
 @functools.cache
 def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
     dtype: torch.dtype,
-    kv_heads: int,
     head_dim: int,
     k_bits: int,
     v_bits: int,
@@ -148,15 +152,14 @@ def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
     sinks: bool = False,
 ):
     io = _launch.NUMBA_DTYPES[dtype]
-    KV, D = kv_heads, head_dim
-    N = KV * D
-    rotate_step = _hadamard_step(N)
-    scale_step = _scale_step(N, D, k_bits, v_bits, rotate)
+    D = head_dim
+    rotate_step = _hadamard_step(D)
+    scale_step = _scale_step(D, k_bits, v_bits, rotate)
     TRIALS = num_trials(k_bits, v_bits, rotate)
-    NG2 = 2 * N // GROUP  # K and V groups
-    write_k = _code_writer(k_bits, N, D)
-    write_v = _code_writer(v_bits, N, D)
-    write_sinks = _sink_writer(dtype, N, D)
+    NG2 = 2 * D // GROUP  # K and V groups
+    write_k = _code_writer(k_bits, D)
+    write_v = _code_writer(v_bits, D)
+    write_sinks = _sink_writer(dtype, D)
 
     @cuda.jit
     def kernel(
@@ -164,32 +167,32 @@ def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
         k_sinks, v_sinks,
     ):  # fmt: skip
         # sm[0] = K values, sm[1] = K scales, sm[2] = V values, sm[3] = V scales (float32)
-        sm = cuda.shared.array((4, N), float32)
-        tmp = cuda.shared.array((2, N), float32)
+        sm = cuda.shared.array((4, D), float32)
         trial_error = cuda.shared.array((NG2, TRIALS), float64)
         trial_scale = cuda.shared.array((NG2, TRIALS), float32)
         t = cuda.blockIdx.x
+        kh = cuda.blockIdx.y  # the KV head; its query heads are group * kh ...
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        num_heads = q.shape[1]
+        group = q.shape[1] // k.shape[1]
         half = D // 2
         page_size = k_data.shape[1]
         slot = slot_mapping[t]
         write = slot >= 0 and slot < k_data.shape[0] * page_size
         page = slot // page_size
         offset = slot - page * page_size
-        for p in range(tid, (num_heads + KV) * half, nt):
-            h = p // half
-            j = p - h * half
+        for p in range(tid, (group + 1) * half, nt):
+            g = p // half  # the group's query heads, then (g == group) the key
+            j = p - g * half
             c = float32(cos[t, j])
             s = float32(sin[t, j])
-            if h < num_heads:
+            if g < group:
+                h = kh * group + g
                 x1 = float32(q[t, h, j])
                 x2 = float32(q[t, h, j + half])
                 q_out[t, h, j] = io(float32(io(x1 * c)) + float32(io(-x2 * s)))
                 q_out[t, h, j + half] = io(float32(io(x2 * c)) + float32(io(x1 * s)))
             elif write:
-                kh = h - num_heads
                 x1 = float32(k[t, kh, j])
                 x2 = float32(k[t, kh, j + half])
                 k1 = float32(io(float32(io(x1 * c)) + float32(io(-x2 * s))))
@@ -197,34 +200,35 @@ def _quant_write_kernel(  # noqa: PLR0915 (one kernel, its steps inline)
                 if centered:  # (the reference: the rounded key in float32, less the center)
                     k1 -= k_center[kh, j]
                     k2 -= k_center[kh, j + half]
-                sm[0, kh * D + j] = k1
-                sm[0, kh * D + j + half] = k2
+                sm[0, j] = k1
+                sm[0, j + half] = k2
         if write:  # uniform per block: every thread takes the same branch
-            for e in range(tid, N, nt):
-                sm[2, e] = float32(v[t, e // D, e % D])
+            for e in range(tid, D, nt):
+                sm[2, e] = float32(v[t, kh, e])
             cuda.syncthreads()
             if rotate:
-                rotate_step(sm, tmp, tid, nt)
-            scale_step(sm, trial_error, trial_scale, k_scales, v_scales, page, offset, tid, nt)
+                rotate_step(sm, tid, nt)
+            scale_step(sm, trial_error, trial_scale, k_scales, v_scales, page, offset, kh, tid, nt)
             cuda.syncthreads()
-            write_k(k_data, sm, 0, page, offset, tid, nt)
-            write_v(v_data, sm, 2, page, offset, tid, nt)
+            write_k(k_data, sm, 0, page, offset, kh, tid, nt)
+            write_v(v_data, sm, 2, page, offset, kh, tid, nt)
             if sinks and page < k_sinks.shape[0]:
-                write_sinks(k_sinks, v_sinks, sm, page, offset, tid, nt)
+                write_sinks(k_sinks, v_sinks, sm, page, offset, kh, tid, nt)
 
     return kernel
 
 
 @functools.cache
-def _sink_writer(dtype: torch.dtype, n: int, head_dim: int):
-    """Step 5 as a device function: a sink page's slot also gets its rows unquantized (sm[0]
-    and sm[2], centered and rotated), rounded to the run dtype as the reference stores them."""
+def _sink_writer(dtype: torch.dtype, head_dim: int):
+    """Step 5 as a device function: a sink page's slot also gets head ``kh``'s rows unquantized
+    (sm[0] and sm[2], centered and rotated), rounded to the run dtype as the reference stores
+    them."""
     io = _launch.NUMBA_DTYPES[dtype]
 
-    def write(k_sinks, v_sinks, sm, page, offset, tid, nt):
-        for e in range(tid, n, nt):
-            k_sinks[page, offset, e // head_dim, e % head_dim] = io(sm[0, e])
-            v_sinks[page, offset, e // head_dim, e % head_dim] = io(sm[2, e])
+    def write(k_sinks, v_sinks, sm, page, offset, kh, tid, nt):
+        for e in range(tid, head_dim, nt):
+            k_sinks[page, offset, kh, e] = io(sm[0, e])
+            v_sinks[page, offset, kh, e] = io(sm[2, e])
 
     return cuda.jit(device=True)(write)
 
@@ -233,31 +237,30 @@ def _sink_writer(dtype: torch.dtype, n: int, head_dim: int):
 def _hadamard_step(n: int):
     """Step 2: sm[0] and sm[2] ([n] values each) replaced by their per-group transforms."""
     inv_sqrt = float32(1.0 / math.sqrt(GROUP))
+    half = n // 2  # butterfly pairs per buffer and stage
 
-    def rotate_step(sm, tmp, tid, nt):
-        for e in range(tid, 2 * n, nt):
-            w = e // n
-            r = e - w * n
-            base = r - r % GROUP
-            i = r % GROUP
-            acc = float32(0.0)
-            for jj in range(GROUP):
-                x = sm[2 * w, base + jj]
-                acc += -x if odd_parity(i & jj) else x
-            tmp[w, r] = acc * inv_sqrt
-        cuda.syncthreads()
-        for e in range(tid, 2 * n, nt):
-            w = e // n
-            sm[2 * w, e - w * n] = tmp[w, e - w * n]
-        cuda.syncthreads()
+    def rotate_step(sm, tid, nt):
+        h = 1
+        while h < GROUP:  # (uniform: every thread runs every stage and reaches the barrier)
+            norm = inv_sqrt if 2 * h == GROUP else float32(1.0)
+            for p in range(tid, 2 * half, nt):
+                w = p // half
+                r = p - w * half
+                i = (r // h) * 2 * h + r % h  # r with a zero bit inserted at h
+                a = sm[2 * w, i]
+                b = sm[2 * w, i + h]
+                sm[2 * w, i] = (a + b) * norm
+                sm[2 * w, i + h] = (a - b) * norm
+            cuda.syncthreads()
+            h *= 2
 
     return cuda.jit(device=True)(rotate_step)
 
 
 def write_shared_bytes(n: int, k_bits: int, v_bits: int, rotate: bool) -> int:
-    """Shared memory of the write kernel for n = KV * D values per side: sm and tmp (float32
-    [4, n] and [2, n]) and step 3's trials (float64 error + float32 scale per trial)."""
-    return 24 * n + 2 * (n // GROUP) * num_trials(k_bits, v_bits, rotate) * 12
+    """Shared memory of the write kernel for n = D values per side (one head): sm (float32
+    [4, n]) and step 3's trials (float64 error + float32 scale per trial)."""
+    return 16 * n + 2 * (n // GROUP) * num_trials(k_bits, v_bits, rotate) * 12
 
 
 def num_trials(k_bits: int, v_bits: int, rotate: bool) -> int:
@@ -266,19 +269,19 @@ def num_trials(k_bits: int, v_bits: int, rotate: bool) -> int:
 
 
 @functools.cache
-def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool):
-    """Step 3: each group's fp16 scale into the pages, and its float32 value (1 for a zero
-    scale: the group quantizes to zeros) into sm[1] (K) / sm[3] (V). ``trial_error`` (float64)
-    and ``trial_scale`` [2 * groups, trials]: each trial's squared error and scale."""
+def _scale_step(n: int, k_bits: int, v_bits: int, rotate: bool):
+    """Step 3: each group's fp16 scale into head ``kh``'s scales of the slot, and its float32
+    value (1 for a zero scale: the group quantizes to zeros) into sm[1] (K) / sm[3] (V).
+    ``trial_error`` (float64) and ``trial_scale`` [2 * groups, trials]: each trial's squared
+    error and scale. n = D values per side."""
     groups = n // GROUP
-    per_head = head_dim // GROUP
     k_top, v_top = float32(qmax(k_bits)), float32(qmax(v_bits))
     k_search, v_search = searches(k_bits, rotate), searches(v_bits, rotate)
     trials_per_group = num_trials(k_bits, v_bits, rotate)
     scale_max = float32(FP16_MAX)
     k_trial, v_trial = _scale_trial(k_bits), _scale_trial(v_bits)
 
-    def scale_step(sm, trial_error, trial_scale, k_scales, v_scales, page, offset, tid, nt):
+    def scale_step(sm, trial_error, trial_scale, k_scales, v_scales, page, offset, kh, tid, nt):
         for t in range(tid, 2 * groups * trials_per_group, nt):
             g = t // trials_per_group  # K groups, then V groups
             c = t - g * trials_per_group
@@ -309,9 +312,9 @@ def _scale_step(n: int, head_dim: int, k_bits: int, v_bits: int, rotate: bool):
                         best = c
             stored = float16(trial_scale[g, best])
             if w == 0:
-                k_scales[page, offset, gg // per_head, gg % per_head] = stored
+                k_scales[page, offset, kh, gg] = stored
             else:
-                v_scales[page, offset, gg // per_head, gg % per_head] = stored
+                v_scales[page, offset, kh, gg] = stored
             step = float32(stored)
             sm[2 * w + 1, gg] = step if step != 0 else float32(1.0)
 
@@ -360,30 +363,27 @@ def _coder(bits: int):
 
 
 @functools.cache
-def _code_writer(bits: int, n: int, head_dim: int):
-    """Step 4 as a device function: ``write(pages, sm, row, page, offset, tid, nt)`` stores
-    the codes of the n = KV * D values in sm[row] (scales in sm[row + 1]) into a page slot."""
+def _code_writer(bits: int, head_dim: int):
+    """Step 4 as a device function: ``write(pages, sm, row, page, offset, kh, tid, nt)`` stores
+    the codes of the D values in sm[row] (scales in sm[row + 1]) into head kh of a page slot."""
     half = GROUP // 2
     code = _coder(bits)
     if bits == 8:
 
-        def write(pages, sm, row, page, offset, tid, nt):
-            for e in range(tid, n, nt):
-                c = code(sm[row, e], sm[row + 1, e // GROUP])
-                pages[page, offset, e // head_dim, e % head_dim] = c
+        def write(pages, sm, row, page, offset, kh, tid, nt):
+            for e in range(tid, head_dim, nt):
+                pages[page, offset, kh, e] = code(sm[row, e], sm[row + 1, e // GROUP])
 
     else:
 
-        def write(pages, sm, row, page, offset, tid, nt):
-            for b in range(tid, n // 2, nt):
-                g = b // half  # group index over all heads
+        def write(pages, sm, row, page, offset, kh, tid, nt):
+            for b in range(tid, head_dim // 2, nt):
+                g = b // half  # the group in the head
                 j = b - g * half
                 s = sm[row + 1, g]
                 lo = code(sm[row, g * GROUP + j], s)
                 hi = code(sm[row, g * GROUP + j + half], s)
-                first = g * GROUP
-                byte = (lo + 8) | ((hi + 8) << 4)
-                pages[page, offset, first // head_dim, (first % head_dim) // 2 + j] = byte
+                pages[page, offset, kh, g * half + j] = (lo + 8) | ((hi + 8) << 4)
 
     return cuda.jit(device=True)(write)
 
@@ -402,11 +402,13 @@ def _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping) -> None:
         raise ValueError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q")
     if (k.shape[1], head_dim) != k_pages.shape[2:]:
         raise ValueError(f"{name}: k {tuple(k.shape)} does not fit pages {k_pages.shape}")
-    need = write_shared_bytes(k.shape[1] * head_dim, k_pages.bits, v_pages.bits, k_pages.rotate)
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{name}: {q.shape[1]} query heads are not a multiple of k's heads")
+    need = write_shared_bytes(head_dim, k_pages.bits, v_pages.bits, k_pages.rotate)
     if need > _MAX_SHARED_BYTES:
         raise ValueError(
-            f"{name}: kv_heads * head_dim = {k.shape[1]} * {head_dim} needs {need} bytes of "
-            f"shared memory per block, over the {_MAX_SHARED_BYTES} a block may hold"
+            f"{name}: head_dim {head_dim} needs {need} bytes of shared memory per block, over "
+            f"the {_MAX_SHARED_BYTES} a block may hold"
         )
     if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"{name}: cos/sin must be [T, D/2]")
@@ -435,7 +437,7 @@ def quant_rotary_cache_write_cuda(
     if tokens == 0:
         return out
     kv_heads = k.shape[1]
-    work = max((heads + kv_heads) * head_dim // 2, 2 * kv_heads * head_dim)
+    work = max((heads // kv_heads + 1) * head_dim // 2, 2 * head_dim)  # per (token, KV head)
     threads = 32
     while threads < work and threads < _MAX_THREADS and not _launch.SIMULATOR:
         threads *= 2
@@ -446,7 +448,7 @@ def quant_rotary_cache_write_cuda(
             f"quant_rotary_cache_write_cuda: sink rows must be {q.dtype} in K and V pages"
         )
     kernel = _quant_write_kernel(
-        q.dtype, kv_heads, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate, centered, sinks
+        q.dtype, head_dim, k_pages.bits, v_pages.bits, k_pages.rotate, centered, sinks
     )
     if _launch.SIMULATOR:  # the simulator copies arrays in as single buffers; a GPU takes views
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -456,5 +458,7 @@ def quant_rotary_cache_write_cuda(
     # (without sink pages the kernel never writes them: the scales stand in for the arguments)
     k_sinks = k_pages.sinks if sinks else k_pages.scales
     v_sinks = v_pages.sinks if sinks else v_pages.scales
-    _launch.launch(kernel, tokens, threads, *args, slot_mapping.contiguous(), out, k_sinks, v_sinks)
+    _launch.launch(
+        kernel, (tokens, kv_heads), threads, *args, slot_mapping.contiguous(), out, k_sinks, v_sinks
+    )
     return out

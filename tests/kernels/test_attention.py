@@ -339,6 +339,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
     dispatcher.get_current_device = lambda: Device()
     from engine.cuda import attention as A
 
+    def link(kernel, args):  # (registers, spill stores, log) of kernel compiled for sm_90
+        opts = kernel.targetoptions
+        ltoir, _ = cuda.compile(
+            kernel.py_func, "void(" + args + ")", cc=(9, 0), output="ltoir", device=False,
+            abi="numba", fastmath=opts.get("fastmath", False),
+            launch_bounds=opts.get("launch_bounds"),
+        )
+        linker = Linker(ObjectCode.from_ltoir(ltoir),
+                        options=LinkerOptions(arch="sm_90", link_time_optimization=True,
+                                              verbose=True))
+        linker.link("cubin")
+        log = linker.get_info_log()
+        regs = re.search(r"Used (\\d+) registers", log).group(1)
+        spills = re.search(r"(\\d+) bytes spill stores", log).group(1)
+        return regs, spills, log
+
     PAGES = {0: "{dt}", 8: "int8", 4: "uint8"}
     ARGS = (  # (page arrays flat: kv_load.flat_pages)
         "{dt}[:, :, ::1], {kt}[::1], {vt}[::1], {ks}[::1], {vs}[::1], {dt}[:, :, ::1], "
@@ -371,21 +387,26 @@ _COMPILE_SCRIPT = textwrap.dedent(
         words = {4: "int32", 8: "int64"}[d // lt] if kb and vb else None  # kv_load words
         ARGS_NOW = ARGS.replace("{kt}", words or PAGES[kb]).replace("{vt}", words or PAGES[vb])
         ARGS_NOW = ARGS_NOW.replace("{ks}", scales[kb]).replace("{vs}", scales[vb])
-        opts = kernel.targetoptions
-        ltoir, _ = cuda.compile(
-            kernel.py_func, "void(" + ARGS_NOW.replace("{dt}", dt) + ")", cc=(9, 0), output="ltoir",
-            device=False, abi="numba", fastmath=opts.get("fastmath", False),
-            launch_bounds=opts.get("launch_bounds"),
-        )
-        linker = Linker(ObjectCode.from_ltoir(ltoir),
-                        options=LinkerOptions(arch="sm_90", link_time_optimization=True,
-                                              verbose=True))
-        linker.link("cubin")
-        log = linker.get_info_log()
-        regs = re.search(r"Used (\\d+) registers", log).group(1)
-        spills = re.search(r"(\\d+) bytes spill stores", log).group(1)
+        regs, spills, log = link(kernel, ARGS_NOW.replace("{dt}", dt))
         print(dt, d, ps, g, qt, lt, kb, vb, sinks, "registers", regs, "spill stores", spills)
         assert spills_ok or spills == "0", log
+
+    # The quantized cache write (rotary, Hadamard, scale search, codes, sink rows) at
+    # head_dim 128, 4- and 8-bit codes.
+    import torch
+    from engine.cuda import quant_kernels as Q
+
+    for kb, page in ((4, "uint8"), (8, "int8")):
+        kernel = Q._quant_write_kernel(torch.float16, 128, kb, kb, True, True, True)
+        signature = (
+            "float16[:, :, :], float16[:, :, :], float16[:, :, :], float16[:, ::1], "
+            f"float16[:, ::1], {page}[:, :, :, ::1], {page}[:, :, :, ::1], "
+            "float16[:, :, :, ::1], float16[:, :, :, ::1], float32[:, ::1], int64[::1], "
+            "float16[:, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1]"
+        )
+        regs, spills, log = link(kernel, signature)
+        print("cache write", kb, "registers", regs, "spill stores", spills)
+        assert spills == "0", log
     """
 )
 

@@ -70,9 +70,10 @@ def _copy(p: QuantPages) -> QuantPages:
 )
 def test_cache_write_matches_reference(quant, rotate, dtype, centered):
     torch.manual_seed(0)
-    q, k, v, cos, sin, _, _ = make_inputs(3, 2, 1, 2 * GROUP, 4, 4, dtype)
-    center = torch.randn(1, 2 * GROUP, device=DEVICE) if centered else None
-    k_pages, v_pages = _pages(quant, rotate, 4, 4, 1, 2 * GROUP, center)
+    # two KV heads of two query heads each: a block per (token, KV head) finds its heads
+    q, k, v, cos, sin, _, _ = make_inputs(3, 4, 2, 2 * GROUP, 4, 4, dtype)
+    center = torch.randn(2, 2 * GROUP, device=DEVICE) if centered else None
+    k_pages, v_pages = _pages(quant, rotate, 4, 4, 2, 2 * GROUP, center)
     ref_k, ref_v = _copy(k_pages), _copy(v_pages)
     slots = torch.tensor([5, -1, 14], device=DEVICE)  # the middle token is padding
     ref_q = quant_rotary_cache_write_reference(q, k, v, cos, sin, ref_k, ref_v, slots)
@@ -132,12 +133,12 @@ def test_q4_scale_search_matches_reference():
     assert torch.cat((_codes(ref_k), _codes(ref_v))).min() == 0  # code -8, never in absmax
 
 
-def test_cache_write_refuses_kv_rows_past_shared_memory():
-    """16 KV heads of 128 dims need more shared memory than a block holds (values, scratch
-    and the scale search's trials): a ValueError naming the shape, before any launch."""
-    q, k, v, cos, sin, _, _ = make_inputs(1, 16, 16, 128, 1, 4, torch.float16)
-    k_pages, v_pages = _pages("q4", True, 1, 4, 16, 128)
-    with pytest.raises(ValueError, match=r"16 \* 128 needs \d+ bytes of shared memory"):
+def test_cache_write_refuses_heads_past_shared_memory():
+    """A block writes one KV head: a head of 4096 dims needs more shared memory than a block
+    holds (values and the scale search's trials): a ValueError naming it, before any launch."""
+    q, k, v, cos, sin, _, _ = make_inputs(1, 1, 1, 4096, 1, 4, torch.float16)
+    k_pages, v_pages = _pages("q4", True, 1, 4, 1, 4096)
+    with pytest.raises(ValueError, match=r"head_dim 4096 needs \d+ bytes of shared memory"):
         quant_rotary_cache_write_cuda(
             q, k, v, cos, sin, k_pages, v_pages, torch.zeros(1, dtype=torch.long, device=DEVICE)
         )
