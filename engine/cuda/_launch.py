@@ -14,7 +14,10 @@ only through this module so the check below sees the mode actually in force.
 
 from __future__ import annotations
 
+import functools
 import os
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +41,40 @@ def kernels_available() -> bool:
 
 NUMBA_DTYPES = {torch.float16: nbt.float16, torch.float32: nbt.float32}
 NUMBA_INDEX_DTYPES = {torch.int32: nbt.int32, torch.int64: nbt.int64}
+
+
+def device_function(fn: Callable | None = None, **options: Any) -> Any:
+    """``cuda.jit(device=True, **options)(fn)`` (also a decorator, bare or with options). In
+    the simulator a function that never names the cuda module (bit tricks, rounding, index
+    arithmetic) stays a plain Python function: the simulator runs every device-function call
+    inside a swap of its module's globals under a lock, rescanning them whenever no thread is
+    inside, which for helpers called per element (a Hadamard sign per term) made most of the
+    simulated kernels' time (one test: 141 s)."""
+    if fn is None:
+        return functools.partial(device_function, **options)
+    if SIMULATOR and not _names_cuda(fn):
+        return fn
+    return cuda.jit(device=True, **options)(fn)
+
+
+def _names_cuda(fn: Callable, seen: set[int] | None = None) -> bool:
+    """Whether ``fn``'s code (nested code included), or a plain Python function it names (a
+    global or a closure cell, followed the same way), names the cuda module. (The swap makes
+    the fake module visible to the plain helpers of the swapped function's module too.)"""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return False
+    seen.add(id(fn))
+    cells = [cell.cell_contents for cell in fn.__closure__ or ()]
+    pending = [fn.__code__]
+    while pending:
+        code = pending.pop()
+        cells += [fn.__globals__.get(name) for name in code.co_names]
+        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return any(
+        value is cuda or (isinstance(value, types.FunctionType) and _names_cuda(value, seen))
+        for value in cells
+    )
 
 
 def arg(t: torch.Tensor) -> Any:

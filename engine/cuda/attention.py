@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from engine.batch import AttentionPlan, ForwardBatch
 from engine.cache.quant import rotate_groups
 from engine.cuda import attention_mma  # (it imports this module only inside functions)
-from engine.cuda._launch import SIMULATOR, check_dtype, cuda, kernels_available, launch
+from engine.cuda._launch import (
+    SIMULATOR,
+    check_dtype,
+    cuda,
+    device_function,
+    kernels_available,
+    launch,
+)
 from engine.cuda.bits import odd_parity
 from engine.cuda.kv_load import (
     GROUP,
@@ -380,7 +387,7 @@ def _row_sum_impl(rows: int, lanes: int, threads: int, shuffles: bool, transpose
                     total += sm_red[base + r * threads + k]
                 part[r] = total
 
-        return cuda.jit(device=True)(row_sum)
+        return device_function(row_sum)
     if transposed and rows & (rows - 1) == 0 and rows <= lanes:
         return _transposed_row_sum(rows, lanes)
 
@@ -393,7 +400,7 @@ def _row_sum_impl(rows: int, lanes: int, threads: int, shuffles: bool, transpose
                 offset //= 2
             part[r] = v
 
-    return cuda.jit(device=True)(row_sum)
+    return device_function(row_sum)
 
 
 def _transposed_row_sum(rows: int, lanes: int):
@@ -431,7 +438,7 @@ def _transposed_row_sum(rows: int, lanes: int):
             for r in range(rows):
                 part[r] = shfl_segment16_sync(full, x, r)
 
-        return cuda.jit(device=True)(row_sum)
+        return device_function(row_sum)
 
     def row_sum(part, sm_red, tid, parity):
         halve_all(part, tid)
@@ -444,7 +451,7 @@ def _transposed_row_sum(rows: int, lanes: int):
                     bits |= lanes >> (t + 1)
             part[r] = cuda.shfl_xor_sync(full, x, (tid & held) ^ bits)
 
-    return cuda.jit(device=True)(row_sum)
+    return device_function(row_sum)
 
 
 def _halving_level(offset: int, keep: int):
@@ -456,14 +463,14 @@ def _halving_level(offset: int, keep: int):
             send = a if upper else b
             part[i] = (b if upper else a) + cuda.shfl_xor_sync(0xFFFFFFFF, send, offset)
 
-    return cuda.jit(device=True)(level)
+    return device_function(level)
 
 
 def _butterfly_level(offset: int):
     def level(x):
         return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, offset)
 
-    return cuda.jit(device=True)(level)
+    return device_function(level)
 
 
 def _chain_levels(fns):
@@ -474,14 +481,14 @@ def _chain_levels(fns):
         def none(part, tid):
             pass
 
-        return cuda.jit(device=True)(none)
+        return device_function(none)
     head, rest = fns[0], _chain_levels(fns[1:])
 
     def both(part, tid):
         head(part, tid)
         rest(part, tid)
 
-    return cuda.jit(device=True)(both)
+    return device_function(both)
 
 
 def _chain_values(fns):
@@ -491,13 +498,13 @@ def _chain_values(fns):
         def identity(x):
             return x
 
-        return cuda.jit(device=True)(identity)
+        return device_function(identity)
     head, rest = fns[0], _chain_values(fns[1:])
 
     def both(x):
         return rest(head(x))
 
-    return cuda.jit(device=True)(both)
+    return device_function(both)
 
 
 @functools.cache
@@ -518,16 +525,16 @@ def _rescaler(dims_per_lane: int, q_tile: int, weight_sums: bool):
                 acc[r * DPL + i] *= c
             m[r] = mx
 
-    return cuda.jit(device=True, fastmath=True)(rescale)  # (the kernel's fast exp)
+    return device_function(rescale, fastmath=True)  # (the kernel's fast exp)
 
 
-@cuda.jit(device=True)
+@device_function
 def _seen(j, lo, hi, p, window):
     """``_visible`` for a key of the main steps, which may start below the chunk's ``lo``."""
     return j >= lo and _visible(j, hi, p, window)
 
 
-@cuda.jit(device=True)
+@device_function
 def _visible(j, hi, p, window):
     """Whether key ``j`` counts for the query at position ``p``: inside this split's chunk
     (``j < hi``), causal, and inside the sliding window (0: none)."""
@@ -927,7 +934,7 @@ def _q_rotator(rows: int, dims_per_lane: int, head_dim: int):
                 qv[r * DPL + i] = y * inv_sqrt
         cuda.syncthreads()  # (buf is reused at the end)
 
-    return cuda.jit(device=True)(rotate_q)
+    return device_function(rotate_q)
 
 
 @functools.cache
@@ -947,7 +954,7 @@ def _lane_rotator(rows: int, dims_per_lane: int):
             for i in range(DPL):
                 x[r * DPL + i] = tmp[i]
 
-    return cuda.jit(device=True)(rotate_lane)
+    return device_function(rotate_lane)
 
 
 @functools.cache

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
-from engine.cuda._launch import SIMULATOR, cuda, launch
+from engine.cuda._launch import SIMULATOR, cuda, device_function, launch
 from engine.cuda.bits import byte_perm
 from engine.cuda.mma import (
     HALF2_1032,
@@ -212,11 +212,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
     LOG2E = float32(_LOG2E)
     LN2 = float32(_LN2)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(inline=True)
     def butterfly(x, partner, upper):
         return partner - x if upper else x + partner
 
-    @cuda.jit(device=True)
+    @device_function
     def rotate_q(qv, t):
         """qv[g * 8 + i]: dim 32 g + 16 (i >> 2) + 4 t + (i & 3) of this lane's head; in place
         times H_32 / sqrt(32) per group (index bits 0-1 and 4 in the lane, 2-3 across it; the
@@ -237,7 +237,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         for i in range(QN):
             qv[i] *= INV_SQRT
 
-    @cuda.jit(device=True)
+    @device_function
     def rotate_out(acc, gid):
         """acc[c * 4 + r]: dim index (gid * NC + c) % 16 + 16 (r >> 1) within its group (the
         lane's one group); rotated back: index bits 4 (r) and those of c in the lane, the
@@ -262,7 +262,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         for i in range(NA):
             acc[i] *= INV_SQRT
 
-    @cuda.jit(device=True)
+    @device_function
     def pack_bytes(qv, at, inv):
         """Four of qv from ``at`` rounded to signed bytes (|x * inv| <= 127); (word, sum)."""
         word = 0
@@ -273,25 +273,25 @@ def _decode_kernel(  # noqa: C901, PLR0915
             total += v
         return wrap_i32(word), total
 
-    @cuda.jit(device=True)
+    @device_function
     def v_operand(word, shift, scales):
         """Two keys' nibbles at ``shift`` of each 16-bit half, as codes times the keys' scales
         in one fp16 pair."""
         raw = ((word >> shift) & 0x000F000F) | HALF2_MAGIC
         return hmul2(hsub2(raw, HALF2_1032), scales)
 
-    @cuda.jit(device=True)
+    @device_function
     def lane_dim(gid):
         """d0, the first of this lane's output dims: chunk c's MMA rows gid / gid + 8 are dims
         d0 + c and d0 + 16 + c, all in group d0 // 32 (d0 % 4 == 0)."""
         return ((gid * NC) >> 4) * GROUP + ((gid * NC) & 15)
 
-    @cuda.jit(device=True)
+    @device_function
     def v_scale(v_scale_bits, row, group, live):
         """The fp16 bits of V's ``group`` scale of ``row``; 0 for a key out of range."""
         return int64(v_scale_bits[uint64(row * NG + group)]) & 0xFFFF if live else 0
 
-    @cuda.jit(device=True)
+    @device_function
     def scale_pairs(v_scale_bits, r0, live, gid):
         """The V scales of the lane's group for keys 2t, 2t+1 and 2t+8, 2t+9 (rows r0, r0 +
         KV, r0 + 8 KV, r0 + 9 KV) as two fp16 pairs; a key past the range gets scale 0: its
@@ -304,7 +304,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         sc1 |= v_scale(v_scale_bits, r8 + KV, group, live[3]) << 16
         return sc0, sc1
 
-    @cuda.jit(device=True)
+    @device_function
     def fetch_k4(k_words, k_scales, row_a, row_b, t, kw, ks):
         """This lane's 4-bit key words of rows row_a / row_b (its MMA rows), one per group
         (kw[2 g], kw[2 g + 1]), and the groups' scales (ks, same order)."""
@@ -316,7 +316,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
             ks[2 * g] = float32(k_scales[uint64(row_a * NG + g)])
             ks[2 * g + 1] = float32(k_scales[uint64(row_b * NG + g)])
 
-    @cuda.jit(device=True)
+    @device_function
     def code_scores(kw, ks, qb0, qb1, ci0, ci1):
         """Scores of the fetched keys (``fetch_k4``) against columns 2t, 2t + 1 from the 4-bit
         codes, before the per-column factor: one int8 MMA per group."""
@@ -337,13 +337,13 @@ def _decode_kernel(  # noqa: C901, PLR0915
             s3 += ks[2 * g + 1] * float32(d3)
         return s0, s1, s2, s3
 
-    @cuda.jit(device=True)
+    @device_function
     def byte_codes(word):
         """Bytes 0 and 2 of ``word`` as signed 8-bit codes, an exact fp16 pair: (b ^ 0x80) under
         0x64 is 1152 + code."""
         return hsub2((word & 0x00FF00FF) ^ HALF2_1152, HALF2_1152)
 
-    @cuda.jit(device=True)
+    @device_function
     def fetch_k8(k_bytes, k_scales, row_a, row_b, t, kw, ks):
         """This lane's 8-bit key words of rows row_a / row_b: lane t's dims 16 c + 4 t ... of
         chunk c are one 32-bit word per row (kw[2 c], kw[2 c + 1]); the groups' scales as
@@ -357,7 +357,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
             ks[2 * g] = float32(k_scales[uint64(row_a * NG + g)])
             ks[2 * g + 1] = float32(k_scales[uint64(row_b * NG + g)])
 
-    @cuda.jit(device=True)
+    @device_function
     def code_scores8(kw, ks, qh0, qh1):
         """``code_scores`` over fetched 8-bit keys (``fetch_k8``; fp16 q): the two chunks of a
         group share its scale."""
@@ -385,7 +385,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
             s3 += ks[2 * g + 1] * e3
         return s0, s1, s2, s3
 
-    @cuda.jit(device=True)
+    @device_function
     def fetch_v8(v_bytes, v_scale_bits, r0, live, gid, vw, vs):
         """This lane's 8-bit value words of keys 2t, 2t+1, 2t+8, 2t+9 (rows r0, r0 + KV, r0 +
         8 KV, r0 + 9 KV): per j < NC / 4, the word of dims d0 + 4 j ... (vw[8 j ...]) and of
@@ -409,7 +409,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 vw[8 * j + 4 * half + 2] = v_bytes[b8 + at]
                 vw[8 * j + 4 * half + 3] = v_bytes[b9 + at]
 
-    @cuda.jit(device=True)
+    @device_function
     def code_values8(acc, vw, vs, pb0, pb1):
         """``code_values`` over fetched 8-bit values (``fetch_v8``): chunk c's MMA rows gid /
         gid + 8 are bytes (dims) d0 + c and d0 + 16 + c of each key's row, one group, one
@@ -430,7 +430,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     pb0, pb1, acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
                 )  # fmt: skip
 
-    @cuda.jit(device=True)
+    @device_function
     def exact_scores(k_rows, row_a, row_b, qh0, qh1, t):
         """``code_scores`` from fp16 rows (fp16 pages, or a 4-bit cache's sink page): one fp16
         MMA per 16 dims, lane t giving dims 16 c + 4 t .. 4 t + 3 (as q's halves in qh0 /
@@ -447,7 +447,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
             s0, s1, s2, s3 = mma_f16(wa, wb, wa >> 32, wb >> 32, qh0[c], qh1[c], s0, s1, s2, s3)
         return s0, s1, s2, s3
 
-    @cuda.jit(device=True)
+    @device_function
     def fetch_v4(v_words, v_scale_bits, r0, live, gid, vw, vs):
         """This lane's WPL words of the 4-bit value rows of keys 2t, 2t+1, 2t+8, 2t+9 (rows
         r0, r0 + KV, r0 + 8 KV, r0 + 9 KV; vw[4 w ...], bytes gid * NC ... of each row: one
@@ -465,7 +465,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
             vw[4 * w + 2] = v_words[uint64(r8 * W4 + at)]
             vw[4 * w + 3] = v_words[uint64(r9 * W4 + at)]
 
-    @cuda.jit(device=True)
+    @device_function
     def code_values(acc, vw, vs, pb0, pb1):
         """acc += V^T P^T over keys 2t, 2t+1 (pair 0) and 2t+8, 2t+9 (pair 1) from the fetched
         codes (``fetch_v4``): chunk c is byte c of the lane's words, low nibble MMA row gid,
@@ -490,11 +490,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
                         acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
                     )  # fmt: skip
 
-    @cuda.jit(device=True)
+    @device_function
     def row_word(v_rows, base, at, live):
         return v_rows[base + uint64(at)] if live else int64(0)  # (unwritten: any bits)
 
-    @cuda.jit(device=True)
+    @device_function
     def exact_values(acc, v_rows, r0, live, pb0, pb1, gid):
         """``code_values`` from fp16 rows: chunk c's MMA rows gid / gid + 8 are dims d0 + c and
         d0 + 16 + c, each key pair's halves paired by a byte permute."""
@@ -532,7 +532,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
     options = {"launch_bounds": (W * 32, _MIN_BLOCKS)} if bounded else {}
     # (fp16 pages: registers not yet looked at)
 
-    @cuda.jit(device=True)
+    @device_function
     def tile_live(rel, t, span):
         """Whether keys 2t, 2t+1, 2t+8, 2t+9 of the tile at ``rel`` keys past the first live
         one are live (0 <= key - first < span: one unsigned test each)."""
@@ -540,7 +540,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return (uint32(k0) < span, uint32(k0 + 1) < span, uint32(k0 + 8) < span,
                 uint32(k0 + 9) < span)  # fmt: skip
 
-    @cuda.jit(device=True)
+    @device_function
     def fetch_tile(k_words, k_scales, v_words, v_scale_bits, j0, page, kv, gid, t, first,
                    span, kw, ks, vw, vs):  # fmt: skip
         """All of this lane's loads of the code tile of keys j0 .. j0 + 15 (on ``page``)."""
@@ -556,7 +556,7 @@ def _decode_kernel(  # noqa: C901, PLR0915
         else:
             fetch_v4(v_words, v_scale_bits, base + (2 * t) * KV, live, gid, vw, vs)
 
-    @cuda.jit(device=True)
+    @device_function
     def online_softmax(acc, s0, s1, s2, s3, rel, gid, span, m0, m1, l0, l1, src_a, src_b, odd):
         """One tile's scores (log2 units; keys gid and gid + 8 of the tile ``rel`` keys past
         the first live one, dead ones masked here: key j is live when 0 <= j - first < span,

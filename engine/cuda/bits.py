@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.cuda._launch import SIMULATOR, cuda
+from engine.cuda._launch import SIMULATOR, cuda, device_function
 
 int32 = cuda.int32
 
@@ -26,7 +26,7 @@ def _byte_perm_sim(x, y, s):
     return np.array(out, dtype=np.uint32).view(np.int32)[()]
 
 
-@cuda.jit(device=True)
+@device_function
 def odd_parity(x):
     """popcount(x) & 1 for 0 <= x < 32: the sign bit of Sylvester's H_32 entry (a, b) is that
     of a & b."""
@@ -34,23 +34,23 @@ def odd_parity(x):
 
 
 if SIMULATOR:
-    float_bits = cuda.jit(device=True)(_float_bits_sim)
-    bits_float = cuda.jit(device=True)(_bits_float_sim)
-    byte_perm = cuda.jit(device=True)(_byte_perm_sim)
+    float_bits = device_function(_float_bits_sim)
+    bits_float = device_function(_bits_float_sim)
+    byte_perm = device_function(_byte_perm_sim)
 else:  # pragma: no cover - needs a GPU
     from numba.cuda import libdevice
 
-    @cuda.jit(device=True)
+    @device_function
     def float_bits(f):
         """The float32 ``f``'s bits as an int32."""
         return libdevice.float_as_int(f)
 
-    @cuda.jit(device=True)
+    @device_function
     def bits_float(b):
         """The float32 whose bits are the int32 ``b``."""
         return libdevice.int_as_float(int32(b))
 
-    @cuda.jit(device=True)
+    @device_function
     def byte_perm(x, y, s):
         """Byte k of the result is byte (s >> 4k) & 7 of y:x (one PRMT instruction; the
         selectors' sign-replicate bit is not used)."""

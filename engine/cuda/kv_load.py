@@ -39,7 +39,7 @@ import functools
 import numpy as np
 import torch
 
-from engine.cuda._launch import cuda
+from engine.cuda._launch import cuda, device_function
 from engine.cuda.bits import bits_float, byte_perm
 
 float32 = cuda.float32  # bound here: inside a simulated kernel ``cuda`` is the fake module
@@ -135,7 +135,7 @@ def kv_step_reader(k_bits: int, v_bits: int, head_dim: int, lanes: int, affine: 
         raw_dtype = float32
         width = dpl
         scaled = False
-    jit = cuda.jit(device=True)
+    jit = device_function
     return raw_dtype, width, scaled, jit(read), jit(unpack_k), jit(unpack_v)
 
 
@@ -161,7 +161,7 @@ def _bytes_to_floats(dpl: int, bias: float):
             half = lo if i < 4 else hi
             out[i] = bits_float(byte_perm(half, _MAGIC_BITS, _MAGIC_OF_BYTE[i % 4])) - offset
 
-    return cuda.jit(device=True)(convert)
+    return device_function(convert)
 
 
 # 4-bit codes skip even the add: with the bits 0x3F000000 | c << 16 (byte 2 = c < 16) the
@@ -186,7 +186,7 @@ def _nibbles_to_affine(dpl: int):
             half = lo if i < 4 else hi
             out[i] = bits_float(byte_perm(half, _HALF_BITS, _HALF_OF_BYTE[i % 4]))
 
-    return cuda.jit(device=True)(convert)
+    return device_function(convert)
 
 
 def word_affine(bits: int, affine: bool = True) -> tuple[float, float]:
@@ -232,7 +232,7 @@ def kv_word_parts(bits: int, dpl: int, affine: bool = True):
             w = int64(w) >> (4 if j0 >= HALF else 0)  # the lane's nibbles to the bytes' low halves
             nibbles_to_floats(w & _LOW_NIBBLES, (w >> 32) & _LOW_NIBBLES, out)
 
-    jit = cuda.jit(device=True)
+    jit = device_function
     return jit(column), jit(unpack)
 
 
@@ -267,4 +267,4 @@ def kv_loader(bits: int, head_dim: int):
             nibble = (byte >> 4) if j >= HALF else (byte & 15)
             return float32(nibble - 8) * float32(scales[at * sw + uint64(g)])
 
-    return cuda.jit(device=True)(load)
+    return device_function(load)

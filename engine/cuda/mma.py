@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from engine.cuda._launch import SIMULATOR, cuda
+from engine.cuda._launch import SIMULATOR, cuda, device_function
 
 int32 = cuda.int32
 float32 = cuda.float32
@@ -172,16 +172,16 @@ def _mma_f16_sim(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 if SIMULATOR:
-    wrap_i32 = cuda.jit(device=True)(_i32)
-    hsub2 = cuda.jit(device=True)(_hsub2_sim)
-    hmul2 = cuda.jit(device=True)(_hmul2_sim)
-    pack_half2 = cuda.jit(device=True)(_pack_half2_sim)
-    warp_shfl = cuda.jit(device=True)(_warp_shfl_sim)
-    warp_shfl_xor = cuda.jit(device=True)(_warp_shfl_xor_sim)
-    warp_shfl_xor_all = cuda.jit(device=True)(_warp_shfl_xor_all_sim)
-    warp_any = cuda.jit(device=True)(_warp_any_sim)
-    mma_u8s8 = cuda.jit(device=True)(_mma_u8s8_sim)
-    mma_f16 = cuda.jit(device=True)(_mma_f16_sim)
+    wrap_i32 = device_function(_i32)
+    hsub2 = device_function(_hsub2_sim)
+    hmul2 = device_function(_hmul2_sim)
+    pack_half2 = device_function(_pack_half2_sim)
+    warp_shfl = device_function(_warp_shfl_sim)
+    warp_shfl_xor = device_function(_warp_shfl_xor_sim)
+    warp_shfl_xor_all = device_function(_warp_shfl_xor_all_sim)
+    warp_any = device_function(_warp_any_sim)
+    mma_u8s8 = device_function(_mma_u8s8_sim)
+    mma_f16 = device_function(_mma_f16_sim)
 else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass.py)
     from llvmlite import ir
     from numba.cuda import types
@@ -236,25 +236,25 @@ else:  # pragma: no cover - needs a GPU (compiled for sm_90 by bench/kernel_sass
 
         return signature(types.int32, lo, hi), codegen
 
-    @cuda.jit(device=True)
+    @device_function
     def wrap_i32(x):
         """The low 32 bits of an integer, as an int32 (two's complement)."""
         return int32(x)
 
-    @cuda.jit(device=True)
+    @device_function
     def warp_shfl(value, lane):
         return cuda.shfl_sync(0xFFFFFFFF, value, lane)
 
-    @cuda.jit(device=True)
+    @device_function
     def warp_shfl_xor(value, mask):
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, mask)
 
-    @cuda.jit(device=True)
+    @device_function
     def warp_any(predicate):
         """Whether ``predicate`` holds in any lane of the warp (vote.any)."""
         return cuda.any_sync(0xFFFFFFFF, predicate)
 
-    @cuda.jit(device=True)
+    @device_function
     def warp_shfl_xor_all(src, dst, count, mask):
         """dst[i] = lane ``lane ^ mask``'s src[i] for i < count (at most 64)."""
         for i in range(count):

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.cuda import _launch
+from engine.cuda._launch import device_function
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,7 +60,7 @@ _FULL_MASK = 0xFFFFFFFF
 _MAX_THREADS = 1024
 
 
-@cuda.jit(device=True)
+@device_function
 def _block_sum_shared_tree(v):
     """Block-wide fp32 sum, simulator path (it has no warp shuffles); every thread gets the
     total. blockDim.x: a power of 2, at most 1024. One call per kernel: a second call would
@@ -77,7 +78,7 @@ def _block_sum_shared_tree(v):
     return buf[0]
 
 
-@cuda.jit(device=True)
+@device_function
 def _block_sum_warp_shuffle(v):
     """Block-wide fp32 sum, GPU path: butterfly shuffles within each warp, one shared slot per
     warp, then every warp reduces the per-warp partials itself, so all threads get the total

@@ -33,6 +33,7 @@ from engine.cache.quant import (
     searches,
 )
 from engine.cuda import _launch, attention_mma
+from engine.cuda._launch import device_function
 from engine.cuda.attention import KVArgs, launch_attention
 from engine.cuda.quant_reference import check_pair
 
@@ -230,7 +231,7 @@ def _sink_writer(dtype: torch.dtype, head_dim: int):
             k_sinks[page, offset, kh, e] = io(sm[0, e])
             v_sinks[page, offset, kh, e] = io(sm[2, e])
 
-    return cuda.jit(device=True)(write)
+    return device_function(write)
 
 
 @functools.cache
@@ -254,7 +255,7 @@ def _hadamard_step(n: int):
             cuda.syncthreads()
             h *= 2
 
-    return cuda.jit(device=True)(rotate_step)
+    return device_function(rotate_step)
 
 
 def write_shared_bytes(n: int, k_bits: int, v_bits: int, rotate: bool) -> int:
@@ -318,7 +319,7 @@ def _scale_step(n: int, k_bits: int, v_bits: int, rotate: bool):
             step = float32(stored)
             sm[2 * w + 1, gg] = step if step != 0 else float32(1.0)
 
-    return cuda.jit(device=True)(scale_step)
+    return device_function(scale_step)
 
 
 @functools.cache
@@ -347,7 +348,7 @@ def _scale_trial(bits: int):
             error += r * r
         return stored, error
 
-    return cuda.jit(device=True)(trial)
+    return device_function(trial)
 
 
 @functools.cache
@@ -359,7 +360,7 @@ def _coder(bits: int):
     def code(x, s):
         return min(max(int32(math.floor(x / s + rnd)), low), high)
 
-    return cuda.jit(device=True)(code)
+    return device_function(code)
 
 
 @functools.cache
@@ -385,7 +386,7 @@ def _code_writer(bits: int, head_dim: int):
                 hi = code(sm[row, g * GROUP + j + half], s)
                 pages[page, offset, kh, g * half + j] = (lo + 8) | ((hi + 8) << 4)
 
-    return cuda.jit(device=True)(write)
+    return device_function(write)
 
 
 def _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping) -> None:

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda import _launch
+from engine.cuda._launch import device_function
 from engine.cuda.bits import bits_float, float_bits
 
 cuda = _launch.cuda
@@ -98,19 +99,19 @@ _ONE_BITS = 0x3F800000  # float32 1.0
 _CANDIDATES = 2048
 
 
-@cuda.jit(device=True)
+@device_function
 def _key(f):
     """float32 -> int64 whose order is the floats' (-inf lowest, NaN patterns past +inf)."""
     b = int64(float_bits(f))
     return b if b >= 0 else b ^ 0x7FFFFFFF
 
 
-@cuda.jit(device=True)
+@device_function
 def _unkey(k):
     return bits_float(k if k >= 0 else k ^ 0x7FFFFFFF)
 
 
-@cuda.jit(device=True)
+@device_function
 def _prob(v, temp, scaled_max):
     """The torch path's ``exp(v / T - max / T)``, in its float32 operations."""
     return float32(math.exp(float32(float32(v / temp) - scaled_max)))
@@ -120,7 +121,7 @@ def _prob(v, temp, scaled_max):
 # (each ends with a barrier, so the buffer may be reused by the next call)
 
 
-@cuda.jit(device=True)
+@device_function
 def _sum_f64(v, buf):
     tid = cuda.threadIdx.x
     buf[tid] = v
@@ -136,7 +137,7 @@ def _sum_f64(v, buf):
     return total
 
 
-@cuda.jit(device=True)
+@device_function
 def _sum_i64(v, buf):
     tid = cuda.threadIdx.x
     buf[tid] = v
@@ -152,7 +153,7 @@ def _sum_i64(v, buf):
     return total
 
 
-@cuda.jit(device=True)
+@device_function
 def _max_i64(v, buf):
     tid = cuda.threadIdx.x
     buf[tid] = v
@@ -168,7 +169,7 @@ def _max_i64(v, buf):
     return best
 
 
-@cuda.jit(device=True)
+@device_function
 def _scan_f64(v, buf):
     """(exclusive prefix, inclusive prefix, total) of v over threads in thread order
     (Hillis-Steele). A thread's inclusive prefix is the next one's exclusive prefix, bit for
@@ -191,7 +192,7 @@ def _scan_f64(v, buf):
     return before, after, total
 
 
-@cuda.jit(device=True)
+@device_function
 def _scan_i64(v, buf):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -209,7 +210,7 @@ def _scan_i64(v, buf):
     return before
 
 
-@cuda.jit(device=True)
+@device_function
 def _row_max(vals, n, fbuf, ibuf):
     """(max, its first id, NaN seen) of ``vals[:n]``; the id is ``n`` if empty."""
     tid = cuda.threadIdx.x
@@ -246,7 +247,7 @@ def _row_max(vals, n, fbuf, ibuf):
     return row_max, arg, nans
 
 
-@cuda.jit(device=True)
+@device_function
 def _kth_logit(vals, n, k, row_max, ibuf):
     """The k-th largest of ``vals[:n]`` (1 <= k < n, no NaN): the largest ordered key whose
     value has at least k values >= it."""
@@ -266,7 +267,7 @@ def _kth_logit(vals, n, k, row_max, ibuf):
     return _unkey(lo)
 
 
-@cuda.jit(device=True)
+@device_function
 def _range(n):
     """This thread's contiguous ids [start, end) of n (ranges in thread order)."""
     chunk = (n + cuda.blockDim.x - 1) // cuda.blockDim.x
@@ -274,7 +275,7 @@ def _range(n):
     return start, min(start + chunk, n)
 
 
-@cuda.jit(device=True)
+@device_function
 def _compact(vals, n, temp, scaled_max, kth, cvals, cids, ibuf):
     """How many of ``vals[:n]`` have p >= kth; when at most ``_CANDIDATES``, they are copied
     with their ids to ``cvals`` / ``cids``, in id order (each thread's range at its offset)."""
@@ -296,7 +297,7 @@ def _compact(vals, n, temp, scaled_max, kth, cvals, cids, ibuf):
     return total
 
 
-@cuda.jit(device=True)
+@device_function
 def _mass_above(vals, n, temp, scaled_max, kth, level, fbuf):
     """float64 sum of the kept (p >= kth) probabilities above ``level``."""
     mass = float64(0.0)
@@ -307,7 +308,7 @@ def _mass_above(vals, n, temp, scaled_max, kth, level, fbuf):
     return _sum_f64(mass, fbuf)
 
 
-@cuda.jit(device=True)
+@device_function
 def _top_p_level(vals, n, temp, scaled_max, kth, cap, fbuf):
     """The smallest probability level whose kept mass above it, in float32, is < cap."""
     lo = int64(float_bits(kth)) - 1 if kth > 0 else int64(-1)  # mass above: all, >= cap
@@ -322,7 +323,7 @@ def _top_p_level(vals, n, temp, scaled_max, kth, cap, fbuf):
     return bits_float(hi)
 
 
-@cuda.jit(device=True)
+@device_function
 def _kept(p, kth, level, rank, ties_kept, min_p):
     """Whether a probability survives top-k, top-p (``rank``: its index among the ids tied at
     ``level``, counted in id order) and min-p."""
@@ -333,7 +334,7 @@ def _kept(p, kth, level, rank, ties_kept, min_p):
     return p == level and rank < ties_kept
 
 
-@cuda.jit(device=True)
+@device_function
 def _range_masses(vals, start, end, temp, scaled_max, kth, level, low_p):
     """Over ids [start, end): the kept mass above the level (float64), the same after min-p,
     and how many kept ids are tied at the level."""
@@ -352,7 +353,7 @@ def _range_masses(vals, start, end, temp, scaled_max, kth, level, low_p):
     return above, mass, ties
 
 
-@cuda.jit(device=True)
+@device_function
 def _ties_kept(topp, level, cap, above, ties):
     """How many of the ids tied at the top-p level are kept (lowest ids first): ids j = 0, 1,
     ... while (mass above) + j * level < cap, at least 1 (the torch path's ``_top_p_cut``)."""
@@ -364,7 +365,7 @@ def _ties_kept(topp, level, cap, above, ties):
     return max(int64(1), int64(math.ceil(wanted)))
 
 
-@cuda.jit(device=True)
+@device_function
 def _walk(vals, start, end, temp, scaled_max, cut, rank, target, acc):
     """Ids [start, end) in order, adding each kept ``q = p / Z`` to ``acc`` (float64): the
     first id whose cumulative mass exceeds ``target`` (``target`` < 0: none, the whole range
@@ -387,7 +388,7 @@ def _walk(vals, start, end, temp, scaled_max, cut, rank, target, acc):
     return chosen, acc
 
 
-@cuda.jit(device=True)
+@device_function
 def _draw(vals, n, ids, compact, u, temp, scaled_max, kth, p_cut, low_p, fbuf, ibuf):
     """Steps 4-6 (top-p, min-p, the draw) over ``vals[:n]`` (the row, or its compacted top-k
     candidates: then ``ids`` maps their positions to ids); returns the chosen id."""
