@@ -528,8 +528,6 @@ def run_child(args: argparse.Namespace) -> int:
     wl = workload_from(args)
     cuda = not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
-    if args.dry_run:
-        sys.setswitchinterval(1e-4)  # the simulator's barriers wait out thread switches
     result: dict[str, Any] = {
         "mode": args.child,
         "env": os.environ.get(LAUNCH_ENV),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 
 import pytest
 
@@ -86,28 +85,22 @@ def test_greedy_steps_sample_on_the_device_without_the_host_sampler(tiny):
 def test_sampled_batches_through_the_sampling_kernels(tiny):
     """Seeded top-k / top-p jobs with penalties sampled on the kernels (the CUDA simulator
     here) without the host sampler: the host sampler's tokens, read a step later."""
-    # the simulator's thread barriers wait out thread switches: make them short (speed only)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        prompts = short_prompts(tiny, 3, seed=41)
-        warm = SamplerSettings(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2)
+    prompts = short_prompts(tiny, 3, seed=41)
+    warm = SamplerSettings(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2)
 
-        def tokens(late: bool) -> list[list[int]]:
-            generator = tiny.generator(async_scheduling=late)
-            if late:
-                generator._sampler = SamplerState(kernels=True)
-                generator._sampler.sample = None  # the host sampler must not run
-            jobs = [
-                DynamicJob(p, 5, stop_conditions=[], gen_settings=warm, seed=i)
-                for i, p in enumerate(prompts)
-            ]
-            _stream(generator, jobs)
-            return [job.new_token_ids for job in jobs]
+    def tokens(late: bool) -> list[list[int]]:
+        generator = tiny.generator(async_scheduling=late)
+        if late:
+            generator._sampler = SamplerState(kernels=True)
+            generator._sampler.sample = None  # the host sampler must not run
+        jobs = [
+            DynamicJob(p, 5, stop_conditions=[], gen_settings=warm, seed=i)
+            for i, p in enumerate(prompts)
+        ]
+        _stream(generator, jobs)
+        return [job.new_token_ids for job in jobs]
 
-        assert tokens(True) == tokens(False)
-    finally:
-        sys.setswitchinterval(old)
+    assert tokens(True) == tokens(False)
 
 
 def test_results_come_one_step_later(tiny):

@@ -11,7 +11,6 @@ reach. Two tests break the kernel on purpose to show the comparisons can fail.
 from __future__ import annotations
 
 import random
-import sys
 import textwrap
 
 import pytest
@@ -26,16 +25,6 @@ from tests.kernels.common import DEVICE, run_without_simulator
 
 S = SamplerSettings
 INF = float("inf")
-
-
-@pytest.fixture(autouse=True)
-def _short_switch_interval():
-    """Speed only: the simulator's block runner polls its threads while holding the GIL, so
-    each barrier waits out thread switches; a short interval makes them ~20x cheaper."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 def _logits(rows: int, vocab: int, seed: int, ties: bool = False) -> torch.Tensor:
