@@ -325,22 +325,25 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return (u[..., : GROUP // 2] | (u[..., GROUP // 2 :] << 4)).reshape(*lead, -1)
 
 
-def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """data [..., W] -> float32 q [..., G, 32]."""
+def _unpack(data: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """data [..., W] -> q [..., G, 32] in ``dtype`` (exact: at most 8-bit integers)."""
     lead = data.shape[:-1]
     if bits == 8:
-        return data.float().reshape(*lead, -1, GROUP)
-    b = data.reshape(*lead, -1, GROUP // 2)
-    low = (b & 15).float() - 8
-    high = (b >> 4).float() - 8
-    return torch.cat((low, high), dim=-1)
+        return data.to(dtype).reshape(*lead, -1, GROUP)
+    b = data.reshape(*lead, -1, 1, GROUP // 2)  # a group's low nibbles, then its high ones
+    return (torch.cat((b & 15, b >> 4), dim=-2).to(dtype) - 8).reshape(*lead, -1, GROUP)
 
 
 def dequantize(
     data: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """data, scales -> values [..., D] in ``dtype`` (still rotated if they were stored so)."""
-    q = _unpack(data, bits) * scales.float()[..., None]
+    """data, scales -> values [..., D] in ``dtype`` (still rotated if they were stored so).
+    A code times an fp16 scale is exact in float32 (at most 8 + 11 significant bits), so an
+    fp16 or float32 result is that product rounded once, which taking it in the result's own
+    dtype gives too (without a float32 copy of every gathered page; bf16 rounds the scale
+    first, so it goes through float32)."""
+    work = dtype if dtype in (SCALE_DTYPE, torch.float32) else torch.float32
+    q = _unpack(data, bits, work) * scales.to(work)[..., None]
     return q.reshape(*q.shape[:-2], -1).to(dtype)
 
 
