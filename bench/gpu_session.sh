@@ -8,6 +8,7 @@
 #   4. bench/step_gap.py (issue "Host overhead": gap between decode forwards, 1B shape);
 #   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth), then
 #      bench/attention_keys_per_step.py (decode attention per cache mode vs keys per step),
+#      bench/cache_write_kernel.py (rotary + quantized cache write per mode),
 #      ncu on one decode attention call per mode (bench/attention_ncu.py), the kernels of a
 #      decode forward per cache mode (bench/kv_forward_profile.py), one mixed step's attention
 #      with its decode rows on CUDA cores and on tensor cores (--mixed), and prefill through
@@ -75,6 +76,10 @@ fi
 if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per step
   step keys-per-step "${KEYS_CAP:-180}" $PY bench/attention_keys_per_step.py --iters 20 ${KEYS_ARGS:-} \
     --output "$OUT/attention_keys_per_step.json"
+  # the rotary + cache write per cache mode (stop 39: butterfly Hadamard, a block per
+  # (token, KV head); stop 38's one-block-per-token figures: cache_write_kernel_h200_2026-11-27)
+  step cache-write "${WRITE_CAP:-60}" $PY bench/cache_write_kernel.py \
+    --output "$OUT/cache_write_kernel.json"
   # the decode attention's hardware counters (ncu reads them on a Firecracker machine only),
   # then where a decode forward's GPU time goes per cache mode
   step attention-ncu "${NCU_CAP:-90}" bash -c "ncu --clock-control none --profile-from-start off \
