@@ -343,11 +343,11 @@ def test_attention_reads_sink_pages_as_words_in_fp16(monkeypatch):
 @pytest.mark.parametrize(("quant", "dtype"), [("q4", torch.float32), ("q8", torch.float16)])
 def test_cache_write_fills_sink_pages_like_the_reference(quant, dtype):
     torch.manual_seed(2)
-    q, k, v, cos, sin, _, _ = make_inputs(3, 2, 1, 2 * GROUP, 4, 4, dtype)
-    center = torch.randn(1, 2 * GROUP, device=DEVICE)
+    q, k, v, cos, sin, _, _ = make_inputs(3, 4, 2, 2 * GROUP, 4, 4, dtype)  # 2 KV heads
+    center = torch.randn(2, 2 * GROUP, device=DEVICE)
     k_bits, v_bits = QUANT_BITS[quant]
     k_pages, v_pages = (
-        allocate_quant_pages(4, 4, 1, 2 * GROUP, bits, True, DEVICE, c, 2, dtype)
+        allocate_quant_pages(4, 4, 2, 2 * GROUP, bits, True, DEVICE, c, 2, dtype)
         for bits, c in ((k_bits, center), (v_bits, None))
     )
     ref_k, ref_v = (
@@ -360,8 +360,8 @@ def test_cache_write_fills_sink_pages_like_the_reference(quant, dtype):
         assert got.sinks.abs().sum() > 0
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         assert torch.allclose(got.sinks.float(), want.sinks.float(), rtol=tol, atol=tol)
-        written = got.sinks.reshape(8, -1).abs().sum(-1) > 0
-        assert written.tolist() == [False, False, True] + [False] * 5
+        written = got.sinks.reshape(8, 2, -1).abs().sum(-1) > 0  # [slot, KV head]
+        assert written.tolist() == [[False] * 2] * 2 + [[True] * 2] + [[False] * 2] * 5
 
 
 # --- the CUDA op set on a mixed batch ---------------------------------------------------------
