@@ -21,16 +21,15 @@ Prints a table and writes JSON to bench/results/cache_write_kernel.json (--outpu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_kernel import HEAD_DIM, KV_HEADS, PAGE, require_gpu, time_ms, versions
+from record import write_record
 
 RESULTS = Path(__file__).parent / "results" / "cache_write_kernel.json"
 HEADS = 32  # Llama-3-8B's query heads (KV_HEADS, HEAD_DIM and PAGE: its attention shape)
@@ -124,17 +123,14 @@ def main() -> None:
     name = torch.cuda.get_device_properties(0).name
     print(f"{name}: rotary + cache write, {HEADS} heads, {KV_HEADS} KV heads x {HEAD_DIM}")
     rows = measure(modes, [int(t) for t in args.tokens.split(",")], args.iters)
-    record = {
-        "benchmark": "cache_write_kernel",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": name,
-        "versions": versions(),
-        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page": PAGE},
-        "rows": [asdict(r) for r in rows],
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_record(
+        args.output,
+        "cache_write_kernel",
+        device=name,
+        versions=versions(),
+        shape={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page": PAGE},
+        rows=[asdict(r) for r in rows],
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import shutil
@@ -32,8 +31,9 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
+
+from record import write_record
 
 RESULTS = Path(__file__).parent / "results" / "kernel_sass.json"
 BITS = {"fp16": (0, 0), "q8": (8, 8), "q6": (8, 4), "q4": (4, 4)}
@@ -203,16 +203,13 @@ def main() -> None:
         print(f"{r.mode:<13} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
               f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7} "
               f"{r.per_key_per_warp:>6}  {top}")  # fmt: skip
-    result = {
-        "benchmark": "kernel_sass",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "target": "sm_90 (compiled here, no GPU)",
-        "shape": {"head_dim": HEAD_DIM, "page_size": PAGE, "group": GROUP_HEADS, "lanes": LANES},
-        "rows": [asdict(r) for r in rows],
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_record(
+        args.output,
+        "kernel_sass",
+        target="sm_90 (compiled here, no GPU)",
+        shape={"head_dim": HEAD_DIM, "page_size": PAGE, "group": GROUP_HEADS, "lanes": LANES},
+        rows=[asdict(r) for r in rows],
+    )
 
 
 if __name__ == "__main__":
