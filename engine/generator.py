@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from engine.cache.kv_cache import PagedCache
+from engine.cache.kv_cache import PagedCache, recent_pages_for
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.cfg import merge_cfg_rows
 from engine.device_copy import upload
 from engine.embeddings import check_prompt
@@ -115,6 +116,15 @@ class DynamicGenerator:
                 max_batch_size,
                 cache.sink_pages,
             )
+        if 0 < cache.recent_pages < recent_pages_for(max_batch_size):
+            logger.warning(
+                "%d recent pages for max_batch_size %d: the newest blocks of at most %d "
+                "sequences are read exactly (%d pages serve every one)",
+                cache.recent_pages,
+                max_batch_size,
+                cache.recent_pages // RECENT_BLOCKS,
+                recent_pages_for(max_batch_size),
+            )
         config = SchedulerConfig(max_batch_size, max_chunk_size, max_q_size, max_skips)
         self.scheduler = Scheduler(config, cache.page_table)
         self.default_stop_tokens = frozenset(tokenizer.eos_token_ids) | frozenset(
@@ -151,6 +161,7 @@ class DynamicGenerator:
             cuda_graphs=cuda_graphs,
         )
         self.speculator: Speculator | None = None
+        self.draft_cache = draft_cache  # (shares the page ids: it moves the same pages)
         if speculating:
             self.speculator = spec_setup.build_speculator(
                 self,
@@ -283,6 +294,7 @@ class DynamicGenerator:
         if self.speculator is not None:
             self.speculator.before_schedule(self.scheduler.running)
         plan = self.scheduler.schedule()
+        self._move_pages()
         results = [self._start(seq.owner) for seq in plan.admitted]
         if not plan.entries:
             return results + self._read_in_flight() + self._render_pending()
@@ -313,6 +325,15 @@ class DynamicGenerator:
             return results + self._sample_speculative(plan, logits, qs, masks)
         results += self._sample(plan, logits, masks)
         return results
+
+    def _move_pages(self) -> None:
+        """The page copies the schedule planned (recent pages settling), in every cache on
+        the scheduler's page ids, before any forward (the draft's included) touches them."""
+        moves = self.scheduler.take_page_moves()
+        if moves:
+            self.cache.move_pages(moves)
+            if self.draft_cache is not None:
+                self.draft_cache.move_pages(moves)
 
     def _launch_masks(self, plan: StepPlan):
         if self._masks is None:
@@ -635,6 +656,8 @@ class DynamicGenerator:
             "pages_free": table.num_free,
             "sink_pages": table.num_sink_pages,  # (of pages_total: first blocks only)
             "sink_pages_available": table.num_sink_available,  # free or cached
+            "recent_pages": table.num_recent_pages,  # (of pages_total: newest blocks)
+            "recent_pages_free": table.num_recent_free,
             "page_size": table.page_size,
             "jobs_running": len(self.scheduler.running),
             "jobs_waiting": len(self.scheduler.waiting),

@@ -8,9 +8,10 @@ a decode step costs O(batch x pages) Python work. Here:
 - Row ``i`` of the batch is entry ``i`` of the plan (the same order). The block-table row
   stays in a host array between steps together with the pages list object it was copied from;
   when entry ``i`` brings the same list object again, only the entries from the sequence's
-  full-page count at its last write onward are rewritten (the scheduler's page-list
-  INVARIANT at ``Scheduler._grow``: full pages' entries never change while the list object
-  lives, pages are only appended, and dedup swaps a page only in the commit that fills it).
+  full-page count at its last write, less RECENT_BLOCKS, onward are rewritten (the
+  scheduler's page-list INVARIANT at ``Scheduler._grow``: full pages' entries never change
+  while the list object lives, but for the last RECENT_BLOCKS ones, which settle from recent
+  pages; pages are only appended, and dedup swaps a page only in the commit that fills it).
   A different list (another job in that row, a preempted or truncated sequence) rewrites the
   row and zeroes what the previous one left past its end.
 - Positions, slot mapping, context lengths, row offsets and logits rows are computed with
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.embeddings import EmbeddingTableBuilder
 from engine.scheduler import StepPlan
 
@@ -136,7 +138,7 @@ class PersistentBatch:
             flat_value.extend(pages[first:used])
             if written[i] > used:  # the previous sequence of this row had more pages
                 self._table[i, used : written[i]] = 0
-            row_pages[i], written[i], frozen[i] = pages, used, start // ps
+            row_pages[i], written[i], frozen[i] = pages, used, max(0, start // ps - RECENT_BLOCKS)
         if flat_index:
             self._table.reshape(-1)[flat_index] = flat_value
             self.table_entries_written += len(flat_index)

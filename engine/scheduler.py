@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cache.page_table import PageTable
+from engine.cache.page_table import RECENT_BLOCKS, PageTable
 from engine.cache.prefix_hash import EmbeddingSpan, PageHash, page_hash, prefix_hashes
 
 
@@ -77,6 +77,9 @@ class SeqState:
     lookahead: int = 0
     # tokens of the prompt (the first ones); -1: all the tokens it was created with
     prompt_len: int = -1
+    # Blocks on recent pages (a table with them): block index -> the ordinary page the
+    # sequence holds in reserve for it, which gets its codes when it settles (_settle).
+    spares: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -157,6 +160,9 @@ class Scheduler:
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
         self.preemptions = 0
+        # (recent page, ordinary page) copies of codes that the caches must make, in this
+        # order, before the next forward reads or writes pages (``take_page_moves``)
+        self.page_moves: list[tuple[int, int]] = []
 
     # -- queue management --------------------------------------------------------------------
 
@@ -188,6 +194,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def take_page_moves(self) -> list[tuple[int, int]]:
+        """The page copies planned since the last call (each cache sharing the table makes
+        them, ``PagedCache.move_pages``, before the next forward), handed over once."""
+        moves, self.page_moves = self.page_moves, []
+        return moves
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -405,12 +417,16 @@ class Scheduler:
 
     # INVARIANT (page lists): while a sequence keeps one ``pages`` list object, the entries
     # of its full pages (index < num_computed // page_size, the ones in ``page_hashes``) never
-    # change. The list only changes by (1) ``_grow`` appending pages at its end and (2)
-    # ``_register_full_pages`` swapping entry i for a cached twin in the commit that makes
-    # page i full (so i >= num_computed // page_size at the step's start). Nothing removes or
-    # reorders entries in place: releasing (finish, cancel, preemption) and (re-)admission
-    # assign a new list object. DecodeGraphs._stage_table_row relies on this to rewrite only
-    # the tail of a block-table row whose sequence kept its row; test_scheduler checks it.
+    # change, except the last RECENT_BLOCKS ones in a table with recent pages. The list only
+    # changes by (1) ``_grow`` appending pages at its end, (2) ``_register_full_pages``
+    # swapping entry i for a cached twin in the commit that makes page i full (so i >=
+    # num_computed // page_size at the step's start) and (3) with recent pages, ``_grow``
+    # putting new blocks on recent pages and settling (``_settle``) the block that falls out
+    # of the last RECENT_BLOCKS, then registering it (so i >= num_computed // page_size -
+    # RECENT_BLOCKS at the step's start). Nothing removes or reorders entries in place:
+    # releasing (finish, cancel, preemption) and (re-)admission assign a new list object.
+    # DecodeGraphs._stage_table_row relies on this to rewrite only the tail of a block-table
+    # row whose sequence kept its row; test_scheduler checks it.
     def _grow(self, seq: SeqState, n: int) -> bool:
         """Make the pages cover ``n`` more tokens; False (no change) if the table can't."""
         need = -(-(seq.num_computed + n) // self.page_size) - len(seq.pages)
@@ -420,7 +436,35 @@ class Scheduler:
         if fresh is None:
             return False
         seq.pages.extend(fresh)
+        if self.table.num_recent_pages:
+            self._place_recent(seq, len(seq.pages) - need)
         return True
+
+    def _place_recent(self, seq: SeqState, first_new: int) -> None:
+        """Keep ``seq``'s last RECENT_BLOCKS blocks (never a sink block) on recent pages: the
+        blocks that fall out of them settle, and new blocks among them (``first_new`` on: no
+        K/V written yet) move onto recent pages, their fresh ordinary pages kept in reserve.
+        Newest first, so a short pool serves the blocks read most."""
+        last = len(seq.pages)
+        for block in [b for b in seq.spares if b < last - RECENT_BLOCKS]:
+            self._settle(seq, block)
+        lowest = max(first_new, last - RECENT_BLOCKS, 1 if self.table.num_sink_pages else 0)
+        for block in range(last - 1, lowest - 1, -1):
+            recent = self.table.take_recent()
+            if recent is None:  # a pool of fewer than RECENT_BLOCKS pages per sequence
+                break
+            seq.spares[block] = seq.pages[block]
+            seq.pages[block] = recent
+        self._register_full_pages(seq)  # settled full blocks
+
+    def _settle(self, seq: SeqState, block: int) -> None:
+        """Move ``block`` from its recent page to the ordinary page kept for it: the caches
+        copy the codes (``page_moves``, before the next forward) and the recent page is free
+        for the next block (the copy runs first, in stream order)."""
+        recent = seq.pages[block]
+        seq.pages[block] = seq.spares.pop(block)
+        self.page_moves.append((recent, seq.pages[block]))
+        self.table.release([recent])
 
     def _preempt(self, seq: SeqState, plan: StepPlan) -> None:
         group = seq.group  # a CFG pair goes whole
@@ -435,6 +479,8 @@ class Scheduler:
 
     def _release_pages(self, seq: SeqState) -> None:
         self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
+        self.table.release(seq.spares.values())  # (unhashed: free again)
+        seq.spares = {}
         seq.pages = []  # a new list object, never cleared in place (page-list INVARIANT)
         seq.page_hashes = []
         seq.num_computed = 0
@@ -459,6 +505,8 @@ class Scheduler:
             first_dropped += 1  # the page holding position ``keep`` is the sequence's own
         if first_dropped < len(seq.pages):
             self.table.release(reversed(seq.pages[first_dropped:]))
+            dropped = [b for b in seq.spares if b >= first_dropped]
+            self.table.release(seq.spares.pop(b) for b in dropped)
             # a new list object, never changed in place (page-list INVARIANT at _grow)
             seq.pages = seq.pages[:first_dropped]
         seq.page_hashes = seq.page_hashes[:first_dropped]
@@ -490,6 +538,8 @@ class Scheduler:
         ps = self.page_size
         while len(seq.page_hashes) < seq.num_computed // ps:
             i = len(seq.page_hashes)
+            if i in seq.spares:  # on a recent page: registered once it settles
+                break
             parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_root
             h = page_hash(parent, seq.tokens[i * ps : (i + 1) * ps], embeddings=seq.embeddings)
             # The only in-place change of an entry: page i just became full (page-list

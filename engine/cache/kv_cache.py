@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.cache.page_table import PageTable, budget_pages, pages_for_rows, whole_pages
+from engine.cache.page_table import (
+    RECENT_BLOCKS,
+    PageTable,
+    budget_pages,
+    pages_for_rows,
+    whole_pages,
+)
 from engine.cache.quant import (
     CACHE_QUANTS,
     GROUP,
@@ -119,9 +125,13 @@ class PagedCache:
     centers (``Model.key_centers``) from every key before quantizing: exact for attention,
     smaller stored keys (engine/cache/quant.py). ``sink_pages`` (quantized modes only; default
     0) keeps that many pages unquantized as well, for sequences' first blocks ("attention
-    sinks": engine/cache/page_table.py). ``exact_chunks`` (quantized modes only; default on):
-    a sequence with several tokens in a forward (a prompt chunk, a draft to verify) attends
-    to the K/V those tokens wrote exactly, and only to earlier tokens through their codes,
+    sinks": engine/cache/page_table.py). ``recent_pages`` (quantized modes only; default 0):
+    that many more unquantized pages hold sequences' last RECENT_BLOCKS blocks, so decoded
+    tokens read their most recent keys exactly (engine/cache/page_table.py); RECENT_BLOCKS
+    per running sequence serve every one (``recent_pages_for``). ``exact_chunks`` (quantized
+    modes only; default on): a sequence with several tokens in a forward (a prompt chunk, a
+    draft to verify) attends to the K/V those tokens wrote exactly, and only to earlier
+    tokens through their codes,
     as ExLlamaV2 does; off, every read goes through the codes, so a token's numerics never
     depend on how its prompt was chunked (engine/cuda/quant_reference.py).
     """
@@ -136,6 +146,7 @@ class PagedCache:
         center_keys: bool | None = None,
         sink_pages: int = 0,
         exact_chunks: bool | None = None,
+        recent_pages: int = 0,
     ):
         self.rotate = check_quant(quant, rotate)
         self.center_keys = check_center(quant, center_keys)
@@ -146,16 +157,17 @@ class PagedCache:
         self.num_pages = whole_pages(max_num_tokens, page_size)
         self.max_num_tokens = self.num_pages * page_size
         self.sink_pages = check_sink_pages(quant, sink_pages, self.num_pages)
+        self.recent_pages = check_recent_pages(quant, recent_pages, self.num_pages - sink_pages)
         self.kv: KVPages = model.allocate_kv(
             self.num_pages,
             page_size,
             quant,
             self.rotate,
             self.center_keys,
-            sink_pages,
+            sink_pages + recent_pages,  # (both keep unquantized rows: pages 0..R+T-1)
             self.exact_chunks,
         )
-        self.page_table = PageTable(self.num_pages, page_size, sink_pages)
+        self.page_table = PageTable(self.num_pages, page_size, sink_pages, recent_pages)
 
     @classmethod
     def from_budget(
@@ -168,24 +180,32 @@ class PagedCache:
         center_keys: bool | None = None,
         sink_pages: int = 0,
         exact_chunks: bool | None = None,
+        recent_pages: int = 0,
     ) -> PagedCache:
-        """The largest cache of whole pages whose K/V storage (key centers and sink pages
-        included) fits ``num_bytes``: a quantized mode holds proportionally more tokens in the
-        same bytes."""
+        """The largest cache of whole pages whose K/V storage (key centers, sink and recent
+        pages included) fits ``num_bytes``: a quantized mode holds proportionally more tokens
+        in the same bytes."""
         per_token = kv_bytes_per_token(model.config, model.dtype, quant)
         num_bytes -= reserved_budget_bytes(
-            model.config, model.dtype, quant, center_keys, sink_pages, page_size
+            model.config, model.dtype, quant, center_keys, sink_pages + recent_pages, page_size
         )
         try:
             pages = budget_pages(num_bytes, per_token, page_size)
         except ValueError as e:
             raise ValueError(f"{e} in a {quant} cache") from None
-        layout = (quant, rotate, center_keys, sink_pages, exact_chunks)
+        layout = (quant, rotate, center_keys, sink_pages, exact_chunks, recent_pages)
         return cls(model, pages * page_size, page_size, *layout)
 
     def pages_for_rows(self, rows: int) -> int:
         """The most pages ``rows`` sequences may hold at once (``page_table.pages_for_rows``)."""
-        return pages_for_rows(self.num_pages, self.sink_pages, rows)
+        return pages_for_rows(self.num_pages, self.sink_pages, rows, self.recent_pages)
+
+    def move_pages(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, destination) page's stored rows (codes and scales; the rows of
+        an unquantized cache) in every layer: the scheduler's ``take_page_moves``, settling
+        recent pages. Stream-ordered after the forwards already launched, before the next."""
+        if moves:
+            move_kv_pages(self.kv, moves)
 
     def bytes_per_token(self) -> int:
         """Bytes one token really takes in this cache's storage, all layers, K and V."""
@@ -204,6 +224,41 @@ class PagedCache:
         ]
         extra_bytes = sum(t.numel() * t.element_size() for t in extras)
         return self.bytes_per_token() * self.max_num_tokens + extra_bytes
+
+
+def move_kv_pages(kv: KVPages, moves: Sequence[tuple[int, int]]) -> None:
+    """``PagedCache.move_pages`` on storage: one gather and one scatter per stored tensor
+    (a draft model's cache shares the table, so it moves the same pages)."""
+    device = _storage(kv[0][0]).device
+    index = torch.tensor(moves, dtype=torch.int64).T.contiguous()  # [2, n]: sources, targets
+    if device.type == "cuda":  # (a pageable copy would wait for the device)
+        index = index.pin_memory().to(device, non_blocking=True)
+    sources, targets = index
+    for layer in kv:
+        for pages in layer:
+            tensors = (pages.data, pages.scales) if isinstance(pages, QuantPages) else (pages,)
+            for t in tensors:
+                t.index_copy_(0, targets, t.index_select(0, sources))
+
+
+def _storage(pages: Pages) -> torch.Tensor:
+    return pages.data if isinstance(pages, QuantPages) else pages
+
+
+def recent_pages_for(rows: int) -> int:
+    """Recent pages that let ``rows`` running sequences each keep RECENT_BLOCKS blocks."""
+    return RECENT_BLOCKS * rows
+
+
+def check_recent_pages(quant: str, recent_pages: int, room: int) -> int:
+    if recent_pages and QUANT_BITS.get(quant) is None:
+        raise ValueError(f"recent_pages needs a quantized cache, not {quant!r}")
+    if not 0 <= recent_pages <= room:
+        raise ValueError(
+            f"recent_pages must be in [0, {room}] (the cache's pages less its sink pages), "
+            f"got {recent_pages}"
+        )
+    return recent_pages
 
 
 def check_sink_pages(quant: str, sink_pages: int, num_pages: int) -> int:
@@ -232,12 +287,13 @@ def reserved_budget_bytes(
     dtype: torch.dtype,
     quant: str,
     center_keys: bool | None,
-    sink_pages: int,
+    unquantized_pages: int,
     page_size: int,
 ) -> int:
     """What a byte budget holds besides its pages: the key centers of a centered cache and
-    the sink pages' unquantized rows (``PagedCache.from_budget`` and the serving preset)."""
-    reserved = sink_pages * page_size * kv_bytes_per_token(config, dtype)
+    the unquantized rows of its sink and recent pages (``PagedCache.from_budget`` and the
+    serving preset)."""
+    reserved = unquantized_pages * page_size * kv_bytes_per_token(config, dtype)
     if check_center(quant, center_keys):
         reserved += center_bytes(config)
     return reserved

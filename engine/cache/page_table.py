@@ -23,6 +23,16 @@ every sequence's first page (``allocate(first_block=True)``) is a sink page, and
 ever is, so a token's numerics never depend on which pages happened to be free. A first block
 takes a free sink page, else evicts the least recently used cached one (an old prefix whose
 chain that ends), else waits. ``num_available`` counts the ordinary pool.
+
+Recent pages (``num_recent_pages`` = T > 0): page ids R..R+T-1 are stored unquantized too. A
+sequence's last ``RECENT_BLOCKS`` blocks (not a sink block) live on them while it grows, so a
+decoded token reads its most recent 16-31 keys (page size 16) exactly, not through 4-bit
+codes (engine/scheduler.py places and settles them). A recent page is never hashed or
+cached: when its block leaves the sequence's last RECENT_BLOCKS, the scheduler has its codes
+(which the cache write stores for every page) copied to an ordinary page the sequence holds
+in reserve for that block, and only that page is registered. So the ordinary pool is used
+exactly as without recent pages, and the recent pool only needs RECENT_BLOCKS pages per
+running sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +42,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.cache.prefix_hash import PageHash
+
+# Blocks per sequence kept on recent pages. SmolLM2, q4 + rotation, a decode-time read of
+# every earlier token through its codes (bench/results/kv_recent_window*.json, emulated):
+# perplexity +4.40% over fp32; the query's own page exact (0-15 earlier keys) +2.31%; the
+# last 16 keys +1.53%, 64 +1.38%. Two blocks keep 16-31 keys exact.
+RECENT_BLOCKS = 2
+ORDINARY, SINK, RECENT = 0, 1, 2  # the pools (indices into ``_free``/``_cached``)
 
 
 @dataclass(slots=True)
@@ -44,24 +61,35 @@ class Page:
 class PageTable:
     """Reference-counted pages with a hash index and LRU eviction of unreferenced ones."""
 
-    def __init__(self, num_pages: int, page_size: int, num_sink_pages: int = 0):
+    def __init__(
+        self, num_pages: int, page_size: int, num_sink_pages: int = 0, num_recent_pages: int = 0
+    ):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if not 0 <= num_sink_pages <= num_pages:
             raise ValueError(f"num_sink_pages must be in [0, {num_pages}], got {num_sink_pages}")
+        if not 0 <= num_recent_pages <= num_pages - num_sink_pages:
+            raise ValueError(
+                f"num_recent_pages must be in [0, {num_pages - num_sink_pages}] (the pages "
+                f"less the sink pages), got {num_recent_pages}"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_sink_pages = num_sink_pages
+        self.num_recent_pages = num_recent_pages
         self.pages = [Page(i) for i in range(num_pages)]
-        # free and cached (unreferenced, hashed; least recently used first) pages, ordinary
-        # ones [0] and sink pages [1] apart
-        self._free: tuple[deque[int], deque[int]] = (
-            deque(range(num_sink_pages, num_pages)),
+        unquantized = num_sink_pages + num_recent_pages
+        # free and cached (unreferenced, hashed; least recently used first) pages, per pool
+        # (ORDINARY, SINK, RECENT; recent pages are never cached)
+        self._free: tuple[deque[int], ...] = (
+            deque(range(unquantized, num_pages)),
             deque(range(num_sink_pages)),
+            deque(range(num_sink_pages, unquantized)),
         )
-        self._cached: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
+        self._cached: tuple[OrderedDict[int, None], ...] = (
+            OrderedDict(),
             OrderedDict(),
             OrderedDict(),
         )
@@ -72,11 +100,11 @@ class PageTable:
 
     @property
     def num_free(self) -> int:
-        return len(self._free[0]) + len(self._free[1])
+        return sum(map(len, self._free))
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached[0]) + len(self._cached[1])
+        return sum(map(len, self._cached))
 
     @property
     def num_referenced(self) -> int:
@@ -91,7 +119,15 @@ class PageTable:
     @property
     def num_sink_available(self) -> int:
         """Sink pages (first blocks) ``allocate`` can hand out now."""
-        return len(self._free[1]) + len(self._cached[1])
+        return len(self._free[SINK]) + len(self._cached[SINK])
+
+    @property
+    def num_recent_free(self) -> int:
+        """Recent pages ``take_recent`` can hand out now."""
+        return len(self._free[RECENT])
+
+    def is_recent(self, index: int) -> bool:
+        return self._kind(index) == RECENT
 
     def match_prefix(self, hashes: Sequence[PageHash]) -> list[int]:
         """Page ids holding the longest leading run of ``hashes`` (no references taken)."""
@@ -128,6 +164,14 @@ class PageTable:
         for index in taken:
             self.pages[index].ref_count = 1
         return taken
+
+    def take_recent(self) -> int | None:
+        """A free recent page with one reference, or None if there is none."""
+        if not self._free[RECENT]:
+            return None
+        index = self._free[RECENT].popleft()
+        self.pages[index].ref_count = 1
+        return index
 
     def _take(self, kind: int) -> int:
         """A free page of the pool, else its least recently used cached page."""
@@ -173,6 +217,8 @@ class PageTable:
             return index
         if page.hash is not None:
             raise ValueError(f"page {index} already has a different hash")
+        if self._kind(index) == RECENT:
+            raise ValueError(f"page {index} is a recent page: only its codes' copy is registered")
         existing = self._by_hash.get(page_hash)
         if existing is not None:
             self.acquire([existing])
@@ -192,8 +238,10 @@ class PageTable:
         return count
 
     def _kind(self, index: int) -> int:
-        """1 for a sink page, 0 for an ordinary one (the index into ``_free``/``_cached``)."""
-        return int(index < self.num_sink_pages)
+        """The page's pool: SINK, RECENT or ORDINARY (the index into ``_free``/``_cached``)."""
+        if index < self.num_sink_pages:
+            return SINK
+        return RECENT if index < self.num_sink_pages + self.num_recent_pages else ORDINARY
 
     def _evict_one(self, kind: int) -> int:
         index, _ = self._cached[kind].popitem(last=False)
@@ -205,11 +253,12 @@ class PageTable:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
-        free = set(self._free[0]) | set(self._free[1])
-        cached = set(self._cached[0]) | set(self._cached[1])
+        free = set().union(*self._free)
+        cached = set().union(*self._cached)
         assert len(free) == self.num_free, "a page is free twice"
         assert not free & cached, "a page is both free and cached"
-        for kind in (0, 1):
+        assert not self._cached[RECENT], "a recent page is cached"
+        for kind in (ORDINARY, SINK, RECENT):
             listed = [*self._free[kind], *self._cached[kind]]
             assert all(self._kind(i) == kind for i in listed), "a page is listed as the other kind"
         for page in self.pages:
@@ -253,10 +302,13 @@ def budget_pages(num_bytes: int, bytes_per_token: int, page_size: int) -> int:
     return pages
 
 
-def pages_for_rows(num_pages: int, num_sink_pages: int, rows: int) -> int:
-    """The most pages ``rows`` sequences may hold at once in a table of ``num_pages``: all of
-    them, or with sink pages one sink page each (first blocks) and every ordinary page. The
-    one rule: the cache, the generator and the serving preset all size with it."""
-    if not num_sink_pages:
-        return num_pages
-    return num_pages - num_sink_pages + min(num_sink_pages, rows)
+def pages_for_rows(
+    num_pages: int, num_sink_pages: int, rows: int, num_recent_pages: int = 0
+) -> int:
+    """The most pages ``rows`` sequences may hold for their blocks at once in a table of
+    ``num_pages``: all of them, or with sink pages one sink page each (first blocks) and every
+    ordinary page. Recent pages hold no block of their own (each stands in for an ordinary
+    page the sequence keeps in reserve). The one rule: the cache, the generator and the
+    serving preset all size with it."""
+    ordinary = num_pages - num_sink_pages - num_recent_pages
+    return ordinary + min(num_sink_pages, rows)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import AttentionPlan, ForwardBatch
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.cache.quant import rotate_groups
 from engine.cuda import attention_mma  # (it imports this module only inside functions)
 from engine.cuda._launch import (
@@ -559,8 +560,9 @@ def _attention_kernel(  # noqa: C901, PLR0915
     affine: bool = True,
 ):
     """The attention kernel specialised on its compile-time constants. ``sinks``: quantized
-    pages with sink pages (engine/cache/quant.py): a tile whose first block is a sink page
-    reads that block's keys from the unquantized rows first, then the rest as usual.
+    pages with unquantized ones (sink and recent pages, engine/cache/page_table.py): a tile
+    whose first block is a sink page, or whose last blocks are recent pages, reads those
+    blocks' keys from the unquantized rows, the rest as usual.
     ``k_bits``/``v_bits``:
     the page formats (0: unquantized; 8 or 4: engine/cache/quant.py), read through
     ``kv_step_reader``; the scale arrays are not read for unquantized pages. Each key group
@@ -619,7 +621,8 @@ def _attention_kernel(  # noqa: C901, PLR0915
     PS_U = np.uint32(PS)  # (unsigned constants: unsigned row arithmetic stays unsigned)
     KU_U = np.uint32(KU)
     SHARED_PAGE = PS % KU == 0  # a group's KU consecutive keys, aligned to KU: one page
-    SINK_W = np.uint64(D)  # a sink row's values
+    SINK_W = np.uint64(D)  # an unquantized row's values
+    TAIL_BLOCKS = RECENT_BLOCKS  # a sequence's last blocks that may be on recent pages
     options = {}
     if not SIMULATOR and QV <= 32 and min_blocks > 0:
         # 4 resident blocks per SM: caps registers at 128 (ptxas for sm_90 reports no spills
@@ -708,22 +711,40 @@ def _attention_kernel(  # noqa: C901, PLR0915
                     total += qv[r * DPL + i]
                 kbias[r] = -K_OFFSET * total
 
-        # Sink pages: this chunk's keys in the first block [lo, min(hi, PS)), when that block
-        # is a sink page, from its unquantized rows (one key per group per step); the steps
-        # below then start after them. (Uniform per block: every thread takes one branch.)
+        # Unquantized pages (engine/cache/page_table.py): this chunk's keys in the first block
+        # [lo, min(hi, PS)) when it is a sink page, and in its last blocks [tail_lo, hi) that
+        # are recent pages (up to TAIL_BLOCKS, never block 0), read from their rows one key
+        # per group per step; the code steps below take [main_lo, main_hi) between them.
+        # (Uniform per block: every thread takes the same branches.)
         main_lo = lo
+        main_hi = hi
         parity = 0
         if SINKS:
+            exact_rows = k_sinks.shape[0]  # (flat: pages 0..R+T-1 x PS x KV x D values)
             first = block_tables[b, 0]
-            sink_hi = min(hi, PS)
-            if first >= 0 and first * PS * D * cuda.gridDim.y < k_sinks.shape[0] and lo < sink_hi:
-                main_lo = sink_hi
-                n_sink_steps = (sink_hi - lo + NG - 1) // NG
-                parity = n_sink_steps & 1
-                for step in range(n_sink_steps):
-                    jb = lo + step * NG + grp
-                    jc = min(jb, sink_hi - 1)
-                    row = uint32(uint32(first) * PS_U + uint32(jc)) * row_heads + row_head
+            if first >= 0 and first * PS * D * cuda.gridDim.y < exact_rows and lo < min(hi, PS):
+                main_lo = min(hi, PS)
+            if hi > main_lo:
+                blk = (hi - 1) // PS
+                for _ in range(TAIL_BLOCKS):
+                    if blk < 1 or (blk + 1) * PS <= main_lo:
+                        break
+                    page = block_tables[b, blk]
+                    if page < 0 or page * PS * D * cuda.gridDim.y >= exact_rows:
+                        break
+                    main_hi = max(main_lo, blk * PS)
+                    blk -= 1
+            for part in range(2):
+                x_lo = lo if part == 0 else main_hi
+                x_hi = main_lo if part == 0 else hi
+                n_exact_steps = 0
+                if x_hi > x_lo:
+                    n_exact_steps = (x_hi - x_lo + NG - 1) // NG
+                for step in range(n_exact_steps):
+                    jb = x_lo + step * NG + grp
+                    jc = min(jb, x_hi - 1)
+                    page = uint32(block_tables[b, jc // PS])
+                    row = uint32(page * PS_U + uint32(jc % PS)) * row_heads + row_head
                     at = uint64(uint32(row)) * SINK_W
                     for i in range(DPL):
                         d = uint64(lane * LSTRIDE + DSTRIDE * i)
@@ -737,9 +758,10 @@ def _attention_kernel(  # noqa: C901, PLR0915
                         s[r] = dot
                         for u in range(1, KU):
                             s[u * R + r] = 0.0
-                    row_sum(s, sm_red, tid, step & 1)
+                    row_sum(s, sm_red, tid, parity)
+                    parity = 1 - parity
                     for r in range(R):
-                        seen = r // G < n_q and _visible(jb, sink_hi, pos0 + r // G, window)
+                        seen = r // G < n_q and _visible(jb, x_hi, pos0 + r // G, window)
                         mx = m[r]
                         if seen:
                             mx = max(mx, s[r])
@@ -755,18 +777,18 @@ def _attention_kernel(  # noqa: C901, PLR0915
         # below main_lo masked). All KU keys' K and V are read before any is used, so their
         # loads are in flight together. When KU divides the page size, a group's KU keys lie in
         # one page: one block-table read per step, rows one KV-row stride apart.
-        # Decode tiles: key j is visible iff main_lo <= j < hi and, with a window, j > pos0 -
-        # window (j <= pos0 holds for every j < hi = pos0 + 1), tested in 32 bits.
-        hi32 = int32(hi)
+        # Decode tiles: key j is visible iff main_lo <= j < main_hi and, with a window, j >
+        # pos0 - window (j <= pos0 holds for every j < main_hi <= pos0 + 1), in 32 bits.
+        hi32 = int32(main_hi)
         lo32 = int32(main_lo)
         win_lo32 = int32(-1)
         if window > 0:
             win_lo32 = int32(pos0 - window)
         n_steps = 0
-        last = uint32(hi - 1)
+        last = uint32(main_hi - 1)
         start = main_lo - main_lo % KU
-        if hi > main_lo:
-            n_steps = (hi - start + NG * KU - 1) // (NG * KU)
+        if main_hi > main_lo:
+            n_steps = (main_hi - start + NG * KU - 1) // (NG * KU)
         for step in range(n_steps):
             base = start + step * NG * KU + grp * KU
             if SHARED_PAGE:
@@ -814,17 +836,17 @@ def _attention_kernel(  # noqa: C901, PLR0915
                 live = r // G < n_q
                 mx = m[r]
                 for u in range(KU):
-                    ok = (
-                        key_seen[u] if QT == 1 else live and _seen(base + u, main_lo, hi, p, window)
-                    )
+                    ok = key_seen[u]
+                    if QT != 1:
+                        ok = live and _seen(base + u, main_lo, main_hi, p, window)
                     if ok:
                         mx = max(mx, s[u * R + r])
                 rescale(m, l, acc, wsum, r, mx)
                 for u in range(KU):
                     e = float32(0.0)
-                    ok = (
-                        key_seen[u] if QT == 1 else live and _seen(base + u, main_lo, hi, p, window)
-                    )
+                    ok = key_seen[u]
+                    if QT != 1:
+                        ok = live and _seen(base + u, main_lo, main_hi, p, window)
                     if ok:
                         e = math.exp2(s[u * R + r] - mx)
                     s[u * R + r] = e

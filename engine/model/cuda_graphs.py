@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.cuda.attention_mma import graph_steps
 from engine.embeddings import EMBEDDING_ID_BASE
 from engine.inflight import TokenPatch
@@ -276,13 +277,14 @@ class DecodeGraphs:
             longs[1, i] = pos
             longs[2, i] = pages[pos // ps] * ps + pos % ps
             ints[i] = pos + 1
-            self._stage_table_row(i, pages, pos // ps)
+            self._stage_table_row(i, pages, max(0, pos // ps - RECENT_BLOCKS))
         longs[:, n:size] = 0
         longs[2, n:size] = PAD_SLOT
         ints[n:size] = 0
 
     def _stage_table_row(self, row: int, pages: Sequence[int], full: int) -> None:
-        """Row ``row`` of the block tables; ``full``: pages of the sequence already full.
+        """Row ``row`` of the block tables; ``full``: pages of the sequence already full, less
+        the last RECENT_BLOCKS (which may still settle from recent pages).
 
         A sequence that had this row before (the same pages list object) rewrites only the
         entries from its full-page count then: by the scheduler's page-list INVARIANT (see

@@ -63,6 +63,11 @@ def check_draft(model, cache, draft_model, draft_cache, max_seq_len: int) -> Non
             f"draft_cache has {draft_cache.sink_pages} sink pages; the cache has "
             f"{cache.sink_pages} (the draft's must be the same, or none)"
         )
+    if draft_cache.recent_pages not in (0, cache.recent_pages):
+        raise ValueError(
+            f"draft_cache has {draft_cache.recent_pages} recent pages; the cache has "
+            f"{cache.recent_pages} (the draft's must be the same, or none)"
+        )
     if draft_model.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"draft vocabulary ({draft_model.config.vocab_size}) differs from the model's "

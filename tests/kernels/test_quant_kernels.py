@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.cache.quant import (
     GROUP,
     QUANT_BITS,
@@ -270,27 +271,45 @@ def test_attention_validates_inputs():
 # --- sink pages ---------------------------------------------------------------------------------
 
 
-def _sink_case(specs, quant, num_sinks, heads=2, kv_heads=1, dtype=torch.float32, head_dim=GROUP):
+def _sink_case(
+    specs,
+    quant,
+    num_sinks,
+    heads=2,
+    kv_heads=1,
+    dtype=torch.float32,
+    head_dim=GROUP,
+    recent=False,
+):
     """Like ``_quantized_case`` with sink pages, laid out as the page table lays them out:
-    every sequence's first page below ``num_sinks``, no other page there."""
+    every sequence's first page below ``num_sinks``, no other page there. ``recent``: recent
+    pages after them, holding each sequence's last RECENT_BLOCKS blocks (not a sink block)."""
     from engine.batch import SequenceInput, build_forward_batch
 
     page_size = 4
     gen = torch.Generator().manual_seed(7)
     needed = [-(-(c + n) // page_size) for c, n in specs]
-    pool = num_sinks + sum(needed) + 2
+    num_recent = RECENT_BLOCKS * len(specs) if recent else 0
+    unquantized = num_sinks + num_recent
+    pool = unquantized + sum(needed) + 2
     firsts = torch.randperm(num_sinks, generator=gen).tolist()
-    rest = (num_sinks + torch.randperm(pool - num_sinks, generator=gen)).tolist()
+    recents = (num_sinks + torch.randperm(num_recent, generator=gen)).tolist()
+    rest = (unquantized + torch.randperm(pool - unquantized, generator=gen)).tolist()
     seqs = []
     for i, ((cached, new), n_pages) in enumerate(zip(specs, needed, strict=True)):
-        pages, rest = [firsts[i], *rest[: n_pages - 1]], rest[n_pages - 1 :]
+        pages, rest = rest[:n_pages], rest[n_pages:]
+        if num_sinks:
+            pages[0] = firsts[i]
+        if recent:
+            for block in range(max(int(num_sinks > 0), n_pages - RECENT_BLOCKS), n_pages):
+                pages[block] = recents.pop()
         seqs.append(SequenceInput(token_ids=[1] * new, num_cached=cached, pages=pages))
     batch = build_forward_batch(seqs, page_size, DEVICE)
     k_bits, v_bits = QUANT_BITS[quant]
     center = torch.randn(kv_heads, head_dim, generator=gen).to(DEVICE)
     k_pages, v_pages = (
         allocate_quant_pages(
-            pool, page_size, kv_heads, head_dim, bits, True, DEVICE, c, num_sinks, dtype
+            pool, page_size, kv_heads, head_dim, bits, True, DEVICE, c, unquantized, dtype
         )
         for bits, c in ((k_bits, center), (v_bits, None))
     )
@@ -325,6 +344,37 @@ def test_attention_reads_sink_pages_like_the_reference(
     codes_only = dataclasses.replace(k_pages, sinks=None), dataclasses.replace(v_pages, sinks=None)
     other = quant_paged_attention_reference(q, *codes_only, batch, scale, window)
     assert rel_error(other, ref) > 10 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("specs", "quant", "num_sinks", "splits", "window", "keys_per_step"),
+    [
+        # decode: a sink block, codes, then one or two recent blocks
+        ([(13, 1), (9, 1), (4, 1), (2, 1)], "q4", 4, None, None, None),
+        ([(13, 1), (6, 1), (1, 1)], "q8", 0, None, None, None),  # no sinks: block 0 recent
+        ([(0, 6), (10, 4)], "q6", 2, None, None, None),  # prefill and chunked prefill
+        ([(21, 1), (14, 3)], "q4", 2, 3, None, None),  # splits ending in and before the tail
+        ([(21, 2), (3, 1)], "q4", 2, 2, 3, 3),  # a window inside the tail; 3 keys per step
+    ],
+)
+def test_attention_reads_recent_pages_like_the_reference(
+    monkeypatch, specs, quant, num_sinks, splits, window, keys_per_step
+):
+    if keys_per_step is not None:
+        monkeypatch.setattr(attention, "_FORCE_KEYS_PER_STEP", keys_per_step)
+    q, k_pages, v_pages, batch = _sink_case(specs, quant, num_sinks, recent=True)
+    scale = GROUP**-0.5
+    out = paged_attention_quant_cuda(q, k_pages, v_pages, batch, scale, window, num_splits=splits)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
+    assert rel_error(out, ref) <= TOL[torch.float32]
+    # the recent rows were read: with them zeroed the kernel's result differs
+    assert k_pages.sinks.shape[0] > num_sinks
+    for pages in (k_pages, v_pages):
+        pages.sinks[num_sinks:] = 0
+    zeroed = paged_attention_quant_cuda(
+        q, k_pages, v_pages, batch, scale, window, num_splits=splits
+    )
+    assert rel_error(zeroed, ref) > 10 * TOL[torch.float32]
 
 
 def test_attention_reads_sink_pages_as_words_in_fp16(monkeypatch):
