@@ -86,6 +86,7 @@ class QuantTiny(Tiny):
     rotate: bool | None = None
     sink_pages: int = 0
     exact_chunks: bool | None = None
+    recent_pages: int = 0
 
     def generator(self, max_num_tokens: int = 4096, page_size: int = 4, **kwargs):
         cache = PagedCache(
@@ -96,6 +97,7 @@ class QuantTiny(Tiny):
             self.rotate,
             sink_pages=self.sink_pages,
             exact_chunks=self.exact_chunks,
+            recent_pages=self.recent_pages,
         )
         return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
 
