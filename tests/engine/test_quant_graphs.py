@@ -20,7 +20,15 @@ def small32(tiny, tmp_path_factory):
 
 
 def _greedy(
-    model: Model, tokenizer, prompts, quant: str, rotate: bool, sink_pages: int, exact: bool
+    model: Model,
+    tokenizer,
+    prompts,
+    quant: str,
+    rotate: bool,
+    sink_pages: int,
+    exact: bool,
+    recent_pages: int = 0,
+    new_tokens: int = 3,
 ):
     cache = PagedCache(
         model,
@@ -30,24 +38,31 @@ def _greedy(
         rotate=rotate,
         sink_pages=sink_pages,
         exact_chunks=exact,
+        recent_pages=recent_pages,
     )
     generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=8)
     settings = SamplerSettings.greedy()
-    jobs = [DynamicJob(p, 3, gen_settings=settings, stop_conditions=[]) for p in prompts]
+    jobs = [DynamicJob(p, new_tokens, gen_settings=settings, stop_conditions=[]) for p in prompts]
     return run_to_end(generator, jobs)
 
 
-@pytest.mark.parametrize(("sink_pages", "exact"), [(0, True), (2, True), (0, False)])
+@pytest.mark.parametrize(
+    ("sink_pages", "exact", "recent_pages"),
+    [(0, True, 0), (2, True, 0), (0, False, 0), (2, False, 4), (0, False, 4)],
+)
 def test_generator_on_q4_pages_through_kernels_matches_torch(
-    small32, tiny, monkeypatch, sink_pages, exact
+    small32, tiny, monkeypatch, sink_pages, exact, recent_pages
 ):
     # Unrotated: the kernel's codes equal the reference's bit for bit in float32, so the
     # greedy picks must match exactly (chunked prefill: 9 tokens in chunks of 8); with sink
-    # pages the first page of each sequence is read from its unquantized rows. With exact
-    # chunks the prompt chunks go to the reference on the rows the write kernel left; without,
-    # every batch goes to the attention kernel (ENGINE_PREFILL_ATTENTION=kernel).
+    # pages the first page of each sequence is read from its unquantized rows, with recent
+    # pages its last two blocks (8 new tokens: blocks settle as the sequences grow past 4
+    # pages). With exact chunks the
+    # prompt chunks go to the reference on the rows the write kernel left; without, every
+    # batch goes to the attention kernel (ENGINE_PREFILL_ATTENTION=kernel).
     prompts = [[5, 9, 17, 3, 40, 2, 8, 8, 1], [5, 9, 17, 3, 11]]
-    args = (tiny.tokenizer, prompts, "q4", False, sink_pages, exact)
+    new_tokens = 8 if recent_pages else 3
+    args = (tiny.tokenizer, prompts, "q4", False, sink_pages, exact, recent_pages, new_tokens)
     if not exact:
         monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
     monkeypatch.setenv(OPS_ENV, "torch")

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.cache.quant import (
     QUANT_BITS,
     allocate_quant_pages,
@@ -45,16 +46,19 @@ PAGE = 16
 
 def _case(
     lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False, sinks=0,
-    quant="q4",
+    quant="q4", recent=False,
 ):  # fmt: skip
     """q4 pages holding random K/V; one decode token per sequence of each length in ``lens``
     (or ``specs``: [(num_cached, num_new)]); ``center``: keys stored less a random center;
     ``sinks``: pages 0..sinks-1 are fp16 sink pages, every sequence's first page one of them.
-    """
+    ``recent``: each sequence's last RECENT_BLOCKS blocks after block 0 are fp16 pages too,
+    right after the sink pages (``sinks`` counts them)."""
     specs = specs or [(n - 1, 1) for n in lens]
     q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float32, PAGE, seed)
     pool = k.shape[0]
-    if sinks:
+    if recent:
+        batch.block_tables.copy_(_recent_pages_first(batch.block_tables, specs, pool))
+    elif sinks:
         batch.block_tables.copy_(_first_pages_first(batch.block_tables, pool))
     mean = torch.randn(kv_heads, head_dim, device=DEVICE) if center else None
     k_pages, v_pages = (
@@ -77,6 +81,28 @@ def _first_pages_first(table: torch.Tensor, num_pages: int) -> torch.Tensor:
     rename = torch.empty_like(order)
     rename[order] = torch.arange(num_pages, device=table.device)
     return rename[table.long()].to(table.dtype)
+
+
+def _recent_pages_first(table: torch.Tensor, specs, num_pages: int) -> torch.Tensor:
+    """``table`` renamed so that the sequences' first pages come first, then the pages of
+    their last RECENT_BLOCKS blocks after block 0, as the page table lays out sink and
+    recent pages."""
+    used = [-(-(c + n) // PAGE) for c, n in specs]
+    firsts = [int(table[i, 0]) for i in range(len(specs))]
+    lasts = [
+        int(table[i, b]) for i, n in enumerate(used) for b in range(max(1, n - RECENT_BLOCKS), n)
+    ]
+    chosen = firsts + lasts
+    order = chosen + [p for p in range(num_pages) if p not in set(chosen)]  # new id -> old id
+    rename = torch.empty(num_pages, dtype=torch.long)
+    rename[torch.tensor(order)] = torch.arange(num_pages)
+    return rename.to(table.device)[table.long()].to(table.dtype)
+
+
+def unquantized_pages(specs) -> int:
+    """Sink and recent pages of ``_recent_pages_first``'s layout."""
+    used = [-(-(c + n) // PAGE) for c, n in specs]
+    return sum(1 + min(RECENT_BLOCKS, n - 1) for n in used)
 
 
 def _grid_q(q: torch.Tensor, rotate: bool) -> torch.Tensor:
@@ -323,12 +349,17 @@ def test_cuda_op_set_gives_a_mixed_batchs_decode_rows_to_tensor_cores(monkeypatc
     assert (out[5:] - rounded[5:]).abs().max().item() <= 2**-10 * v_max + 1e-5
 
 
-@pytest.mark.parametrize(("lens", "head_dim", "splits"), [([20, 9], 64, 1), ([9], 128, 1)])
-def test_mma_decode_reads_sink_pages_from_their_fp16_rows(lens, head_dim, splits):
-    """Every sequence's first page a sink page: its tile's scores and values come from the
-    fp16 rows. q on the byte grid, so both of the kernel's q forms are exact and what is left
-    is P's and V's fp16 rounding (the bound of the tests above)."""
-    q, k_pages, v_pages, batch = _case(lens, 4, 1, head_dim, True, sinks=len(lens))
+@pytest.mark.parametrize(
+    ("lens", "head_dim", "splits", "recent"),
+    [([20, 9], 64, 1, False), ([9], 128, 1, False), ([20, 9, 2], 64, 2, True)],
+)
+def test_mma_decode_reads_sink_pages_from_their_fp16_rows(lens, head_dim, splits, recent):
+    """Every sequence's first page a sink page (and with ``recent`` its last blocks recent
+    pages): those tiles' scores and values come from the fp16 rows. q on the byte grid, so
+    both of the kernel's q forms are exact and what is left is P's and V's fp16 rounding (the
+    bound of the tests above)."""
+    exact = unquantized_pages([(n - 1, 1) for n in lens]) if recent else len(lens)
+    q, k_pages, v_pages, batch = _case(lens, 4, 1, head_dim, True, sinks=exact, recent=recent)
     q = _grid_q(q, True)
     assert k_pages.sinks is not None and k_pages.sinks.dtype == torch.float16
     scale = head_dim**-0.5
