@@ -65,7 +65,8 @@ def _cache_mode(cache: PagedCache) -> str:
     flags = ("+rotate" if cache.rotate else "") + ("+center" if cache.center_keys else "")
     flags += "+exact chunks" if cache.exact_chunks else ""
     sinks = f"+{cache.sink_pages} sink pages" if cache.sink_pages else ""
-    return cache.quant + flags + sinks
+    recent = f"+{cache.recent_pages} recent pages" if cache.recent_pages else ""
+    return cache.quant + flags + sinks + recent
 
 
 def _build_cache(model: Model, preset: Preset) -> PagedCache:
@@ -73,7 +74,11 @@ def _build_cache(model: Model, preset: Preset) -> PagedCache:
     ``engine.cache_bytes`` holds in ``engine.cache_quant`` (a quantized mode gets more)."""
     engine = preset.engine
     layout = (engine.page_size, engine.cache_quant, engine.cache_rotate, engine.cache_center_keys)
-    extra = {"sink_pages": engine.cache_sink_pages, "exact_chunks": engine.cache_exact_chunks}
+    extra = {
+        "sink_pages": engine.cache_sink_pages,
+        "exact_chunks": engine.cache_exact_chunks,
+        "recent_pages": engine.cache_recent_pages,
+    }
     if engine.cache_bytes is None:
         return PagedCache(model, int(engine.max_num_tokens or 0), *layout, **extra)
     cache = PagedCache.from_budget(model, engine.cache_bytes, *layout, **extra)

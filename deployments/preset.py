@@ -236,6 +236,10 @@ class EnginePreset:
     # pages kept unquantized for sequences' first blocks (engine/cache/page_table.py): one per
     # running sequence with its own first page, so at least max_batch_size
     cache_sink_pages: int = 0
+    # unquantized pages for sequences' last two blocks, so decoded tokens read their recent
+    # keys exactly (engine/cache/page_table.py): two per running sequence (at most half of
+    # them run at once), so 2 * max_batch_size
+    cache_recent_pages: int = 0
     # prompt chunks read their own K/V exactly (quantized modes; None: on), see PagedCache
     cache_exact_chunks: bool | None = None
     cuda_graphs: bool | None = None  # None: on with the CUDA kernels on a GPU
@@ -261,6 +265,14 @@ class EnginePreset:
         cache_sink_pages = _int(raw, "cache_sink_pages", "engine", 0, 0)
         if cache_sink_pages and cache_quant == "fp16":
             raise ValueError("engine.cache_sink_pages needs a quantized engine.cache_quant")
+        cache_recent_pages = _int(raw, "cache_recent_pages", "engine", 0, 0)
+        if cache_recent_pages and cache_quant == "fp16":
+            raise ValueError("engine.cache_recent_pages needs a quantized engine.cache_quant")
+        if cache_recent_pages == 1:
+            raise ValueError(
+                "engine.cache_recent_pages must be 0 or at least 2 (a sequence's last two "
+                "blocks)"
+            )
         cache_exact_chunks = _bool(raw, "cache_exact_chunks", "engine")
         if cache_exact_chunks and cache_quant == "fp16":
             raise ValueError("engine.cache_exact_chunks: true needs a quantized engine.cache_quant")
@@ -281,6 +293,7 @@ class EnginePreset:
             cache_rotate=cache_rotate,
             cache_center_keys=cache_center_keys,
             cache_sink_pages=cache_sink_pages,
+            cache_recent_pages=cache_recent_pages,
             cache_exact_chunks=cache_exact_chunks,
             cuda_graphs=_bool(raw, "cuda_graphs", "engine"),
             async_scheduling=async_scheduling,
@@ -290,8 +303,8 @@ class EnginePreset:
     def num_pages(self, kv_bytes_per_token: int | None = None, reserved_bytes: int = 0) -> int:
         """Whole pages of the cache. A byte budget needs the model's K/V bytes per token in
         ``cache_quant`` (``Preset.kv_bytes_per_token``) and the bytes the budget holds
-        besides the pages (key centers, sink pages' unquantized rows); a token count does
-        not."""
+        besides the pages (key centers, sink and recent pages' unquantized rows); a token
+        count does not."""
         if self.cache_bytes is None:
             pages = whole_pages(int(self.max_num_tokens or 0), self.page_size)
         elif kv_bytes_per_token is None:
@@ -302,9 +315,10 @@ class EnginePreset:
                 pages = budget_pages(budget, kv_bytes_per_token, self.page_size)
             except ValueError as e:
                 raise ValueError(f"engine.cache_bytes: {e} in a {self.cache_quant} cache") from None
-        if self.cache_sink_pages > pages:
+        if self.cache_sink_pages + self.cache_recent_pages > pages:
             raise ValueError(
-                f"engine.cache_sink_pages ({self.cache_sink_pages}) exceeds the cache's "
+                f"engine.cache_sink_pages ({self.cache_sink_pages}) and "
+                f"engine.cache_recent_pages ({self.cache_recent_pages}) exceed the cache's "
                 f"{pages} pages"
             )
         return pages
@@ -500,7 +514,9 @@ class Preset:
         from engine.cache.page_table import pages_for_rows
 
         engine = self.engine
-        pages = pages_for_rows(self.cache_pages(), engine.cache_sink_pages, 1)
+        pages = pages_for_rows(
+            self.cache_pages(), engine.cache_sink_pages, 1, engine.cache_recent_pages
+        )
         return min(max_position_embeddings, pages * engine.page_size)
 
     def kv_bytes_per_token(self) -> int:
@@ -533,7 +549,7 @@ class Preset:
             dtype,
             engine.cache_quant,
             engine.cache_center_keys,
-            engine.cache_sink_pages,
+            engine.cache_sink_pages + engine.cache_recent_pages,
             engine.page_size,
         )
         return engine.num_pages(kv_bytes_per_token(config, dtype, engine.cache_quant), reserved)

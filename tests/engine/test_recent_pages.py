@@ -8,7 +8,7 @@ import torch
 
 from engine import DynamicGenerator, DynamicJob, SamplerSettings
 from engine.batch import SequenceInput, build_forward_batch
-from engine.cache.kv_cache import recent_pages_for
+from engine.cache.kv_cache import PagedCache, kv_bytes_per_token, recent_pages_for
 from engine.cache.page_table import RECENT_BLOCKS
 from tests.engine import test_generator as gen_tests
 from tests.engine.conftest import QuantTiny, assert_no_pages_in_use
@@ -116,3 +116,68 @@ def test_preemption_with_recent_pages_returns_every_page(tiny32):
     assert all(len(gen_tests._tokens(r)) == 12 for r in small)
     assert_no_pages_in_use(small_gen)
     assert small_gen.stats()["recent_pages_free"] == recent_pages_for(3)
+
+
+def test_recent_pages_are_refused_where_they_cannot_work(tiny32):
+    model, tokenizer = tiny32.model, tiny32.tokenizer
+    with pytest.raises(ValueError, match="recent_pages needs a quantized cache"):
+        PagedCache(model, 64, PAGE, "fp16", recent_pages=2)
+    with pytest.raises(ValueError, match=f"recent_pages must be 0 or at least {RECENT_BLOCKS}"):
+        PagedCache(model, 64, PAGE, "q4", recent_pages=1)
+    with pytest.raises(ValueError, match=r"recent_pages must be in \[0, 14\]"):
+        PagedCache(model, 64, PAGE, "q4", sink_pages=2, recent_pages=15)
+    one_row = PagedCache(model, 256, PAGE, "q4", recent_pages=RECENT_BLOCKS)
+    generator = DynamicGenerator(model, one_row, tokenizer)
+    assert generator.scheduler.max_running == 1
+    pair = [tokenizer.encode("the cat")[0].tolist(), tokenizer.encode("a dog")[0].tolist()]
+    guided = SamplerSettings(temperature=0.0, cfg_scale=1.5)
+    with pytest.raises(ValueError, match="the CFG job's 2 rows run at once; the cache's 2"):
+        generator.enqueue(DynamicJob(pair, 4, gen_settings=guided))
+    with pytest.raises(ValueError, match="draft_cache has 4 recent pages; the cache has 2"):
+        DynamicGenerator(
+            model,
+            PagedCache(model, 256, PAGE, "q4", recent_pages=2),
+            tokenizer,
+            draft_model=model,
+            draft_cache=PagedCache(model, 256, PAGE, "q4", recent_pages=4),
+        )
+
+
+def test_recent_pages_count_in_the_bytes_and_the_budget(tiny32):
+    model = tiny32.model
+    plain = PagedCache(model, 64 * PAGE, PAGE, "q4")
+    recent = PagedCache(model, 64 * PAGE, PAGE, "q4", recent_pages=6)
+    fp = kv_bytes_per_token(model.config, model.dtype)
+    assert recent.num_bytes() - plain.num_bytes() == 6 * PAGE * fp
+    budget = PagedCache.from_budget(model, plain.num_bytes(), PAGE, "q4", recent_pages=6)
+    assert budget.num_bytes() <= plain.num_bytes() and budget.recent_pages == 6
+    assert recent.pages_for_rows(1) == 64 - 6
+
+
+def test_a_draft_models_cache_follows_every_settle(tiny32):
+    """A draft model's cache (fp16, on the scheduler's page ids) gets the same page copies:
+    its first layer's rows of settled blocks equal a plain prefill of the same tokens."""
+    model, tokenizer = tiny32.model, tiny32.tokenizer
+    cache = PagedCache(model, 512, PAGE, "q4", sink_pages=2, recent_pages=4)
+    draft_cache = PagedCache(model, 512, PAGE, "fp16")
+    generator = DynamicGenerator(
+        model, cache, tokenizer, draft_model=model, draft_cache=draft_cache, num_draft_tokens=3
+    )
+    job = DynamicJob(tokenizer.encode("one two three")[0].tolist(), 40, stop_conditions=[])
+    generator.enqueue(job)
+    seq = job.seq
+    while seq.num_computed < 24:
+        generator.iterate()
+    assert generator.stats()["spec_draft_tokens_proposed"] > 0
+    tokens, pages = seq.tokens[: seq.num_computed], list(seq.pages)
+    plain = model.allocate_kv(len(pages), PAGE)
+    row = SequenceInput(tokens, 0, list(range(len(pages))))
+    with torch.inference_mode():
+        model.network(build_forward_batch([row], PAGE), plain, generator.runner.ops)
+    settled = [b for b in range(1, len(tokens) // PAGE) if b not in seq.spares]
+    assert len(settled) >= 2
+    for block in settled:
+        got = draft_cache.kv[0][0][pages[block]]
+        torch.testing.assert_close(got, plain[0][0][block], atol=1e-5, rtol=1e-5)
+    generator.cancel(job)
+    assert_no_pages_in_use(generator)

@@ -74,6 +74,8 @@ def test_defaults_when_sections_are_left_out() -> None:
         ("engine", "cache_center_keys", 1, "engine.cache_center_keys must be true or false, got 1"),
         ("engine", "cache_sink_pages", 4, "engine.cache_sink_pages needs a quantized"),
         ("engine", "cache_sink_pages", -1, "engine.cache_sink_pages must be >= 0, got -1"),
+        ("engine", "cache_recent_pages", 4, "engine.cache_recent_pages needs a quantized"),
+        ("engine", "cache_recent_pages", -2, "engine.cache_recent_pages must be >= 0, got -2"),
         ("engine", "cache_exact_chunks", True, "engine.cache_exact_chunks: true needs a quantized"),
         ("engine", "cache_exact_chunks", "no", "engine.cache_exact_chunks must be true or false"),
         ("engine", "cuda_graphs", "yes", "engine.cuda_graphs must be true or false, got 'yes'"),
@@ -175,8 +177,13 @@ def test_cache_sink_pages_shorten_the_context_by_the_other_sink_pages() -> None:
     # one sink page (its first block) and the 56 ordinary pages: 57 pages of 16
     assert preset.context_length(max_position_embeddings=4096) == 57 * 16
     raw["engine"]["cache_sink_pages"] = 65
-    with pytest.raises(ValueError, match=r"cache_sink_pages \(65\) exceeds the cache's 64 pages"):
+    with pytest.raises(ValueError, match=r"cache_sink_pages \(65\) and engine.cache_recent"):
         Preset.parse(raw).cache_pages()
+    raw["engine"].update(cache_sink_pages=8, cache_recent_pages=1)
+    with pytest.raises(ValueError, match="cache_recent_pages must be 0 or at least 2"):
+        Preset.parse(raw)
+    raw["engine"]["cache_recent_pages"] = 8  # (they hold no block: the context loses 8)
+    assert Preset.parse(raw).context_length(max_position_embeddings=4096) == 49 * 16
 
 
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
@@ -288,15 +295,17 @@ def test_cache_bytes_with_sink_pages_size_the_replica_like_the_ingress(
     from engine import DynamicGenerator, Model, Tokenizer
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
-    preset = Preset.parse(_budgeted(100_000, cache_quant="q4", cache_sink_pages=4))
+    budget = _budgeted(100_000, cache_quant="q4", cache_sink_pages=4, cache_recent_pages=4)
+    preset = Preset.parse(budget)
     path = preset.model.resolve_path()
     model = Model.from_pretrained(path, device="cpu", dtype="float32")
     cache = _build_cache(model, preset)
-    assert cache.sink_pages == 4 and cache.num_bytes() <= 100_000
+    assert (cache.sink_pages, cache.recent_pages) == (4, 4) and cache.num_bytes() <= 100_000
     assert cache.num_pages == preset.cache_pages()
     generator = DynamicGenerator(model, cache, Tokenizer.from_pretrained(path))
     assert PromptBuilder(preset).context_length == generator.max_seq_len
-    assert generator.max_seq_len == (cache.num_pages - 3) * cache.page_size
+    # one sink page and the ordinary pages (recent pages stand in for ordinary spares)
+    assert generator.max_seq_len == (cache.num_pages - 3 - 4) * cache.page_size
 
 
 def test_a_budget_below_one_page_is_refused(
