@@ -25,12 +25,13 @@ from engine.cache.quant import (
     QUANT_BITS,
     SCALE_DTYPE,
     QuantPages,
-    allocate_quant_pages,
+    allocate_quant_layers,
     check_center,
     check_exact_chunks,
     check_head_dim,
     check_quant,
     data_width,
+    stacked_storage,
 )
 from engine.config import ModelConfig
 
@@ -71,6 +72,7 @@ def allocate_kv_pages(
     rotate = check_quant(quant, rotate)
     bits = QUANT_BITS[quant]
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    layers = config.num_layers
     if bits is None:
         if key_centers is not None:
             raise ValueError(f"key centers need a quantized cache, not {quant!r}")
@@ -78,27 +80,19 @@ def allocate_kv_pages(
             raise ValueError(f"sink pages need a quantized cache, not {quant!r}")
         if exact_chunks:
             raise ValueError(f"exact_chunks needs a quantized cache, not {quant!r}")
-        return [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(config.num_layers)
-        ]
-    if key_centers is not None and len(key_centers) != config.num_layers:
-        raise ValueError(f"{len(key_centers)} key centers for {config.num_layers} layers")
-    centers = key_centers if key_centers is not None else [None] * config.num_layers
+        # (each of K and V one [L, P, S, KV, D] tensor: a page copy is one op, move_kv_pages)
+        k, v = (torch.zeros((layers, *shape), dtype=dtype, device=device) for _ in range(2))
+        return [(k[layer], v[layer]) for layer in range(layers)]
+    if key_centers is not None and len(key_centers) != layers:
+        raise ValueError(f"{len(key_centers)} key centers for {layers} layers")
+    centers = list(key_centers) if key_centers is not None else [None] * layers
     k_bits, v_bits = bits
     sinks = {"num_sink_pages": num_sink_pages, "sink_dtype": dtype}
-    return [
-        (
-            allocate_quant_pages(
-                *shape, k_bits, rotate, device, center, **sinks, exact_chunks=exact_chunks
-            ),
-            allocate_quant_pages(*shape, v_bits, rotate, device, **sinks),
-        )
-        for center in centers
-    ]
+    k_pages = allocate_quant_layers(
+        centers, *shape, k_bits, rotate, device, **sinks, exact_chunks=exact_chunks
+    )
+    v_pages = allocate_quant_layers([None] * layers, *shape, v_bits, rotate, device, **sinks)
+    return list(zip(k_pages, v_pages, strict=True))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, quant: str = "fp16") -> int:
@@ -234,11 +228,23 @@ def move_kv_pages(kv: KVPages, moves: Sequence[tuple[int, int]]) -> None:
     if device.type == "cuda":  # (a pageable copy would wait for the device)
         index = index.pin_memory().to(device, non_blocking=True)
     sources, targets = index
-    for layer in kv:
-        for pages in layer:
-            tensors = (pages.data, pages.scales) if isinstance(pages, QuantPages) else (pages,)
-            for t in tensors:
-                t.index_copy_(0, targets, t.index_select(0, sources))
+    for per_layer in _stored_tensors(kv):
+        stacked = stacked_storage(per_layer)
+        if stacked is not None:  # every layer at once
+            stacked.index_copy_(1, targets, stacked.index_select(1, sources))
+            continue
+        for t in per_layer:
+            t.index_copy_(0, targets, t.index_select(0, sources))
+
+
+def _stored_tensors(kv: KVPages) -> list[list[torch.Tensor]]:
+    """Per stored tensor kind (K codes, K scales, V codes, ...; K and V rows), its layers."""
+    names = ("data", "scales") if isinstance(kv[0][0], QuantPages) else (None,)
+    return [
+        [getattr(layer[side], name) if name else layer[side] for layer in kv]
+        for side in (0, 1)
+        for name in names
+    ]
 
 
 def _storage(pages: Pages) -> torch.Tensor:

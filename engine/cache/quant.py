@@ -213,31 +213,87 @@ def allocate_quant_pages(
     sink_dtype: torch.dtype = torch.float16,
     exact_chunks: bool = False,
 ) -> QuantPages:
+    return allocate_quant_layers(
+        [center],
+        num_pages,
+        page_size,
+        kv_heads,
+        head_dim,
+        bits,
+        rotate,
+        device,
+        num_sink_pages,
+        sink_dtype,
+        exact_chunks,
+    )[0]
+
+
+def allocate_quant_layers(
+    centers: list[torch.Tensor | None],
+    num_pages: int,
+    page_size: int,
+    kv_heads: int,
+    head_dim: int,
+    bits: int,
+    rotate: bool,
+    device,
+    num_sink_pages: int = 0,
+    sink_dtype: torch.dtype = torch.float16,
+    exact_chunks: bool = False,
+) -> list[QuantPages]:
+    """``allocate_quant_pages`` for one layer per center: each layer's codes, scales and
+    unquantized rows are views of one tensor over all layers ([L, P, ...], a layer's part
+    contiguous), so a page copy is one operation for every layer (``stacked_storage``)."""
     check_head_dim(head_dim)
     if not 0 <= num_sink_pages <= num_pages:
         raise ValueError(f"num_sink_pages must be in [0, {num_pages}], got {num_sink_pages}")
-    shape = (num_pages, page_size, kv_heads)
+    shape = (len(centers), num_pages, page_size, kv_heads)
     width = data_width(head_dim, bits)
-    if center is not None:
-        if tuple(center.shape) != (kv_heads, head_dim):
-            raise ValueError(
-                f"a key center must be [kv_heads, head_dim] = [{kv_heads}, {head_dim}], "
-                f"got {tuple(center.shape)}"
-            )
-        center = center.to(device=device, dtype=torch.float32).contiguous()
-    return QuantPages(
-        data=torch.zeros((*shape, width), dtype=data_dtype(bits), device=device),
-        scales=torch.zeros((*shape, head_dim // GROUP), dtype=SCALE_DTYPE, device=device),
-        bits=bits,
-        rotate=rotate,
-        center=center,
-        sinks=(
-            torch.zeros((num_sink_pages, *shape[1:], head_dim), dtype=sink_dtype, device=device)
-            if num_sink_pages
-            else None
-        ),
-        written=RowStash() if exact_chunks else None,
-    )
+    data = torch.zeros((*shape, width), dtype=data_dtype(bits), device=device)
+    scales = torch.zeros((*shape, head_dim // GROUP), dtype=SCALE_DTYPE, device=device)
+    rows = None
+    if num_sink_pages:
+        rows_shape = (len(centers), num_sink_pages, *shape[2:], head_dim)
+        rows = torch.zeros(rows_shape, dtype=sink_dtype, device=device)
+    return [
+        QuantPages(
+            data=data[layer],
+            scales=scales[layer],
+            bits=bits,
+            rotate=rotate,
+            center=_checked_center(center, kv_heads, head_dim, device),
+            sinks=None if rows is None else rows[layer],
+            written=RowStash() if exact_chunks else None,
+        )
+        for layer, center in enumerate(centers)
+    ]
+
+
+def _checked_center(center: torch.Tensor | None, kv_heads: int, head_dim: int, device):
+    if center is None:
+        return None
+    if tuple(center.shape) != (kv_heads, head_dim):
+        raise ValueError(
+            f"a key center must be [kv_heads, head_dim] = [{kv_heads}, {head_dim}], "
+            f"got {tuple(center.shape)}"
+        )
+    return center.to(device=device, dtype=torch.float32).contiguous()
+
+
+def stacked_storage(per_layer: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [L, ...] tensor whose layer views ``per_layer`` are (``allocate_quant_layers``,
+    ``kv_cache.allocate_kv_pages``), or None if they are not one tensor's layers in order."""
+    base = per_layer[0]._base
+    if base is None or base.dim() != per_layer[0].dim() + 1 or base.shape[0] != len(per_layer):
+        return None
+    if base.stride(0) != per_layer[0].numel() or not base.is_contiguous():
+        return None
+    step = base.stride(0) * base.element_size()
+    first = base.data_ptr()
+    for layer, t in enumerate(per_layer):
+        if t._base is not base or t.data_ptr() != first + layer * step:
+            return None
+    return base
 
 
 @functools.cache

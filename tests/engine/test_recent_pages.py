@@ -181,3 +181,26 @@ def test_a_draft_models_cache_follows_every_settle(tiny32):
         torch.testing.assert_close(got, plain[0][0][block], atol=1e-5, rtol=1e-5)
     generator.cancel(job)
     assert_no_pages_in_use(generator)
+
+
+@pytest.mark.parametrize("quant", ["fp16", "q4", "q6"])
+def test_move_pages_copies_each_page_in_every_layer(tiny32, quant):
+    """A page copy is one op per stored tensor over all layers (their layers are views of one
+    tensor), and copies codes and scales (rows, for fp16) page for page."""
+    from engine.cache.kv_cache import _stored_tensors
+    from engine.cache.quant import stacked_storage
+
+    cache = PagedCache(tiny32.model, 16 * PAGE, PAGE, quant)
+    kinds = _stored_tensors(cache.kv)
+    assert all(stacked_storage(layers) is not None for layers in kinds)
+    gen = torch.Generator().manual_seed(0)
+    for layers in kinds:
+        base = stacked_storage(layers)
+        base.copy_(torch.randint(-100, 100, base.shape, generator=gen).to(base.dtype))
+    before = [[t.clone() for t in layers] for layers in kinds]
+    cache.move_pages([(3, 9), (5, 2)])
+    for layers, old in zip(kinds, before, strict=True):
+        for t, o in zip(layers, old, strict=True):
+            want = o.clone()
+            want[9], want[2] = o[3], o[5]
+            assert torch.equal(t, want)
