@@ -7,6 +7,10 @@ text of bench/kv_quant_quality.py go in as one prompt chunk, then each later tok
 through the real scheduler (pages placed and settled, page moves made, one token per step)
 and the next token of the text is scored on its logits (teacher forcing). The perplexity is
 over the decoded positions only; fp32 (the unquantized cache in float32) is the reference.
+With ``--prompts N`` (default 32) it also runs bench/kv_quant_quality.py's greedy agreement:
+N prompts of the text decoded together by the generator with the engine's defaults, each
+mode's continuations compared with fp32's (the mean fraction of positions before the first
+divergence, and the prompts whose continuation is identical).
 
     python bench/kv_recent_pages.py     # writes bench/results/kv_recent_pages.json
 """
@@ -30,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from bench import kv_quant_quality as quality  # noqa: E402
 from bench.record import write_record  # noqa: E402
-from engine.cache.kv_cache import PagedCache  # noqa: E402
+from engine import DynamicGenerator, DynamicJob, SamplerSettings  # noqa: E402
+from engine.cache.kv_cache import PagedCache, recent_pages_for  # noqa: E402
 from engine.cache.page_table import RECENT_BLOCKS  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.scheduler import Scheduler, SchedulerConfig, SeqState  # noqa: E402
@@ -43,8 +48,23 @@ RESULTS = REPO / "bench" / "results" / "kv_recent_pages.json"
 class CacheMode:
     name: str
     quant: str
-    sink_pages: int = 0
-    recent_pages: int = 0
+    sinks: bool = False  # a sink page per sequence (its first block)
+    recent: bool = False  # recent pages for every sequence's last RECENT_BLOCKS blocks
+
+    def cache(self, model, num_tokens: int, rows: int, **kwargs) -> PagedCache:
+        """A cache of this mode for ``rows`` sequences of up to ``num_tokens`` in all."""
+        sink_pages = rows if self.sinks else 0
+        recent_pages = recent_pages_for(rows) if self.recent else 0
+        pages = -(-num_tokens // quality.PAGE_SIZE) + rows + sink_pages + recent_pages
+        return PagedCache(
+            model,
+            pages * quality.PAGE_SIZE,
+            quality.PAGE_SIZE,
+            self.quant,
+            sink_pages=sink_pages,
+            recent_pages=recent_pages,
+            **kwargs,
+        )
 
 
 MODES = {
@@ -52,11 +72,11 @@ MODES = {
     for mode in (
         CacheMode("fp32", "fp16"),
         CacheMode("q8+rot", "q8"),
-        CacheMode("q8+rot+recent", "q8", recent_pages=RECENT_BLOCKS),
+        CacheMode("q8+rot+recent", "q8", recent=True),
         CacheMode("q4+rot", "q4"),
-        CacheMode("q4+rot+sinkpage", "q4", sink_pages=1),
-        CacheMode("q4+rot+recent", "q4", recent_pages=RECENT_BLOCKS),
-        CacheMode("q4+rot+sinkpage+recent", "q4", sink_pages=1, recent_pages=RECENT_BLOCKS),
+        CacheMode("q4+rot+sinkpage", "q4", sinks=True),
+        CacheMode("q4+rot+recent", "q4", recent=True),
+        CacheMode("q4+rot+sinkpage+recent", "q4", sinks=True, recent=True),
     )
 }
 
@@ -64,16 +84,8 @@ MODES = {
 def decode_perplexity(model, ids: list[int], mode: CacheMode, prefill: int) -> float:
     """exp(mean NLL) of ids[prefill + 1:], each predicted by a decode step of the engine."""
     page_size = quality.PAGE_SIZE
-    pages = -(-len(ids) // page_size) + mode.sink_pages + mode.recent_pages + 1
-    cache = PagedCache(
-        model,
-        pages * page_size,
-        page_size,
-        mode.quant,
-        sink_pages=mode.sink_pages,
-        recent_pages=mode.recent_pages,
-        exact_chunks=False if mode.quant != "fp16" else None,
-    )
+    exact_chunks = False if mode.quant != "fp16" else None  # (the prefill through codes too)
+    cache = mode.cache(model, len(ids), 1, exact_chunks=exact_chunks)
     runner = ModelRunner(
         model, cache.kv, page_size, max_batch_size=1, max_seq_len=len(ids), cuda_graphs=False
     )
@@ -96,6 +108,19 @@ def decode_perplexity(model, ids: list[int], mode: CacheMode, prefill: int) -> f
     return math.exp(total / count)
 
 
+def greedy(model, tokenizer, prompts, mode: CacheMode, new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, all decoded together by the generator."""
+    cache = mode.cache(model, len(prompts) * (quality.PROMPT_TOKENS + new_tokens), len(prompts))
+    generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
+    settings = SamplerSettings.greedy()
+    jobs = [DynamicJob(p, new_tokens, gen_settings=settings, stop_conditions=[]) for p in prompts]
+    for job in jobs:
+        generator.enqueue(job)
+    while generator.num_remaining_jobs():
+        generator.iterate()
+    return [job.new_token_ids for job in jobs]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -104,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=quality.TEXT_TOKENS, help="text tokens")
     parser.add_argument("--prefill", type=int, default=3072, help="tokens before decoding")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--prompts", type=int, default=quality.NUM_PROMPTS, help="0: none")
+    parser.add_argument("--new-tokens", type=int, default=quality.NEW_TOKENS)
+    parser.add_argument("--skip-perplexity", action="store_true")
     parser.add_argument("--output", type=Path, default=RESULTS)
     return parser
 
@@ -122,23 +150,29 @@ def main(argv: list[str] | None = None) -> int:
     from engine import Model, Tokenizer
 
     model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
-    ids = quality.text_ids(Tokenizer.from_pretrained(gguf), args.tokens)
+    tokenizer = Tokenizer.from_pretrained(gguf)
+    ids = quality.text_ids(tokenizer, args.tokens)
+    prompts = quality.prompts_from(ids, args.prompts) if args.prompts else []
     rows = []
-    baseline = None
+    baseline, reference = None, None
     for mode in modes:
         start = time.perf_counter()
-        ppl = decode_perplexity(model, ids, mode, args.prefill)
-        baseline = ppl if mode.name == "fp32" else baseline
-        rows.append(
-            {
-                "mode": mode.name,
-                "perplexity": ppl,
-                "perplexity_vs_fp32": None if baseline is None else ppl / baseline - 1,
-                "seconds": time.perf_counter() - start,
-            }
+        row = {"mode": mode.name}
+        if not args.skip_perplexity:
+            ppl = decode_perplexity(model, ids, mode, args.prefill)
+            baseline = ppl if mode.name == "fp32" else baseline
+            row["perplexity"] = ppl
+            row["perplexity_vs_fp32"] = None if baseline is None else ppl / baseline - 1
+        if prompts:
+            continuations = greedy(model, tokenizer, prompts, mode, args.new_tokens)
+            reference = continuations if mode.name == "fp32" else reference
+            if reference is not None:
+                row["agreement"], row["exact_prompts"] = quality.agreement(reference, continuations)
+        row["seconds"] = time.perf_counter() - start
+        rows.append(row)
+        print(
+            " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
         )
-        vs = rows[-1]["perplexity_vs_fp32"]
-        print(f"{mode.name:26s} ppl {ppl:8.4f}  vs fp32 {'' if vs is None else f'{vs:+.2%}'}")
     write_record(
         args.output,
         "kv_recent_pages",
@@ -147,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         text=quality.display_path(quality.TEXT),
         text_tokens=len(ids),
         prefill=args.prefill,
+        exact_chunks_note="perplexity: the prefill reads through codes too (exact_chunks off); "
+        "agreement: the engine's defaults (exact chunks on)",
+        prompts=len(prompts),
+        prompt_tokens=quality.PROMPT_TOKENS,
+        new_tokens=args.new_tokens,
         decoded=len(ids) - args.prefill - 1,
         page_size=quality.PAGE_SIZE,
         recent_blocks=RECENT_BLOCKS,

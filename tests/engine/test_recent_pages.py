@@ -204,3 +204,22 @@ def test_move_pages_copies_each_page_in_every_layer(tiny32, quant):
             want = o.clone()
             want[9], want[2] = o[3], o[5]
             assert torch.equal(t, want)
+
+
+def test_bench_decode_perplexity_is_the_teacher_forced_perplexity(tiny32):
+    """bench/kv_recent_pages.py's protocol (a prefill, then one decode step per token through
+    the scheduler) on an unquantized cache scores what one forward over the text scores."""
+    from bench import kv_recent_pages as bench
+
+    model = tiny32.model
+    ids = torch.randint(
+        3, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(1)
+    )
+    ids = ids.tolist()
+    prefill = 20
+    got = bench.decode_perplexity(model, ids, bench.MODES["fp32"], prefill)
+    logits = model.logits(ids)[prefill:-1]
+    want = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[prefill + 1 :]))
+    assert got == pytest.approx(want.exp().item(), rel=1e-4)
+    # the q4 modes run the same steps (recent pages placed and settled on the way)
+    assert bench.decode_perplexity(model, ids, bench.MODES["q4+rot+recent"], prefill) > 1
