@@ -487,6 +487,11 @@ class Scheduler:
         self.waiting.appendleft(group[0])  # resumes first; its full pages are still cached
 
     def _release_pages(self, seq: SeqState) -> None:
+        if seq.spares:  # full blocks on recent pages settle, to be cached like the others
+            full = seq.num_computed // self.page_size
+            for block in sorted(b for b in seq.spares if b < full):
+                self._settle(seq, block)
+            self._register_full_pages(seq)
         self.table.release(reversed(seq.pages))  # tail first, so prefixes outlive tails
         self.table.release(seq.spares.values())  # (unhashed: free again)
         seq.spares = {}

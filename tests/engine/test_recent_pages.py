@@ -223,3 +223,26 @@ def test_bench_decode_perplexity_is_the_teacher_forced_perplexity(tiny32):
     assert got == pytest.approx(want.exp().item(), rel=1e-4)
     # the q4 modes run the same steps (recent pages placed and settled on the way)
     assert bench.decode_perplexity(model, ids, bench.MODES["q4+rot+recent"], prefill) > 1
+
+
+def test_a_finished_jobs_recent_blocks_are_cached_for_the_next_turn(tiny32):
+    """Full blocks still on recent pages settle when their sequence ends, so a follow-up turn
+    hits every full page of the first turn's context, as without recent pages."""
+    prompt = gen_tests._prompts(tiny32.tokenizer, count=1, seed=4)[0][:9]
+    hits = []
+    for recent in (0, recent_pages_for(4)):
+        q = _with(tiny32, "q4", sinks=4, recent=recent)
+        generator = q.generator(max_num_tokens=128 * PAGE, page_size=PAGE, max_batch_size=4)
+        first = DynamicJob(prompt, 15, stop_conditions=[], gen_settings=SamplerSettings.greedy())
+        generator.enqueue(first)
+        while generator.num_remaining_jobs():
+            generator.iterate()
+        # 24 tokens, the last never computed: 5 full pages, the 5th on a recent page at the end
+        context = prompt + first.new_token_ids
+        follow = DynamicJob([*context, 7], 2, stop_conditions=[])
+        generator.enqueue(follow)
+        while generator.num_remaining_jobs():
+            generator.iterate()
+        hits.append(follow.seq.cached_tokens)
+        assert_no_pages_in_use(generator)
+    assert hits[0] == hits[1] == 5 * PAGE

@@ -74,6 +74,7 @@ class Sim:
 
     def cancel(self, seq: SeqState) -> None:
         self.sched.remove(seq)
+        self._apply_moves()
         assert not seq.pages and seq.num_computed == 0
 
     def step(self) -> StepPlan:
@@ -88,7 +89,10 @@ class Sim:
         sched.commit(plan)
         for entry in plan.entries:
             seq = entry.seq
-            for i, h in enumerate(seq.page_hashes):  # record content before removals
+            # record content before removals: every full block's, registered or not (blocks
+            # on recent pages are registered when they settle, maybe at their release)
+            full = seq.num_computed // self.ps
+            for i, h in enumerate(prefix_hashes(seq.tokens[: full * self.ps], self.ps)):
                 self.page_content.setdefault(h, list(seq.tokens[i * self.ps : (i + 1) * self.ps]))
             if not entry.samples:
                 continue
@@ -98,6 +102,7 @@ class Sim:
             if self.produced[id(seq)] == self.target[id(seq)]:
                 sched.remove(seq)
                 self.finished.append(seq)
+        self._apply_moves()  # (those of releases: the generator's come before its next forward)
         self.check_state()
         self.plans.append(plan)
         return plan
@@ -110,12 +115,15 @@ class Sim:
             self.step()
         raise AssertionError(f"not finished after {max_steps} steps: possible livelock")
 
-    def _forward(self, plan: StepPlan) -> None:
-        # the settled recent pages' content first (the generator's PagedCache.move_pages)
+    def _apply_moves(self) -> None:
+        """The settled recent pages' content (the generator's PagedCache.move_pages)."""
         for source, target in self.sched.take_page_moves():
             assert self.table.is_recent(source) and not self.table.is_recent(target)
             self.kv[target] = list(self.kv[source])
             self.moves += 1
+
+    def _forward(self, plan: StepPlan) -> None:
+        self._apply_moves()
         # a free page's old content must never be read back: wipe it
         for page in self.table.pages:
             if page.ref_count == 0 and page.hash is None:
