@@ -270,8 +270,7 @@ class EnginePreset:
             raise ValueError("engine.cache_recent_pages needs a quantized engine.cache_quant")
         if cache_recent_pages == 1:
             raise ValueError(
-                "engine.cache_recent_pages must be 0 or at least 2 (a sequence's last two "
-                "blocks)"
+                "engine.cache_recent_pages must be 0 or at least 2 (a sequence's last two blocks)"
             )
         cache_exact_chunks = _bool(raw, "cache_exact_chunks", "engine")
         if cache_exact_chunks and cache_quant == "fp16":
