@@ -96,7 +96,7 @@ class Workload:
     quant_batch: int = 32  # KV-cache modes (bench/kv_quant_decode.py): batch x context
     quant_context: int = 4096
     # (fp16 first: the others' ratios are to it; kv_quant_decode.MODES)
-    quant_modes: tuple[str, ...] = ("fp16", "q8", "q6", "q4", "q4+sinks")
+    quant_modes: tuple[str, ...] = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4+sinks+recent")
 
 
 DRY_WORKLOAD = Workload(
@@ -1015,7 +1015,8 @@ METHODS = {
     "timestamps in the window where all requests are past prefill and none has finished; "
     "e2e = wall time of the timed call, prefill included (for transformers also its manager "
     "thread start/stop); our side runs the same prompts through DynamicGenerator",
-    "kv_quant": "per KV-cache mode (fp16/q8/q6/q4, q4 with sink pages), default op set: "
+    "kv_quant": "per KV-cache mode (fp16/q8/q6/q4, q4 with sink pages, and with recent pages "
+    "too), default op set: "
     "bytes per token, tokens in fp16's bytes, Model.forward and paged_attention alone (every "
     "layer) on one decode batch of quant_batch x quant_context over random K/V; see "
     "bench/kv_quant_decode.py",

@@ -52,8 +52,10 @@ def torch_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 # "q4+sinks": q4 with sink pages (PagedCache(sink_pages=...)): each sequence's first page
-# unquantized, laid out as the page table lays it out (first pages 0..B-1, the rest after)
-MODES = ("fp16", "q8", "q6", "q4", "q4+sinks")
+# unquantized, laid out as the page table lays it out (first pages 0..B-1, the rest after);
+# "q4+sinks+recent": and recent pages (PagedCache(recent_pages=...)), each sequence's last
+# RECENT_BLOCKS blocks unquantized too (pages B..B + RECENT_BLOCKS * B - 1)
+MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4+sinks+recent")
 GOAL_ATTENTION_SPEEDUP = 1.5  # q4 decode attention tok/s / fp16's, batch 32 x 4k context
 GOAL_TOKENS_PER_BYTE = 3.5  # q4 tokens in fp16's bytes
 
@@ -113,19 +115,21 @@ def _captured(step: Callable[[], None]) -> Any:
 
 def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, timer: Any) -> dict:
     from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
-    from engine.cache.kv_cache import kv_bytes_per_token
+    from engine.cache.kv_cache import kv_bytes_per_token, recent_pages_for
 
     size = wl.page_size
     per_seq = -(-(context + 1) // size)
-    mode, quant = quant, quant.removesuffix("+sinks")
+    mode, quant = quant, quant.removesuffix("+recent").removesuffix("+sinks")
     sinks = batch if mode != quant else 0
+    recent = recent_pages_for(batch) if mode.endswith("+recent") else 0
     chunk = min(wl.chunk_size, wl.prefill_len)
     chunk_pages = -(-chunk // size)  # after the decode rows' pages: the mixed step's prompt
-    kv = model.allocate_kv(batch * per_seq + chunk_pages, size, quant, num_sink_pages=sinks)
-    _fill(model, kv, batch * per_seq + chunk_pages, size)
+    pool = batch * per_seq + chunk_pages + recent  # (recent pages: beside the ordinary ones)
+    kv = model.allocate_kv(pool, size, quant, num_sink_pages=sinks + recent)
+    _fill(model, kv, pool, size)
     seqs = [
         SequenceInput([4 + b % 100], num_cached=context, pages=pages)
-        for b, pages in enumerate(_page_lists(batch, per_seq, sinks))
+        for b, pages in enumerate(_page_lists(batch, per_seq, sinks, recent))
     ]
     fwd = build_forward_batch(seqs, size, model.device)
     cfg = model.config
@@ -155,6 +159,7 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     return {
         "quant": mode,
         "sink_pages": sinks,
+        "recent_pages": recent,
         "batch": batch,
         "context": context,
         "steps": wl.decode_steps,
@@ -268,13 +273,24 @@ def _random_rows(model: Any, n: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k.to(dtype), v.to(dtype), angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def _page_lists(batch: int, per_seq: int, sinks: int) -> list[list[int]]:
+def _page_lists(batch: int, per_seq: int, sinks: int, recent: int = 0) -> list[list[int]]:
     """Each sequence's pages: consecutive runs, or with sink pages its first page below
-    ``sinks`` and the rest after them (as engine/cache/page_table.py hands them out)."""
+    ``sinks`` and the rest after them, and with recent pages its last RECENT_BLOCKS blocks on
+    pages sinks..sinks + recent - 1 (as engine/cache/page_table.py hands them out)."""
+    from engine.cache.page_table import RECENT_BLOCKS
+
     if not sinks:
         return [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     rest = per_seq - 1
-    return [[b, *range(sinks + b * rest, sinks + (b + 1) * rest)] for b in range(batch)]
+    base = sinks + recent
+    lists = [[b, *range(base + b * rest, base + (b + 1) * rest)] for b in range(batch)]
+    if recent:
+        tail = min(RECENT_BLOCKS, per_seq - 1)
+        for b, pages in enumerate(lists):
+            pages[per_seq - tail :] = range(
+                sinks + b * RECENT_BLOCKS, sinks + b * RECENT_BLOCKS + tail
+            )
+    return lists
 
 
 def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) -> dict:

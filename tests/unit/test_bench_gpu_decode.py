@@ -69,10 +69,11 @@ def workload_batch(report: dict) -> int:
 def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None:
     report, stdout = dry_run
     rows = report["models"]["tiny"]["kv_quant"]
-    assert list(rows) == ["fp16", "q8", "q6", "q4", "q4+sinks"]
+    assert list(rows) == ["fp16", "q8", "q6", "q4", "q4+sinks", "q4+sinks+recent"]
     assert (
         rows["q4+sinks"]["sink_pages"] == workload_batch(report) and rows["q4"]["sink_pages"] == 0
     )
+    assert rows["q4+sinks+recent"]["recent_pages"] == 2 * workload_batch(report)
     workload = report["workload"]
     for row in rows.values():
         assert (row["batch"], row["context"]) == (
@@ -158,3 +159,17 @@ def test_merge_keeps_models_and_op_sets_not_measured_now() -> None:
     merged = bench.merge_models(previous, current)
     assert merged["a"] == {"ops": {"default": 5, "torch": 2}, "transformers": 3}
     assert merged["b"] == previous["b"]
+
+
+def test_kv_quant_page_lists_lay_out_sink_and_recent_pages_as_the_table_does() -> None:
+    from bench.kv_quant_decode import _page_lists
+    from engine.cache.page_table import RECENT_BLOCKS
+
+    batch, per_seq = 3, 5
+    lists = _page_lists(batch, per_seq, sinks=batch, recent=RECENT_BLOCKS * batch)
+    flat = [p for pages in lists for p in pages]
+    assert len(flat) == len(set(flat)) == batch * per_seq
+    for b, pages in enumerate(lists):
+        assert pages[0] == b
+        assert all(batch <= p < batch * (1 + RECENT_BLOCKS) for p in pages[-RECENT_BLOCKS:])
+        assert all(p >= batch * (1 + RECENT_BLOCKS) for p in pages[1:-RECENT_BLOCKS])
