@@ -455,9 +455,11 @@ def attention_errors(model: Model, ids: list[int], mode: Mode) -> list[float]:
     return errors
 
 
-def prompts_from(ids: list[int], count: int = NUM_PROMPTS) -> list[list[int]]:
-    stride = max(1, (len(ids) - PROMPT_TOKENS) // count)
-    return [ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(count)]
+def prompts_from(
+    ids: list[int], count: int = NUM_PROMPTS, length: int = PROMPT_TOKENS
+) -> list[list[int]]:
+    stride = max(1, (len(ids) - length) // count)
+    return [ids[i * stride : i * stride + length] for i in range(count)]
 
 
 def greedy(model: Model, tokenizer, prompts, mode: Mode, new_tokens: int) -> list[list[int]]:

@@ -113,7 +113,7 @@ def decode_perplexity(model, ids: list[int], mode: CacheMode, prefill: int) -> f
 
 def greedy(model, tokenizer, prompts, mode: CacheMode, new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy continuation, all decoded together by the generator."""
-    cache = mode.cache(model, len(prompts) * (quality.PROMPT_TOKENS + new_tokens), len(prompts))
+    cache = mode.cache(model, sum(len(p) + new_tokens for p in prompts), len(prompts))
     generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
     settings = SamplerSettings.greedy()
     jobs = [DynamicJob(p, new_tokens, gen_settings=settings, stop_conditions=[]) for p in prompts]
@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--prompts", type=int, default=quality.NUM_PROMPTS, help="0: none")
     parser.add_argument("--new-tokens", type=int, default=quality.NEW_TOKENS)
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=quality.PROMPT_TOKENS,
+        help="agreement prompt length (48: bench/kv_quant_quality.py's; a window of recent "
+        "pages then covers much of a short context)",
+    )
     parser.add_argument("--skip-perplexity", action="store_true")
     parser.add_argument("--output", type=Path, default=RESULTS)
     return parser
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
     tokenizer = Tokenizer.from_pretrained(gguf)
     ids = quality.text_ids(tokenizer, args.tokens)
-    prompts = quality.prompts_from(ids, args.prompts) if args.prompts else []
+    prompts = quality.prompts_from(ids, args.prompts, args.prompt_tokens) if args.prompts else []
     rows = []
     baseline, reference = None, None
     for mode in modes:
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         exact_chunks_note="perplexity: the prefill reads through codes too (exact_chunks off); "
         "agreement: the engine's defaults (exact chunks on)",
         prompts=len(prompts),
-        prompt_tokens=quality.PROMPT_TOKENS,
+        prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
         decoded=len(ids) - args.prefill - 1,
         page_size=quality.PAGE_SIZE,
