@@ -246,3 +246,25 @@ def test_a_finished_jobs_recent_blocks_are_cached_for_the_next_turn(tiny32):
         hits.append(follow.seq.cached_tokens)
         assert_no_pages_in_use(generator)
     assert hits[0] == hits[1] == 5 * PAGE
+
+
+def test_ngram_speculation_on_recent_pages_returns_every_page(tiny32):
+    """Verified drafts and rejected ones (truncations) on sink and recent pages: every page,
+    recent pages included, comes back. (A verify step that crosses a block boundary settles
+    a block before its earlier queries read it, so its tokens may differ from plain
+    decoding's by the codes' rounding: not compared here.)"""
+    q = _with(tiny32, "q4", sinks=4, recent=recent_pages_for(4))
+    generator = q.generator(page_size=PAGE, max_batch_size=4, use_ngram_draft=True)
+    generator.speculator.policy.max_step_tokens = 256
+    ids = q.tokenizer.encode("a b c a b c a b c a")[0].tolist()
+    greedy = SamplerSettings.greedy()
+    jobs = [DynamicJob(ids, 24, stop_conditions=[], gen_settings=greedy) for _ in range(3)]
+    for job in jobs:
+        generator.enqueue(job)
+    while generator.num_remaining_jobs():
+        generator.iterate()
+        _check_placement(generator)
+    assert all(len(job.new_token_ids) == 24 for job in jobs)
+    assert generator.stats()["spec_draft_tokens_proposed"] > 0
+    assert_no_pages_in_use(generator)
+    assert generator.stats()["recent_pages_free"] == recent_pages_for(4)
