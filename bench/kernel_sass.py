@@ -4,9 +4,10 @@ Compiles the real (non-simulator) attention kernel for sm_90 with NVVM + nvJitLi
 extras) at Llama-3-8B's head shape (head_dim 128, page 16, 4 query heads per KV head, one
 query per sequence), as each cache mode's decode tile runs it (keys per step, rotation, sink
 pages), disassembles the cubin with ``cuobjdump -sass`` and finds the loop over keys: the
-backward branch whose body holds the most global loads. Prints, per mode, registers, spill
-bytes, the loop's instruction count, instructions per key (the loop body covers keys_per_step
-keys per key group) and the loop's most frequent opcodes; writes JSON to --output.
+longest innermost loop that reads global memory (a sink variant's code tiles, not its exact
+ones). Prints, per mode, registers, spill bytes, the loop's instruction count, instructions
+per key (the loop body covers keys_per_step keys per key group) and the loop's most frequent
+opcodes; writes JSON to --output.
 
 A kernel bound by instructions, as this one was on the H200 (ncu, 2026-11-27), runs about as
 fast as its loop is short, so this is a cheap proxy for a change when no GPU is lent; it is
@@ -153,21 +154,29 @@ def key_loop(cubin: Path) -> tuple[int, list[str]]:
         [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, env=env,
         check=True,
     ).stdout  # fmt: skip
-    return loop_of_most_loads(text)
+    return longest_loading_loop(text)
 
 
-def loop_of_most_loads(sass: str) -> tuple[int, list[str]]:
-    """(instructions in ``sass``, the opcodes of the loop -- a backward branch and the code
-    from its target to it -- that holds the most global loads)."""
+def longest_loading_loop(sass: str) -> tuple[int, list[str]]:
+    """(instructions in ``sass``, the opcodes of the key loop): of the innermost loops (a
+    backward branch and the code from its target to it, holding no other) that read global
+    memory, the longest. (Sink variants also loop over their unquantized tiles, exactly: a
+    shorter loop, and not always one with fewer loads, so the most loads is the wrong test.)
+    """
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in map(INSTRUCTION.match,
             sass.splitlines()) if m]  # fmt: skip
-    loops = []
+    spans = []
     for addr, op in code:
         branch = BRANCH.search(op)
         if branch and int(branch.group(1), 16) < addr:
-            start = int(branch.group(1), 16)
-            loops.append([o for a, o in code if start <= a <= addr])
-    body = max(loops, key=lambda ops: sum("LDG" in o for o in ops))
+            spans.append((int(branch.group(1), 16), addr))
+    innermost = [
+        (lo, hi)
+        for lo, hi in spans
+        if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
+    ]
+    loops = [[o for a, o in code if lo <= a <= hi] for lo, hi in innermost]
+    body = max((ops for ops in loops if any("LDG" in o for o in ops)), key=len)
     return len(code), [_opcode(o) for o in body]
 
 
@@ -196,11 +205,11 @@ def main() -> None:
         raise SystemExit("kernel_sass compiles the real kernels: unset NUMBA_ENABLE_CUDASIM")
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(mode, Path(tmp)) for mode in args.modes.split(",")]
-    print(f"{'mode':<13} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
+    print(f"{'mode':<18} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
           f"{'per key':>7} {'/warp':>6}  top opcodes")  # fmt: skip
     for r in rows:
         top = " ".join(f"{k}:{v}" for k, v in list(r.top_opcodes.items())[:8])
-        print(f"{r.mode:<13} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
+        print(f"{r.mode:<18} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
               f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7} "
               f"{r.per_key_per_warp:>6}  {top}")  # fmt: skip
     write_record(

@@ -19,8 +19,11 @@ shows as speed. Here each warp takes 16 keys at a time and one KV head's query h
   4-bit values become fp16 by the 0x6400 trick (1024 + u, exact) minus 1032, 8-bit ones as
   the keys above, times the key's scale (packed-half ops); P goes in as fp16, as
   FlashAttention's does.
-- fp16 rows (fp16 pages, and a quantized cache's sink pages) go through the same fp16 MMAs
-  as they are (``exact_scores`` / ``exact_values``).
+- fp16 rows (fp16 pages, and a quantized cache's sink and recent pages) go through the same
+  fp16 MMAs as they are (``exact_scores`` / ``exact_values``). A sequence holds those only in
+  its first block and its last RECENT_BLOCKS (engine/cache/page_table.py), so a split reads
+  them in tiles before and after its code tiles (``code_range``), which keep their load
+  pipeline.
 - The page layout is unchanged. Lanes map to the MMA's k index so that a lane's 8 K nibbles
   per key and group are one 32-bit word (engine/cache/quant.py: byte b of group g holds dims
   32 g + b and 32 g + 16 + b), and own V's dims as bytes gid * D / 16 ... of each row: one
@@ -33,8 +36,8 @@ shows as speed. Here each warp takes 16 keys at a time and one KV head's query h
 
 Serves decode batches (one query token per sequence), with a sliding window or without,
 head_dim 64, 128 or 256, at most 8 query heads per KV head, pages a multiple of 16 slots,
-fp16 sink pages or none (``supports``, ``supports_fp16``); attention.py's kernel serves
-everything else.
+fp16 sink and recent pages or none (``supports``, ``supports_fp16``); attention.py's kernel
+serves everything else.
 
 On the H200 (8B shape, batch 32 x 4k, bench/results/attention_keys_per_step_h200_2026-11-27_
 pipeline.json) q4 decode attention takes 0.092 ms against fp16's 0.207 on the CUDA-core kernel
@@ -56,6 +59,7 @@ import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
+from engine.cache.page_table import RECENT_BLOCKS
 from engine.cuda._launch import SIMULATOR, cuda, device_function, launch
 from engine.cuda.bits import byte_perm
 from engine.cuda.mma import (
@@ -176,11 +180,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
     pipeline: int = 0,
 ):
     """The decode kernel specialised on its shape and page formats: ``k_bits`` / ``v_bits``
-    4 or 8 (quantized pages, ``rotate``: stored rotated), ``sinks``: fp16 sink pages among
-    them, ``fp16_pages``: unquantized fp16 pages (the bits then do not apply); ``pipeline``
-    (code pages, without sinks; ``_PIPELINE``): 0, each tile's V loaded after its scores; 1,
-    its K and V loads issued together and the page-table read one tile early; 2, the next
-    tile's loads in flight while this one computes (double-buffered)."""
+    4 or 8 (quantized pages, ``rotate``: stored rotated), ``sinks``: fp16 sink (and recent)
+    pages among them, ``fp16_pages``: unquantized fp16 pages (the bits then do not apply);
+    ``pipeline`` (code pages; ``_PIPELINE``): 0, each tile's V loaded after its scores; 1, its
+    K and V loads issued together and the page-table read one tile early; 2, the next tile's
+    loads in flight while this one computes (double-buffered)."""
     D = head_dim
     NG = D // GROUP  # quantization groups per row
     NC = D // 16  # output MMA chunks (16 dims each)
@@ -195,10 +199,11 @@ def _decode_kernel(  # noqa: C901, PLR0915
     HQ = D // 4  # 64-bit words (four fp16) per fp16 row
     W8 = D // 4  # 32-bit words per 8-bit row
     SINKS = sinks
+    TAIL_BLOCKS = RECENT_BLOCKS  # a sequence's last blocks that may be on recent pages
     FP16 = fp16_pages
     K8 = k_bits == 8  # 8-bit keys (q8, q6): fp16 MMAs with fp16 q, no byte rounding of q
     V8 = v_bits == 8  # 8-bit values (q8)
-    PIPE = pipeline if not (SINKS or FP16) else 0
+    PIPE = pipeline if not FP16 else 0
     DOUBLE_BUFFER = PIPE == 2
     BYTE_Q = not (FP16 or K8)  # q rounded to bytes for the int8 MMA over 4-bit keys
     HALF_Q = SINKS or FP16 or K8  # q as fp16 pairs (qh0 / qh1)
@@ -524,9 +529,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
                         pb0, pb1, acc[c * 4], acc[c * 4 + 1], acc[c * 4 + 2], acc[c * 4 + 3],
                     )  # fmt: skip
 
-    # resident blocks per SM: the sink tiles' extra registers (130 uncapped on sm_90) capped
-    # at 128 for 4 blocks; without them ptxas takes 96 uncapped (5 blocks), and 116 with the
-    # same cap, for a longer loop (bench/kernel_sass.py)
+    # resident blocks per SM: the sink variants' registers capped at 128 for 4 blocks (no
+    # spills for q4, q6, q8 at the 8B shape with the default pipeline, bench/kernel_sass.py,
+    # 2026-11-28); without sinks ptxas takes 96 uncapped at pipeline 0 (5 blocks), and 116
+    # with the same cap, for a longer loop
     # (registers <= 128: 4 blocks per SM; the sink pages' and the double buffer's would exceed)
     bounded = (sinks or DOUBLE_BUFFER) and not SIMULATOR
     options = {"launch_bounds": (W * 32, _MIN_BLOCKS)} if bounded else {}
@@ -602,6 +608,44 @@ def _decode_kernel(  # noqa: C901, PLR0915
         x = xo if odd else xe
         y = yo if odd else ye
         return new0, new1, l0, l1, byte_perm(x, y, 0x5410), byte_perm(x, y, 0x7632)
+
+    @device_function
+    def exact_tile(acc, k_rows, v_rows, j0, page, kv, gid, t, first, span, qh0, qh1, m0, m1,
+                   l0, l1, src_a, src_b, odd, mult):  # fmt: skip
+        """The tile of keys j0 .. j0 + 15 on an unquantized ``page`` (an fp16 page, or a sink
+        or recent page of a quantized cache: its fp16 rows) into acc and the softmax state."""
+        base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
+        row_a = base + gid * KV
+        s0, s1, s2, s3 = exact_scores(k_rows, row_a, row_a + 8 * KV, qh0, qh1, t)
+        rel = j0 - first
+        m0, m1, l0, l1, pb0, pb1 = online_softmax(
+            acc, s0 * mult, s1 * mult, s2 * mult, s3 * mult, rel, gid, span, m0, m1, l0, l1,
+            src_a, src_b, odd,
+        )  # fmt: skip
+        exact_values(acc, v_rows, base + (2 * t) * KV, tile_live(rel, t, span), pb0, pb1, gid)
+        return m0, m1, l0, l1
+
+    @device_function
+    def code_range(block_tables, seq, lo, hi, num_sink_pages):
+        """The keys [main_lo, main_hi) of the split [lo, hi) on code pages: a sequence's
+        unquantized pages (engine/cache/page_table.py) are its first block when that is a sink
+        page and up to TAIL_BLOCKS last blocks on recent pages (never block 0), so the split
+        reads [lo, main_lo) and [main_hi, hi) from rows and the rest through codes, pipelined.
+        (Block boundaries are tile boundaries: pages hold a multiple of 16 slots.)"""
+        main_lo = lo
+        main_hi = hi
+        if lo < hi and lo < PS and block_tables[seq, 0] < num_sink_pages:
+            main_lo = min(hi, PS)
+        blk = (hi - 1) // PS
+        for _ in range(TAIL_BLOCKS):
+            if hi <= main_lo or blk < 1 or (blk + 1) * PS <= main_lo:
+                break
+            page = block_tables[seq, blk]
+            if page < 0 or page >= num_sink_pages:
+                break
+            main_hi = max(main_lo, blk * PS)
+            blk -= 1
+        return main_lo, main_hi
 
     @cuda.jit(fastmath=True, **options)
     def decode(  # noqa: C901, PLR0915
@@ -685,24 +729,36 @@ def _decode_kernel(  # noqa: C901, PLR0915
         ks = cuda.local.array(KS, float32)
         vw = cuda.local.array(VT, int32)
         vs = cuda.local.array(2, int32)
-        j0 = lo
-        if PIPE:  # code pages (no fp16 rows): a tile's K and V loads together, ahead of use
+        main_lo = lo  # the split's keys on code pages (or fp16 pages): [main_lo, main_hi)
+        main_hi = hi
+        if SINKS:  # the first block's keys when it is a sink page, exactly
+            main_lo, main_hi = code_range(block_tables, seq, lo, hi, num_sink_pages)
+            j0 = lo
+            while j0 < main_lo:
+                m0, m1, l0, l1 = exact_tile(
+                    acc, k_rows, v_rows, j0, block_tables[seq, j0 // PS], kv, gid, t, first,
+                    span, qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
+                )  # fmt: skip
+                j0 += TILE
+        j0 = main_lo
+        if PIPE:  # code pages: a tile's K and V loads together, ahead of use
             nkw = cuda.local.array(KT, int32)  # the next tile, in flight (pipeline 2)
             nks = cuda.local.array(KS, float32)
             nvw = cuda.local.array(VT, int32)
             nvs = cuda.local.array(2, int32)
             # the page of the next tile to fetch, read one fetch early: a fetch never waits on
             # its page-table read
-            page_next = block_tables[seq, lo // PS] if lo < hi else 0
-            if DOUBLE_BUFFER and lo < hi:
-                fetch_tile(k_words, k_scales, v_words, v_scale_bits, lo, page_next, kv, gid,
-                           t, first, span, kw, ks, vw, vs)  # fmt: skip
-                page_next = block_tables[seq, (lo + TILE) // PS] if lo + TILE < hi else 0
-            while j0 < hi:
+            page_next = block_tables[seq, main_lo // PS] if main_lo < main_hi else 0
+            if DOUBLE_BUFFER and main_lo < main_hi:
+                fetch_tile(k_words, k_scales, v_words, v_scale_bits, main_lo, page_next, kv,
+                           gid, t, first, span, kw, ks, vw, vs)  # fmt: skip
+                page_next = (block_tables[seq, (main_lo + TILE) // PS]
+                             if main_lo + TILE < main_hi else 0)  # fmt: skip
+            while j0 < main_hi:
                 ahead = j0 + TILE if DOUBLE_BUFFER else j0  # the tile fetched now
-                if ahead < hi:
+                if ahead < main_hi:
                     page = page_next
-                    if ahead + TILE < hi:
+                    if ahead + TILE < main_hi:
                         page_next = block_tables[seq, (ahead + TILE) // PS]
                     if DOUBLE_BUFFER:
                         fetch_tile(k_words, k_scales, v_words, v_scale_bits, ahead, page, kv,
@@ -736,18 +792,19 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     vs[0] = nvs[0]
                     vs[1] = nvs[1]
                 j0 += TILE
-        while j0 < hi:  # (every format; 4-bit pages here when PIPE is 0)
+        while j0 < main_hi:  # (fp16 pages, or code pages when PIPE is 0)
             page = block_tables[seq, j0 // PS]
+            if FP16:
+                m0, m1, l0, l1 = exact_tile(
+                    acc, k_rows, v_rows, j0, page, kv, gid, t, first, span, qh0, qh1, m0, m1,
+                    l0, l1, src_a, src_b, odd, exact_mult,
+                )  # fmt: skip
+                j0 += TILE
+                continue
             base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
             row_a = base + gid * KV
             row_b = row_a + 8 * KV
-            # fp16 pages, or a sink page of 4-bit ones: fp16 rows (``k_rows`` / ``v_rows``)
-            exact = FP16 or (SINKS and page < num_sink_pages)
-            if exact:
-                s0, s1, s2, s3 = exact_scores(k_rows, row_a, row_b, qh0, qh1, t)
-                f0 = exact_mult
-                f1 = exact_mult
-            elif K8:
+            if K8:
                 fetch_k8(k_words, k_scales, row_a, row_b, t, kw, ks)
                 s0, s1, s2, s3 = code_scores8(kw, ks, qh0, qh1)
                 f0 = exact_mult
@@ -764,15 +821,21 @@ def _decode_kernel(  # noqa: C901, PLR0915
             )  # fmt: skip
             r0 = base + (2 * t) * KV  # key 2t's row
             live = tile_live(rel, t, span)
-            if exact:
-                exact_values(acc, v_rows, r0, live, pb0, pb1, gid)
-            elif V8:
+            if V8:
                 fetch_v8(v_words, v_scale_bits, r0, live, gid, vw, vs)
                 code_values8(acc, vw, vs, pb0, pb1)
             else:
                 fetch_v4(v_words, v_scale_bits, r0, live, gid, vw, vs)
                 code_values(acc, vw, vs, pb0, pb1)
             j0 += TILE
+        if SINKS:  # the last blocks' keys on recent pages, exactly
+            j0 = main_hi
+            while j0 < hi:
+                m0, m1, l0, l1 = exact_tile(
+                    acc, k_rows, v_rows, j0, block_tables[seq, j0 // PS], kv, gid, t, first,
+                    span, qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
+                )  # fmt: skip
+                j0 += TILE
 
         for off in (4, 8, 16):
             l0 += warp_shfl_xor(l0, off)

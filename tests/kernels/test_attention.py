@@ -391,6 +391,24 @@ _COMPILE_SCRIPT = textwrap.dedent(
         print(dt, d, ps, g, qt, lt, kb, vb, sinks, "registers", regs, "spill stores", spills)
         assert spills_ok or spills == "0", log
 
+    # The tensor-core decode kernel (attention_mma.py) at the same shape with its default load
+    # pipeline: q4, q6 and q8 pages with sink and recent pages and without, and fp16 pages.
+    from engine.cuda import attention_mma as M
+
+    MMA_ARGS = (
+        "float16[:, :, ::1], int32[::1], int32[::1], float16[::1], int16[::1], "
+        "float16[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[:, ::1], "
+        "int32[::1], float32, int64, int64[::1], int64[::1], int64, int64"
+    )
+    for (kb, vb), sinks, fp16 in [
+        ((4, 4), False, False), ((4, 4), True, False), ((8, 4), True, False),
+        ((8, 8), False, False), ((8, 8), True, False), ((4, 4), False, True),
+    ]:
+        kernel = M._decode_kernel(128, 16, 4, 8, not fp16, sinks, fp16, kb, vb, M._PIPELINE)
+        regs, spills, log = link(kernel, MMA_ARGS)
+        print("mma", kb, vb, sinks, fp16, "registers", regs, "spill stores", spills)
+        assert spills == "0", log
+
     # The quantized cache write (rotary, Hadamard, scale search, codes, sink rows) at
     # head_dim 128, 4- and 8-bit codes.
     import torch

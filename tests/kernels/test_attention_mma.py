@@ -46,18 +46,20 @@ PAGE = 16
 
 def _case(
     lens, heads, kv_heads, head_dim, rotate, seed=0, specs=None, center=False, sinks=0,
-    quant="q4", recent=False,
+    quant="q4", recent=False, sink_blocks=True,
 ):  # fmt: skip
     """q4 pages holding random K/V; one decode token per sequence of each length in ``lens``
     (or ``specs``: [(num_cached, num_new)]); ``center``: keys stored less a random center;
     ``sinks``: pages 0..sinks-1 are fp16 sink pages, every sequence's first page one of them.
     ``recent``: each sequence's last RECENT_BLOCKS blocks after block 0 are fp16 pages too,
-    right after the sink pages (``sinks`` counts them)."""
+    right after the sink pages (``sinks`` counts them); ``sink_blocks`` False: no sink pages,
+    so block 0 is a recent one when it is among the last."""
     specs = specs or [(n - 1, 1) for n in lens]
     q, k, v, batch = make_case(specs, heads, kv_heads, head_dim, torch.float32, PAGE, seed)
     pool = k.shape[0]
     if recent:
-        batch.block_tables.copy_(_recent_pages_first(batch.block_tables, specs, pool))
+        table = _recent_pages_first(batch.block_tables, specs, pool, sink_blocks)
+        batch.block_tables.copy_(table)
     elif sinks:
         batch.block_tables.copy_(_first_pages_first(batch.block_tables, pool))
     mean = torch.randn(kv_heads, head_dim, device=DEVICE) if center else None
@@ -83,14 +85,19 @@ def _first_pages_first(table: torch.Tensor, num_pages: int) -> torch.Tensor:
     return rename[table.long()].to(table.dtype)
 
 
-def _recent_pages_first(table: torch.Tensor, specs, num_pages: int) -> torch.Tensor:
-    """``table`` renamed so that the sequences' first pages come first, then the pages of
-    their last RECENT_BLOCKS blocks after block 0, as the page table lays out sink and
-    recent pages."""
+def _recent_pages_first(
+    table: torch.Tensor, specs, num_pages: int, sink_blocks: bool = True
+) -> torch.Tensor:
+    """``table`` renamed so that the sequences' first pages come first (``sink_blocks``), then
+    the pages of their last RECENT_BLOCKS blocks (after block 0 when that is a sink), as the
+    page table lays out sink and recent pages."""
     used = [-(-(c + n) // PAGE) for c, n in specs]
-    firsts = [int(table[i, 0]) for i in range(len(specs))]
+    firsts = [int(table[i, 0]) for i in range(len(specs))] if sink_blocks else []
+    after = int(sink_blocks)
     lasts = [
-        int(table[i, b]) for i, n in enumerate(used) for b in range(max(1, n - RECENT_BLOCKS), n)
+        int(table[i, b])
+        for i, n in enumerate(used)
+        for b in range(max(after, n - RECENT_BLOCKS), n)
     ]
     chosen = firsts + lasts
     order = chosen + [p for p in range(num_pages) if p not in set(chosen)]  # new id -> old id
@@ -99,9 +106,11 @@ def _recent_pages_first(table: torch.Tensor, specs, num_pages: int) -> torch.Ten
     return rename.to(table.device)[table.long()].to(table.dtype)
 
 
-def unquantized_pages(specs) -> int:
+def unquantized_pages(specs, sink_blocks: bool = True) -> int:
     """Sink and recent pages of ``_recent_pages_first``'s layout."""
     used = [-(-(c + n) // PAGE) for c, n in specs]
+    if not sink_blocks:
+        return sum(min(RECENT_BLOCKS, n) for n in used)
     return sum(1 + min(RECENT_BLOCKS, n - 1) for n in used)
 
 
@@ -375,6 +384,48 @@ def test_mma_decode_reads_sink_pages_from_their_fp16_rows(lens, head_dim, splits
     codes = dataclasses.replace(k_pages, sinks=None), dataclasses.replace(v_pages, sinks=None)
     through_codes = quant_paged_attention_reference(q, *codes, batch, scale)
     assert (through_codes - ref).abs().max().item() > 10 * (2**-10 * v_max + 1e-5)
+
+
+@pytest.mark.parametrize(("quant", "pipeline", "splits", "window", "sink_blocks"), [
+    ("q4", 1, 2, None, True),  # a split whose tail block is recent, the next all recent
+    ("q4", 2, 3, None, True),
+    ("q4", 0, 2, 37, True),  # a window past the sink block
+    ("q8", 1, 3, None, False),  # no sinks: block 0 recent when among the last two
+    ("q6", 2, 2, 100, False),
+])  # fmt: skip
+def test_mma_decode_reads_recent_pages_around_pipelined_code_tiles(
+    monkeypatch, quant, pipeline, splits, window, sink_blocks
+):
+    """Sink and recent tiles read from their fp16 rows before and after a split's code tiles,
+    in every load pipeline: lengths of 1 to 13 blocks, splits that start and end among the
+    recent blocks (80 keys in 2 splits: block 3 closes the first, block 4 is the second).
+    Bound as above; zeroing the rows moves the result far past it (they were read)."""
+    from engine.cuda import attention_mma
+
+    monkeypatch.setattr(attention_mma, "_PIPELINE", pipeline)
+    lens = [200, 80, 12, 33, 17]
+    exact = unquantized_pages([(n - 1, 1) for n in lens], sink_blocks)
+    q, k_pages, v_pages, batch = _case(lens, 4, 1, 64, True, seed=5, sinks=exact, quant=quant,
+                                       recent=True, sink_blocks=sink_blocks)  # fmt: skip
+    q = _grid_q(q, True)
+    scale = 64**-0.5
+
+    def run():
+        return decode_attention_mma(
+            q, k_pages.data, v_pages.data, k_pages.scales, v_pages.scales, batch, scale,
+            rotate=True, k_bits=k_pages.bits, v_bits=v_pages.bits, k_sinks=k_pages.sinks,
+            v_sinks=v_pages.sinks, sliding_window=window, num_splits=splits,
+        )  # fmt: skip
+
+    out = run()
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
+    v_max = dequantize_pages(v_pages, batch.block_tables, torch.float32).abs().max().item()
+    bound = 2**-10 * v_max + 1e-5
+    err = (out - ref).abs().max().item()
+    assert err <= bound, f"max |out - ref| {err:.2e} (max |V| {v_max:.2f})"
+    for pages in (k_pages, v_pages):
+        pages.sinks.zero_()
+    assert (run() - ref).abs().max().item() > 10 * bound
 
 
 # --- fp16 pages ---------------------------------------------------------------------------------
