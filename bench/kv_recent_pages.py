@@ -10,7 +10,9 @@ over the decoded positions only; fp32 (the unquantized cache in float32) is the 
 With ``--prompts N`` (default 32) it also runs bench/kv_quant_quality.py's greedy agreement:
 N prompts of the text decoded together by the generator with the engine's defaults, each
 mode's continuations compared with fp32's (the mean fraction of positions before the first
-divergence, and the prompts whose continuation is identical).
+divergence, and the prompts whose continuation is identical), with the fp16 cache's (the
+issue's reference: an unquantized cache whose rows are rounded to fp16) and, per diverging
+prompt, fp32's top-2 logit margin where it diverged: a near-tie that any rounding may flip.
 
     python bench/kv_recent_pages.py     # writes bench/results/kv_recent_pages.json
 """
@@ -18,12 +20,14 @@ divergence, and the prompts whose continuation is identical).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +54,9 @@ class CacheMode:
     quant: str
     sinks: bool = False  # a sink page per sequence (its first block)
     recent: bool = False  # recent pages for every sequence's last RECENT_BLOCKS blocks
+    # an unquantized cache whose written rows are rounded to this dtype (fp16, bf16 storage
+    # in this float32 run: the floor a lossless-looking cache already sits at)
+    round_to: torch.dtype | None = None
 
     def cache(self, model, num_tokens: int, rows: int, **kwargs) -> PagedCache:
         """A cache of this mode for ``rows`` sequences of up to ``num_tokens`` in all."""
@@ -71,6 +78,8 @@ MODES = {
     mode.name: mode
     for mode in (
         CacheMode("fp32", "fp16"),
+        CacheMode("fp16", "fp16", round_to=torch.float16),
+        CacheMode("bf16", "fp16", round_to=torch.bfloat16),
         CacheMode("q8+rot", "q8"),
         CacheMode("q8+rot+recent", "q8", recent=True),
         CacheMode("q8+rot+sinkpage+recent", "q8", sinks=True, recent=True),
@@ -84,20 +93,34 @@ MODES = {
 }
 
 
+@contextlib.contextmanager
+def storage_rounding(model, mode: CacheMode) -> Iterator[None]:
+    """``mode``'s cache writes installed on the model while inside (rows rounded to
+    ``mode.round_to``; nothing to do without it)."""
+    original = model.ops
+    if mode.round_to is not None:
+        model.ops = quality.rounded_writes(original, mode.round_to)
+    try:
+        yield
+    finally:
+        model.ops = original
+
+
 def decode_perplexity(model, ids: list[int], mode: CacheMode, prefill: int) -> float:
     """exp(mean NLL) of ids[prefill + 1:], each predicted by a decode step of the engine."""
-    page_size = quality.PAGE_SIZE
     exact_chunks = False if mode.quant != "fp16" else None  # (the prefill through codes too)
     cache = mode.cache(model, len(ids), 1, exact_chunks=exact_chunks)
-    runner = ModelRunner(
-        model, cache.kv, page_size, max_batch_size=1, max_seq_len=len(ids), cuda_graphs=False
-    )
     config = SchedulerConfig(max_batch_size=1, max_chunk_size=max(prefill, 1))
     scheduler = Scheduler(config, cache.page_table)
     seq = SeqState(list(ids[:prefill]))
     scheduler.add(seq)
     total, count = 0.0, 0
-    with torch.inference_mode():
+    # (a runner takes the model's ops when made: the rounding goes in first)
+    with torch.inference_mode(), storage_rounding(model, mode):
+        runner = ModelRunner(
+            model, cache.kv, quality.PAGE_SIZE, max_batch_size=1, max_seq_len=len(ids),
+            cuda_graphs=False,
+        )  # fmt: skip
         for position in tqdm(range(prefill, len(ids)), desc=mode.name, leave=False):
             plan = scheduler.schedule()
             cache.move_pages(scheduler.take_page_moves())
@@ -114,14 +137,31 @@ def decode_perplexity(model, ids: list[int], mode: CacheMode, prefill: int) -> f
 def greedy(model, tokenizer, prompts, mode: CacheMode, new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy continuation, all decoded together by the generator."""
     cache = mode.cache(model, sum(len(p) + new_tokens for p in prompts), len(prompts))
-    generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
     settings = SamplerSettings.greedy()
     jobs = [DynamicJob(p, new_tokens, gen_settings=settings, stop_conditions=[]) for p in prompts]
-    for job in jobs:
-        generator.enqueue(job)
-    while generator.num_remaining_jobs():
-        generator.iterate()
+    with storage_rounding(model, mode):  # (before the generator's runner takes the ops)
+        generator = DynamicGenerator(model, cache, tokenizer, max_chunk_size=2048)
+        for job in jobs:
+            generator.enqueue(job)
+        while generator.num_remaining_jobs():
+            generator.iterate()
     return [job.new_token_ids for job in jobs]
+
+
+def compare(row: dict, continuations, reference, fp16, margins) -> None:
+    """``row``'s agreement with fp32's continuations (``reference``), with the fp16 cache's
+    (``fp16``, the issue's reference, when it ran) and fp32's top-2 logit margin where each
+    diverging prompt leaves fp32 (``margins``: small ones are near-ties, which any rounding
+    of the cache may flip)."""
+    row["agreement"], row["exact_prompts"] = quality.agreement(reference, continuations)
+    if fp16 is not None and row["mode"] != "fp16":
+        row["agreement_vs_fp16"], row["exact_prompts_vs_fp16"] = quality.agreement(
+            fp16, continuations
+        )
+    firsts = quality.first_divergences(reference, continuations)
+    row["divergence_margins"] = sorted(
+        round(margins[i][f], 4) for i, f in enumerate(firsts) if f is not None
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = quality.text_ids(tokenizer, args.tokens)
     prompts = quality.prompts_from(ids, args.prompts, args.prompt_tokens) if args.prompts else []
     rows = []
-    baseline, reference = None, None
+    baseline, reference, fp16, margins = None, None, None, None
     for mode in modes:
         start = time.perf_counter()
         row = {"mode": mode.name}
@@ -169,9 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             row["perplexity_vs_fp32"] = None if baseline is None else ppl / baseline - 1
         if prompts:
             continuations = greedy(model, tokenizer, prompts, mode, args.new_tokens)
-            reference = continuations if mode.name == "fp32" else reference
+            if mode.name == "fp32":
+                reference = continuations
+                margins = quality.continuation_margins(model, prompts, continuations)
+                row["margin_quantiles"] = quality.margin_quantiles(margins)
+            fp16 = continuations if mode.name == "fp16" else fp16
             if reference is not None:
-                row["agreement"], row["exact_prompts"] = quality.agreement(reference, continuations)
+                compare(row, continuations, reference, fp16, margins)
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
         print(

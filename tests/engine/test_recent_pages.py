@@ -223,6 +223,25 @@ def test_bench_decode_perplexity_is_the_teacher_forced_perplexity(tiny32):
     assert got == pytest.approx(want.exp().item(), rel=1e-4)
     # the q4 modes run the same steps (recent pages placed and settled on the way)
     assert bench.decode_perplexity(model, ids, bench.MODES["q4+rot+recent"], prefill) > 1
+    # fp16 storage: the written rows rounded (a small change, not none), the ops put back
+    ops = model.ops
+    rounded = bench.decode_perplexity(model, ids, bench.MODES["fp16"], prefill)
+    assert rounded != got and rounded == pytest.approx(got, rel=1e-2)
+    assert model.ops is ops
+
+
+def test_bench_compare_reports_agreement_with_fp16_and_divergence_margins():
+    from bench import kv_recent_pages as bench
+
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    fp16 = [[1, 2, 3, 4], [5, 6, 0, 0]]
+    margins = [[0.5, 0.25, 0.125, 2.0], [3.0, 1.0, 0.01, 4.0]]
+    row = {"mode": "q8"}
+    bench.compare(row, [[1, 9, 9, 9], [5, 6, 0, 0]], reference, fp16, margins)
+    assert row["agreement"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert row["agreement_vs_fp16"] == pytest.approx((1 / 4 + 1) / 2)
+    assert row["exact_prompts"] == 0 and row["exact_prompts_vs_fp16"] == 1
+    assert row["divergence_margins"] == [0.01, 0.25]
 
 
 def test_a_finished_jobs_recent_blocks_are_cached_for_the_next_turn(tiny32):
