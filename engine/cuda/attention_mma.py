@@ -610,19 +610,24 @@ def _decode_kernel(  # noqa: C901, PLR0915
         return new0, new1, l0, l1, byte_perm(x, y, 0x5410), byte_perm(x, y, 0x7632)
 
     @device_function
-    def exact_tile(acc, k_rows, v_rows, j0, page, kv, gid, t, first, span, qh0, qh1, m0, m1,
-                   l0, l1, src_a, src_b, odd, mult):  # fmt: skip
-        """The tile of keys j0 .. j0 + 15 on an unquantized ``page`` (an fp16 page, or a sink
-        or recent page of a quantized cache: its fp16 rows) into acc and the softmax state."""
-        base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
-        row_a = base + gid * KV
-        s0, s1, s2, s3 = exact_scores(k_rows, row_a, row_a + 8 * KV, qh0, qh1, t)
-        rel = j0 - first
-        m0, m1, l0, l1, pb0, pb1 = online_softmax(
-            acc, s0 * mult, s1 * mult, s2 * mult, s3 * mult, rel, gid, span, m0, m1, l0, l1,
-            src_a, src_b, odd,
-        )  # fmt: skip
-        exact_values(acc, v_rows, base + (2 * t) * KV, tile_live(rel, t, span), pb0, pb1, gid)
+    def exact_tiles(acc, k_rows, v_rows, block_tables, seq, j0, end, kv, gid, t, first, span,
+                    qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, mult):  # fmt: skip
+        """The tiles of keys j0 .. end - 1 (j0 a tile boundary) on unquantized pages (fp16
+        pages, or a quantized cache's sink and recent pages: their fp16 rows) into acc and
+        the softmax state, which it returns."""
+        while j0 < end:
+            page = block_tables[seq, j0 // PS]
+            base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
+            row_a = base + gid * KV
+            s0, s1, s2, s3 = exact_scores(k_rows, row_a, row_a + 8 * KV, qh0, qh1, t)
+            rel = j0 - first
+            m0, m1, l0, l1, pb0, pb1 = online_softmax(
+                acc, s0 * mult, s1 * mult, s2 * mult, s3 * mult, rel, gid, span, m0, m1, l0,
+                l1, src_a, src_b, odd,
+            )  # fmt: skip
+            live = tile_live(rel, t, span)
+            exact_values(acc, v_rows, base + (2 * t) * KV, live, pb0, pb1, gid)
+            j0 += TILE
         return m0, m1, l0, l1
 
     @device_function
@@ -733,14 +738,16 @@ def _decode_kernel(  # noqa: C901, PLR0915
         main_hi = hi
         if SINKS:  # the first block's keys when it is a sink page, exactly
             main_lo, main_hi = code_range(block_tables, seq, lo, hi, num_sink_pages)
-            j0 = lo
-            while j0 < main_lo:
-                m0, m1, l0, l1 = exact_tile(
-                    acc, k_rows, v_rows, j0, block_tables[seq, j0 // PS], kv, gid, t, first,
-                    span, qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
-                )  # fmt: skip
-                j0 += TILE
-        j0 = main_lo
+            m0, m1, l0, l1 = exact_tiles(
+                acc, k_rows, v_rows, block_tables, seq, lo, main_lo, kv, gid, t, first, span,
+                qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
+            )  # fmt: skip
+        if FP16:  # fp16 pages: every tile from its rows (the code loops below then skip)
+            m0, m1, l0, l1 = exact_tiles(
+                acc, k_rows, v_rows, block_tables, seq, lo, hi, kv, gid, t, first, span, qh0,
+                qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
+            )  # fmt: skip
+        j0 = hi if FP16 else main_lo
         if PIPE:  # code pages: a tile's K and V loads together, ahead of use
             nkw = cuda.local.array(KT, int32)  # the next tile, in flight (pipeline 2)
             nks = cuda.local.array(KS, float32)
@@ -792,15 +799,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
                     vs[0] = nvs[0]
                     vs[1] = nvs[1]
                 j0 += TILE
-        while j0 < main_hi:  # (fp16 pages, or code pages when PIPE is 0)
+        while j0 < main_hi:  # (code pages when PIPE is 0)
             page = block_tables[seq, j0 // PS]
-            if FP16:
-                m0, m1, l0, l1 = exact_tile(
-                    acc, k_rows, v_rows, j0, page, kv, gid, t, first, span, qh0, qh1, m0, m1,
-                    l0, l1, src_a, src_b, odd, exact_mult,
-                )  # fmt: skip
-                j0 += TILE
-                continue
             base = (page * PS + j0 % PS) * KV + kv  # row of key j0; key j0 + x: + x * KV
             row_a = base + gid * KV
             row_b = row_a + 8 * KV
@@ -829,13 +829,10 @@ def _decode_kernel(  # noqa: C901, PLR0915
                 code_values(acc, vw, vs, pb0, pb1)
             j0 += TILE
         if SINKS:  # the last blocks' keys on recent pages, exactly
-            j0 = main_hi
-            while j0 < hi:
-                m0, m1, l0, l1 = exact_tile(
-                    acc, k_rows, v_rows, j0, block_tables[seq, j0 // PS], kv, gid, t, first,
-                    span, qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
-                )  # fmt: skip
-                j0 += TILE
+            m0, m1, l0, l1 = exact_tiles(
+                acc, k_rows, v_rows, block_tables, seq, main_hi, hi, kv, gid, t, first, span,
+                qh0, qh1, m0, m1, l0, l1, src_a, src_b, odd, exact_mult,
+            )  # fmt: skip
 
         for off in (4, 8, 16):
             l0 += warp_shfl_xor(l0, off)
