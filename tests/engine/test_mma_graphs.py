@@ -69,3 +69,43 @@ def test_decode_graph_steps_on_tensor_cores(heads64, monkeypatch, quant, mode):
     assert calls
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_graph_steps_on_tensor_cores_read_sink_and_recent_pages(heads64, monkeypatch):
+    """Sequences laid out as the page table lays them out with sink and recent pages (pages
+    0..6 unquantized: a sink page per sequence, then the last two blocks of the longer ones):
+    the graph step goes through the tensor-core kernel's sink variant and matches the torch
+    reference to q4's rounding, and an eager forward through the same kernels closely."""
+    from engine.cuda import attention_mma
+
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    monkeypatch.setattr(attention_mma, "MODE", "graphs")
+    calls = []
+    real = attention_mma.decode_attention_mma
+    monkeypatch.setattr(
+        attention_mma,
+        "decode_attention_mma",
+        lambda *a, **k: calls.append(k.get("k_sinks") is not None) or real(*a, **k),
+    )
+    model = Model.from_pretrained(heads64, dtype=torch.float16)  # (the kernel reads fp16 rows)
+    kv = model.allocate_kv(10, PAGE, "q4", True, num_sink_pages=7)
+    graphs = DecodeGraphs(model, kv, PAGE, max_batch_size=4, max_seq_len=64,
+                          capture=not SIMULATOR)  # fmt: skip
+    seqs = [
+        SequenceInput([7], num_cached=40, pages=[0, 3, 4]),  # sink, two recent blocks
+        SequenceInput([8], 5, pages=[1]),  # one block: the sink
+        SequenceInput([9], 50, pages=[2, 8, 5, 6]),  # sink, a code block, two recent
+    ]
+    prefill = [
+        SequenceInput([(3 * j + i) % 50 + 1 for j in range(s.num_cached)], 0, s.pages)
+        for i, s in enumerate(seqs)
+    ]
+    _forward(model, kv, prefill)
+    assert kv[0][0].sinks[:7].abs().sum() > 0 and kv[0][0].sinks.shape[0] == 7
+    got = graphs.run(seqs)
+    assert calls and all(calls) and graphs.steps == 1
+    with attention_mma.graph_steps():
+        eager = _forward(model, kv, seqs, model.ops)
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+    want = _forward(model, kv, seqs)
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() <= 1e-2
