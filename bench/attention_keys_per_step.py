@@ -12,7 +12,10 @@ read from unquantized rows: engine/cache/quant.py), and ``fp16-mma`` / ``q8-mma`
 ``q6-mma`` / ``q4-mma`` (those pages through the tensor-core decode kernel,
 engine/cuda/attention_mma.py: its split rule, then 4, 8 and 16 splits; the configs do not
 apply; q4-mma's error includes q's rounding to bytes; ``q4-mma-pipe0``: under that load
-pipeline, attention_mma._PIPELINE; ``q4-mma+sinks``: q4+sinks' pages on tensor cores).
+pipeline, attention_mma._PIPELINE; ``q4-mma+sinks``: q4+sinks' pages on tensor cores;
+``+sinks+recent``: each sequence's last RECENT_BLOCKS blocks on unquantized recent pages too,
+as the engine's recent pages lay them out: every decode reads a sink block, codes, then two
+exact blocks).
 This sweeps them at Llama-3-8B's attention shape, decode at batch 32 x 4096-token context
 (issue "Quantized KV cache": q4's decode attention vs fp16's), and checks each output against
 the torch reference of its mode.
@@ -58,6 +61,7 @@ MODES = (
     "q4",
     "q4-mma",
     "fp16-mma",
+    "q4-mma+sinks+recent",  # (the layout that meets the quality goal: stop 40)
     "q8",
     "q6",
     "q4+sinks",
@@ -68,6 +72,8 @@ MODES = (
     "q6-mma-pipe0",
     "q4-mma-pipe2",
     "q4-mma+sinks",
+    "q4+sinks+recent",
+    "q8-mma+sinks+recent",
 )
 # row sums: the kernel's rule (transposed for quantized word pages), or forced either way
 SUMS = {"auto": None, "transposed": True, "butterfly": False}
@@ -94,16 +100,22 @@ class SweepRow:
 
 def quantized_case(mode: str, batch: int, context: int):
     """The fp16 case's q and batch, its K/V written into ``mode``'s pages (default rotation;
-    ``+sinks``: pages 0..batch-1 are sink pages and every sequence's first page one of them)."""
+    ``+sinks``: pages 0..batch-1 are sink pages and every sequence's first page one of them;
+    ``+sinks+recent``: and its last RECENT_BLOCKS blocks on the unquantized pages after them).
+    """
+    from engine.cache.page_table import RECENT_BLOCKS
     from engine.cache.quant import QUANT_BITS, allocate_quant_pages, check_quant, write_slots
 
     q, k, v, fb = make_decode_case(batch, context)
     mode, _, extra = mode.partition("+")
     if QUANT_BITS[mode] is None:
         return q, k, v, fb
-    sinks = batch if extra == "sinks" else 0
+    if extra not in ("", "sinks", "sinks+recent"):
+        raise ValueError(f"unknown page layout +{extra!r}: expected +sinks or +sinks+recent")
+    recent = extra == "sinks+recent"
+    sinks = batch * (1 + RECENT_BLOCKS * recent) if extra else 0  # (unquantized pages)
     if sinks:
-        fb.block_tables.copy_(first_pages_first(fb.block_tables, k.shape[0]))
+        fb.block_tables.copy_(first_pages_first(fb.block_tables, k.shape[0], recent))
     rotate = check_quant(mode, None)
     pool = k.shape[0]
     slots = torch.arange(pool * PAGE, device=k.device)
@@ -116,10 +128,15 @@ def quantized_case(mode: str, batch: int, context: int):
     return q, pages[0], pages[1], fb
 
 
-def first_pages_first(table: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """``table`` with its page ids renamed so that sequence i's first page is page i (the
+def first_pages_first(table: torch.Tensor, num_pages: int, recent: bool = False) -> torch.Tensor:
+    """``table`` with its page ids renamed so that sequence i's first page is page i and, with
+    ``recent``, its last RECENT_BLOCKS blocks pages B + RECENT_BLOCKS i ... (B sequences; the
     others keep their order): a bijection, so every sequence still reads distinct pages."""
+    from engine.cache.page_table import RECENT_BLOCKS
+
     firsts = table[:, 0].long()
+    if recent:  # (every row holds more than RECENT_BLOCKS blocks here)
+        firsts = torch.cat((firsts, table[:, -RECENT_BLOCKS:].long().reshape(-1)))
     rest = torch.ones(num_pages, dtype=torch.bool, device=table.device)
     rest[firsts] = False
     order = torch.cat((firsts, torch.nonzero(rest).flatten()))  # new id -> old id
