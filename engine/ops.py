@@ -78,6 +78,7 @@ def cuda_ops() -> OpSet:
     from engine.cuda._launch import KERNEL_DTYPES
     from engine.cuda.activation import silu_mul_cuda
     from engine.cuda.attention import paged_attention_cuda
+    from engine.cuda.kv_gather import quant_chunk_attention_cuda
     from engine.cuda.norm import add_rms_norm_cuda, rms_norm_cuda
     from engine.cuda.quant_kernels import (
         paged_attention_quant_cuda,
@@ -94,7 +95,7 @@ def cuda_ops() -> OpSet:
         ),
         paged_attention=by_storage(
             by_query_length(paged_attention_cuda, paged_attention_reference),
-            by_query_length(paged_attention_quant_cuda, quant_paged_attention_reference),
+            by_query_length(paged_attention_quant_cuda, quant_chunk_attention_cuda),
             pages_arg=1,
         ),
         silu_mul=silu_mul_cuda,
@@ -115,9 +116,10 @@ def by_query_length(kernel: Callable, reference: Callable) -> Callable:
     H200 for fp16/fp32 pages (bench/kernel_launch.py, 1B shape): prefill of 2048 tokens
     2.66 ms in the kernel (CUDA cores, one key per lane group per step) vs 0.18 ms; decode at
     batch 64 x 1k about equal (138 vs 135 us). Quantized pages go the same way (not timed on a
-    GPU yet): the reference dequantizes the batch's pages for SDPA, as ExLlamaV2 does for
-    every step, and reads a prompt chunk's own K/V exactly (engine/cuda/quant_reference.py),
-    which the kernel does not. ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel for every
+    GPU yet): the pages the batch names are dequantized into one buffer for SDPA, as
+    ExLlamaV2 does for every step (one kernel launch per K and V: engine/cuda/kv_gather.py),
+    and a prompt chunk reads its own K/V exactly (engine/cuda/quant_reference.py), which the
+    kernel does not. ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel for every
     batch (a quantized prompt chunk then reads its own K/V through their codes)."""
     if prefill_attention_choice() == "kernel":
         return kernel

@@ -73,16 +73,21 @@ def quant_paged_attention_reference(
     batch: ForwardBatch,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    gather: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D]."""
+    """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D].
+    ``gather``: how a group's context K and V are gathered (``gather_context``'s contract;
+    default ``gather_context``, in torch; engine/cuda/kv_gather.py's kernel on a GPU)."""
     check_pair(k_pages, v_pages)
     own = own_rows(k_pages, batch, q.dtype)
+    gather = gather_context if gather is None else gather
 
     def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
-        k = _context(dequantize_pages(k_pages, group.block_tables, q.dtype))
-        v = _context(dequantize_pages(v_pages, group.block_tables, q.dtype))
-        if own is not None:
-            k, v = own.overlay(k, v, group.block_tables, k_pages.shape[1])
+        table = group.block_tables
+        slots = None if own is None else own.slots
+        k = gather(k_pages, table, q.dtype, slots, None if own is None else own.k)
+        v = gather(v_pages, table, q.dtype, slots, None if own is None else own.v)
         return padded_attention(q_group, k, v, group, scale, sliding_window)
 
     if k_pages.rotate:
@@ -100,18 +105,28 @@ class OwnRows:
     k: torch.Tensor  # [N, KV, D]
     v: torch.Tensor  # [N, KV, D]
 
-    def overlay(
-        self, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, page_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gathered context k, v [B, blocks * S, KV, D] with the rows put in wherever the
-        block tables [B, blocks] hold their slots (by ``torch.where``: a boolean-mask
-        assignment would wait for the device to count the hits)."""
-        b, blocks = block_tables.shape
-        offsets = torch.arange(page_size, device=block_tables.device)
-        ids = (block_tables.long()[..., None] * page_size + offsets).reshape(b, blocks * page_size)
-        at = torch.searchsorted(self.slots, ids).clamp_(max=self.slots.numel() - 1)
-        hit = (self.slots[at] == ids)[..., None, None]
-        return torch.where(hit, self.k[at], k), torch.where(hit, self.v[at], v)
+
+def gather_context(
+    pages: QuantPages,
+    index: torch.Tensor,
+    dtype: torch.dtype,
+    own_slots: torch.Tensor | None = None,
+    own_values: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The pages ``index`` ([B, n] page ids) dequantized into [B, n * S, KV, D] of ``dtype``
+    (sink and recent pages from their rows), with the rows ``own_values`` [N, KV, D] put in
+    wherever the pages hold their slots ``own_slots`` [N] (ascending; by ``torch.where``: a
+    boolean-mask assignment would wait for the device to count the hits)."""
+    out = _context(dequantize_pages(pages, index, dtype))
+    if own_slots is None:
+        return out
+    b, blocks = index.shape
+    page_size = pages.shape[1]
+    offsets = torch.arange(page_size, device=index.device)
+    ids = (index.long()[..., None] * page_size + offsets).reshape(b, blocks * page_size)
+    at = torch.searchsorted(own_slots, ids).clamp_(max=own_slots.numel() - 1)
+    hit = (own_slots[at] == ids)[..., None, None]
+    return torch.where(hit, own_values[at], out)
 
 
 def own_rows(k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype) -> OwnRows | None:

@@ -1,0 +1,138 @@
+"""The context gather over quantized pages (engine/cuda/kv_gather.py) against its torch
+reference (engine/cuda/quant_reference.py ``gather_context``): the same values, bit for bit,
+since both round code * scale once to the output dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.batch import SequenceInput, build_forward_batch
+from engine.cache.quant import allocate_quant_pages, write_slots
+from engine.cuda import quant_reference
+from engine.cuda.kv_gather import gather_context, quant_chunk_attention_cuda
+from engine.cuda.quant_reference import (
+    quant_paged_attention_reference,
+    quant_rotary_cache_write_reference,
+)
+from tests.kernels.common import DEVICE, DTYPES
+
+PAGE, KV, D = 4, 2, 64
+
+
+def _pages(bits: int, rows: int, dtype: torch.dtype, seed: int = 0, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    pages = allocate_quant_pages(10, PAGE, KV, D, bits, True, DEVICE, None, rows, dtype, **kwargs)
+    write_slots(
+        pages,
+        (3 * torch.randn(10 * PAGE, KV, D, generator=gen)).to(DEVICE),
+        torch.arange(10 * PAGE, device=DEVICE),
+    )
+    return pages
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("bits", "rows", "own"), [(4, 0, False), (4, 3, True), (8, 3, False),
+                                                   (8, 0, True)])  # fmt: skip
+def test_gather_matches_the_torch_gather(dtype, bits, rows, own):
+    """Code pages, sink/recent pages (ids below ``rows``: their rows) and the chunk's own rows
+    (slots 21..26, pages 5 and 6) put in; a block table's padding (-1) gives zeros."""
+    pages = _pages(bits, rows, dtype)
+    index = torch.tensor([[5, 1, 7], [2, 6, -1], [0, 9, 4]], dtype=torch.int32, device=DEVICE)
+    own_slots = own_values = None
+    if own:
+        own_slots = torch.arange(21, 27, device=DEVICE)
+        own_values = torch.randn(6, KV, D, generator=torch.Generator().manual_seed(1))
+        own_values = own_values.to(DEVICE, dtype)
+    got = gather_context(pages, index, dtype, own_slots, own_values)
+    want = quant_reference.gather_context(pages, index, dtype, own_slots, own_values)
+    assert got.shape == want.shape == (3, 3 * PAGE, KV, D) and got.dtype == dtype
+    valid = (index >= 0).repeat_interleave(PAGE, dim=1)
+    assert torch.equal(got[valid], want[valid])
+    assert not got[~valid].any()
+    if own:  # (the overlay was exercised: page 5's slot 1 is own row 0)
+        assert torch.equal(got[0, 1], own_values[0])
+    if rows:  # (and the rows: page 1 is a sink or recent page)
+        assert torch.equal(got[0, PAGE : 2 * PAGE], pages.sinks[1].to(dtype))
+
+
+def test_gather_refuses_what_it_cannot_take():
+    pages = _pages(4, 0, torch.float32)
+    index = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"index must be \[B, n\]"):
+        gather_context(pages, index, torch.float32)
+    with pytest.raises(ValueError, match="go together"):
+        gather_context(pages, index[None], torch.float32, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="float16"):
+        own = torch.zeros(1, KV, D, dtype=torch.float16, device=DEVICE)
+        slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        gather_context(pages, index[None], torch.float32, slots, own)
+
+
+def test_chunk_attention_through_the_gather_equals_the_reference():
+    """A prompt chunk of 6 tokens after 5 cached ones (exact chunks: it reads its own rows),
+    beside a two-token verify row, over q4 pages with sink pages: the CUDA op set's route
+    gives the torch reference's output."""
+    dtype = torch.float32
+    k = _pages(4, 3, dtype, exact_chunks=True)
+    v = _pages(4, 3, dtype, seed=2)
+    seqs = [
+        SequenceInput([1] * 6, num_cached=5, pages=[0, 6, 8], prompt_chunk=True),
+        SequenceInput([1] * 2, num_cached=7, pages=[1, 4, 9]),
+    ]
+    batch = build_forward_batch(seqs, PAGE, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    t = batch.num_tokens
+    q, kk, vv = (torch.randn(t, h, D, generator=gen).to(DEVICE) for h in (4, KV, KV))
+    angle = torch.rand(t, D // 2, generator=gen).to(DEVICE)
+    outs = []
+    for attention in (quant_paged_attention_reference, quant_chunk_attention_cuda):
+        qr = quant_rotary_cache_write_reference(
+            q, kk, vv, angle.cos(), angle.sin(), k, v, batch.slot_mapping
+        )
+        outs.append(attention(qr, k, v, batch, D**-0.5))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the torch ops dispatched inside (``detach``: the simulator's argument wrapping,
+    which a GPU launch does not do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ != "detach"
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunk_attention_through_the_gather_dispatches_half_the_torch_ops():
+    """The host cost of the prompt-chunk route is its torch ops (each a launch and ~10 us of
+    host time on a GPU): a mixed batch's prompt chunk (exact chunks) and 4 decode rows over q4
+    pages with sink pages, the rest of the split (engine/cuda/attention.py ``decode_split``)
+    as the op set hands it over: 128 torch ops by the torch gather, 60 here (2026-11-28)."""
+    from engine.cuda.attention import decode_split
+
+    k = _pages(4, 3, torch.float32, exact_chunks=True)
+    v = _pages(4, 3, torch.float32, seed=2)
+    seqs = [SequenceInput([1] * 12, num_cached=10, pages=[0, 5, 6, 7, 8, 9], prompt_chunk=True)]
+    seqs += [SequenceInput([1], num_cached=5 + i, pages=[1 + i, 4]) for i in range(2)]
+    batch = build_forward_batch(seqs, PAGE, DEVICE)
+    rest = decode_split(batch).rest
+    gen = torch.Generator().manual_seed(3)
+    t = batch.num_tokens
+    q, kk, vv = (torch.randn(t, h, D, generator=gen).to(DEVICE) for h in (4, KV, KV))
+    angle = torch.rand(t, D // 2, generator=gen).to(DEVICE)
+    counts = {}
+    for attention in (quant_paged_attention_reference, quant_chunk_attention_cuda):
+        for _ in range(2):  # (the second: the forward's plans made)
+            qr = quant_rotary_cache_write_reference(
+                q, kk, vv, angle.cos(), angle.sin(), k, v, batch.slot_mapping
+            )
+            with _CountOps() as ops:
+                attention(qr, k, v, rest, D**-0.5)
+        counts[attention.__name__] = ops.count
+    torch_ops, kernel_ops = counts.values()
+    assert kernel_ops <= 0.6 * torch_ops, counts
