@@ -1,22 +1,28 @@
 """A batch's context K or V gathered from quantized pages into one contiguous tensor, in one
-kernel launch: what the prompt-chunk route of engine/cuda/quant_reference.py attends over on a
-GPU (torch's SDPA on the tensor cores).
+kernel launch: what the prompt-chunk route (``quant_chunk_attention_cuda``, the CUDA op set's
+for batches with prompt chunks or drafts) attends over with torch's SDPA on the tensor cores.
 
-The torch path (``dequantize_pages`` and ``OwnRows.overlay``) gathers the codes and scales of
-every page a group names, unpacks, scales, puts in the sink and recent pages' rows and the
-chunk's own exact rows: about 70 small torch ops per layer for K and V together (128 torch ops
-in all for a prompt chunk's attention on q4 pages with sink pages, 60 with this kernel: counted
-on CPU by tests/kernels/test_kv_gather.py's dispatch counter), which made a q4 mixed step
-host-bound on the H200 (CPU 46-58 ms against 19-21 ms of GPU work per 32 layers,
-bench/results/mixed_step_profile_h200_2026-11-27.txt). Here one thread takes one quantization
-group (32 values) of one row and writes what those ops write, value for value:
+The torch reference (engine/cuda/quant_reference.py: ``gather_context``, the rotations of q
+and the output) gathers the codes and scales of every page a group names, unpacks, scales,
+puts in the sink and recent pages' rows and the chunk's own exact rows, and rotates q and
+the output (two float32 matmuls): 128 torch ops for a prompt chunk's attention on q4 pages
+with sink pages, 40 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
+Those ops made a q4 mixed step host-bound on the H200: CPU 46-58 ms against 19-21 ms of GPU
+work per 32 layers, 2.1 ms of it the rotations' matmuls
+(bench/results/mixed_step_profile_h200_2026-11-27.txt). Here one thread takes one
+quantization group (32 values) of one row and writes:
 
-- a slot among the chunk's own rows (``own_slots``, ascending; engine/cuda/quant_reference.py
-  ``OwnRows``): that row, as the overlay puts it in;
-- a page below ``num_rows_pages`` (sink and recent pages): its unquantized row, cast;
-- otherwise code times the group's fp16 scale, taken in float32 (exact: at most 8 + 11
-  significant bits) and rounded once to the output dtype, as ``dequantize`` rounds it;
+- a slot among the chunk's own rows (``own_slots``, ascending; ``OwnRows``, taken in the
+  model's basis): that row, as the reference's overlay puts it in;
+- a page below ``num_rows_pages`` (sink and recent pages): its unquantized row;
+- otherwise code times the group's fp16 scale, in float32 (exact: at most 8 + 11
+  significant bits);
 - a negative page id (the padding of a block table): zeros (the attention masks them).
+
+Rows and codes of rotated pages are rotated back (a 32-point Walsh-Hadamard transform in the
+thread's registers, ``unrotate``), so the attention runs in the model's basis; then one
+rounding to the output dtype. Without ``unrotate`` the values are the reference's, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -28,13 +34,15 @@ import torch
 from engine.batch import ForwardBatch
 from engine.cache.quant import GROUP, QuantPages
 from engine.cuda import _launch
-from engine.cuda.quant_reference import quant_paged_attention_reference
+from engine.cuda.attention import AttentionGroup, by_group, padded_attention
+from engine.cuda.quant_reference import check_pair, own_rows
 
 cuda = _launch.cuda
 float32 = _launch.nbt.float32
 int32 = _launch.nbt.int32
 
 _THREADS = 128
+_INV_SQRT_GROUP = float32(1.0 / GROUP**0.5)
 
 
 def _own_row(own_slots, slot):
@@ -50,24 +58,38 @@ def _own_row(own_slots, slot):
     return lo if lo < own_slots.shape[0] and own_slots[lo] == slot else -1
 
 
+def _unrotate(vals):
+    """vals [32] times H_32 / sqrt(32) (its own inverse: engine/cache/quant.py ``hadamard``,
+    Sylvester's order), in place: five butterfly levels."""
+    for stride in (1, 2, 4, 8, 16):
+        for i in range(GROUP):
+            if i & stride == 0:
+                x = vals[i]
+                y = vals[i + stride]
+                vals[i] = x + y
+                vals[i + stride] = x - y
+    for i in range(GROUP):
+        vals[i] *= _INV_SQRT_GROUP
+
+
 @functools.cache
-def _gather_kernel(bits: int, has_rows: bool):  # noqa: C901 (one kernel)
+def _gather_kernel(bits: int, has_rows: bool, unrotate: bool):  # noqa: C901 (one kernel)
     HALF = GROUP // 2
     own_row = _launch.device_function(_own_row)
+    unrotate_group = _launch.device_function(_unrotate)
 
     @_launch.device_function
-    def codes(data, scales, page, s, h, g, out, b, t):
-        """The group's codes times its scale into out[b, t, h, 32 g ...]."""
-        d0 = g * GROUP
+    def codes(data, scales, page, s, h, g, vals):
+        """The group's codes times its scale into vals (exact in float32)."""
         scale = float32(scales[page, s, h, g])
         if bits == 8:
             for i in range(GROUP):
-                out[b, t, h, d0 + i] = float32(data[page, s, h, d0 + i]) * scale
+                vals[i] = float32(data[page, s, h, g * GROUP + i]) * scale
         else:  # byte i of the group: dim i in its low nibble, dim 16 + i in its high one
             for i in range(HALF):
                 byte = int32(data[page, s, h, g * HALF + i])
-                out[b, t, h, d0 + i] = float32((byte & 15) - 8) * scale
-                out[b, t, h, d0 + HALF + i] = float32((byte >> 4) - 8) * scale
+                vals[i] = float32((byte & 15) - 8) * scale
+                vals[HALF + i] = float32((byte >> 4) - 8) * scale
 
     def gather(data, scales, rows, num_rows_pages, index, own_slots, own_values, out):
         """out[b, j * S + s, h, 32 g ...] for the thread's (b, j, s, h, g)."""
@@ -92,14 +114,21 @@ def _gather_kernel(bits: int, has_rows: bool):  # noqa: C901 (one kernel)
         if page < 0:  # (block-table padding: masked by the attention)
             for i in range(GROUP):
                 out[b, t, h, d0 + i] = 0
-        elif at >= 0:  # the chunk's own row, exact
+            return
+        if at >= 0:  # the chunk's own row, exact (and in the output's basis already)
             for i in range(GROUP):
                 out[b, t, h, d0 + i] = own_values[at, h, d0 + i]
-        elif has_rows and page < num_rows_pages:  # a sink or recent page: its exact row
+            return
+        vals = cuda.local.array(GROUP, float32)
+        if has_rows and page < num_rows_pages:  # a sink or recent page: its exact row
             for i in range(GROUP):
-                out[b, t, h, d0 + i] = rows[page, s, h, d0 + i]
+                vals[i] = float32(rows[page, s, h, d0 + i])
         else:
-            codes(data, scales, page, s, h, g, out, b, t)
+            codes(data, scales, page, s, h, g, vals)
+        if unrotate:  # stored rotated: back to the model's basis, rounded once below
+            unrotate_group(vals)
+        for i in range(GROUP):
+            out[b, t, h, d0 + i] = vals[i]
 
     return cuda.jit(gather)
 
@@ -110,11 +139,13 @@ def gather_context(
     dtype: torch.dtype,
     own_slots: torch.Tensor | None = None,
     own_values: torch.Tensor | None = None,
+    unrotate: bool = False,
 ) -> torch.Tensor:
     """The pages ``index`` ([B, n] page ids) dequantized into a new [B, n * S, KV, D] of
-    ``dtype``: ``dequantize_pages`` (sink and recent pages from their rows) with the rows
-    ``own_values`` [N, KV, D] (``dtype``) put in at the slots ``own_slots`` [N] (ascending)
-    where the pages hold them, as ``OwnRows.overlay`` does."""
+    ``dtype``: ``dequantize_pages`` (sink and recent pages from their rows), rotated back
+    per group when ``unrotate`` (rotated pages read in the model's basis), with the rows
+    ``own_values`` [N, KV, D] (``dtype``, in the output's basis) put in at the slots
+    ``own_slots`` [N] (ascending) where the pages hold them, as ``OwnRows.overlay`` does."""
     _launch.check_dtype("gather_context", torch.empty(0, dtype=dtype))
     if index.dim() != 2:
         raise ValueError(f"gather_context: index must be [B, n], got {tuple(index.shape)}")
@@ -135,7 +166,7 @@ def gather_context(
     has_rows = pages.sinks is not None
     rows = pages.sinks if has_rows else out  # (a dummy when there are none)
     num_rows_pages = pages.sinks.shape[0] if has_rows else 0
-    kernel = _gather_kernel(pages.bits, has_rows)
+    kernel = _gather_kernel(pages.bits, has_rows, unrotate)
     _launch.launch(
         kernel, _launch.blocks(total, _THREADS), _THREADS, pages.data, pages.scales, rows,
         num_rows_pages, index, own_slots, own_values, out,
@@ -152,8 +183,18 @@ def quant_chunk_attention_cuda(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The CUDA op set's route for batches with prompt chunks or drafts over quantized pages
-    (engine/ops.py ``by_query_length``): ``quant_paged_attention_reference``'s SDPA over the
-    context this kernel gathers, one launch per K and V and per group of sequences."""
-    return quant_paged_attention_reference(
-        q, k_pages, v_pages, batch, scale, sliding_window, gather=gather_context
-    )
+    (engine/ops.py ``by_query_length``): ``quant_paged_attention_reference``'s SDPA, over the
+    context this kernel gathers (one launch per K and V and per group of sequences) in the
+    model's basis, so neither q nor the output is rotated (the reference's two float32
+    matmuls per layer), nor the chunk's own rows."""
+    check_pair(k_pages, v_pages)
+    own = own_rows(k_pages, batch, q.dtype, rotated=False)
+    slots, own_k, own_v = (None, None, None) if own is None else (own.slots, own.k, own.v)
+
+    def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
+        table = group.block_tables
+        k = gather_context(k_pages, table, q.dtype, slots, own_k, k_pages.rotate)
+        v = gather_context(v_pages, table, q.dtype, slots, own_v, v_pages.rotate)
+        return padded_attention(q_group, k, v, group, scale, sliding_window)
+
+    return by_group(q, batch, attend)

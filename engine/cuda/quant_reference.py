@@ -73,21 +73,16 @@ def quant_paged_attention_reference(
     batch: ForwardBatch,
     scale: float,
     sliding_window: int | None = None,
-    *,
-    gather: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D].
-    ``gather``: how a group's context K and V are gathered (``gather_context``'s contract;
-    default ``gather_context``, in torch; engine/cuda/kv_gather.py's kernel on a GPU)."""
+    """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D]."""
     check_pair(k_pages, v_pages)
     own = own_rows(k_pages, batch, q.dtype)
-    gather = gather_context if gather is None else gather
+    slots, own_k, own_v = (None, None, None) if own is None else (own.slots, own.k, own.v)
 
     def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
         table = group.block_tables
-        slots = None if own is None else own.slots
-        k = gather(k_pages, table, q.dtype, slots, None if own is None else own.k)
-        v = gather(v_pages, table, q.dtype, slots, None if own is None else own.v)
+        k = gather_context(k_pages, table, q.dtype, slots, own_k)
+        v = gather_context(v_pages, table, q.dtype, slots, own_v)
         return padded_attention(q_group, k, v, group, scale, sliding_window)
 
     if k_pages.rotate:
@@ -99,7 +94,8 @@ def quant_paged_attention_reference(
 @dataclass(frozen=True, slots=True)
 class OwnRows:
     """This forward's K/V rows of the sequences that read them exactly, as their codes
-    would dequantize without the error (centered, rotated), sorted by slot."""
+    would dequantize without the error (centered, and rotated as the pages are unless
+    ``own_rows`` was asked otherwise), sorted by slot."""
 
     slots: torch.Tensor  # [N] long, ascending
     k: torch.Tensor  # [N, KV, D]
@@ -129,9 +125,12 @@ def gather_context(
     return torch.where(hit, own_values[at], out)
 
 
-def own_rows(k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype) -> OwnRows | None:
+def own_rows(
+    k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype, rotated: bool = True
+) -> OwnRows | None:
     """The K and V rows this forward wrote for its prompt chunks of more than one token,
-    from the stash on the K pages (None: none, or the write left no rows for this batch)."""
+    from the stash on the K pages (None: none, or the write left no rows for this batch);
+    ``rotated`` False: in the model's basis even when the pages are stored rotated."""
     if k_pages.written is None:
         return None
     written = k_pages.written.take(batch.slot_mapping)
@@ -145,7 +144,7 @@ def own_rows(k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype) -> Ow
     v = written.v[keep].float()
     if k_pages.center is not None:
         k = k - k_pages.center
-    if k_pages.rotate:
+    if k_pages.rotate and rotated:
         k, v = rotate_groups(k), rotate_groups(v)
     order = slots.argsort()
     return OwnRows(slots[order], k[order].to(dtype), v[order].to(dtype))

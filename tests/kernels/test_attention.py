@@ -409,8 +409,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         print("mma", kb, vb, sinks, fp16, "registers", regs, "spill stores", spills)
         assert spills == "0", log
 
-    # The context gather of the prompt-chunk route (kv_gather.py): 4-bit pages with sink rows,
-    # 8-bit ones without.
+    # The context gather of the prompt-chunk route (kv_gather.py): 4-bit pages with sink rows
+    # rotated back, 8-bit ones without either.
     from engine.cuda import kv_gather
 
     for kb, page, rows in ((4, "uint8", True), (8, "int8", False)):
@@ -418,7 +418,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
             f"{page}[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
             "int32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, :, ::1]"
         )
-        regs, spills, log = link(kv_gather._gather_kernel(kb, rows), signature)
+        regs, spills, log = link(kv_gather._gather_kernel(kb, rows, rows), signature)
         print("gather", kb, rows, "registers", regs, "spill stores", spills)
         assert spills == "0", log
 
