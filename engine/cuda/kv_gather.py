@@ -34,8 +34,7 @@ import torch
 from engine.batch import ForwardBatch
 from engine.cache.quant import GROUP, QuantPages
 from engine.cuda import _launch
-from engine.cuda.attention import AttentionGroup, by_group, padded_attention
-from engine.cuda.quant_reference import check_pair, own_rows
+from engine.cuda.quant_reference import quant_paged_attention_reference
 
 cuda = _launch.cuda
 float32 = _launch.nbt.float32
@@ -183,18 +182,10 @@ def quant_chunk_attention_cuda(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The CUDA op set's route for batches with prompt chunks or drafts over quantized pages
-    (engine/ops.py ``by_query_length``): ``quant_paged_attention_reference``'s SDPA, over the
+    (engine/ops.py ``by_query_length``): ``quant_paged_attention_reference``'s SDPA over the
     context this kernel gathers (one launch per K and V and per group of sequences) in the
-    model's basis, so neither q nor the output is rotated (the reference's two float32
-    matmuls per layer), nor the chunk's own rows."""
-    check_pair(k_pages, v_pages)
-    own = own_rows(k_pages, batch, q.dtype, rotated=False)
-    slots, own_k, own_v = (None, None, None) if own is None else (own.slots, own.k, own.v)
-
-    def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
-        table = group.block_tables
-        k = gather_context(k_pages, table, q.dtype, slots, own_k, k_pages.rotate)
-        v = gather_context(v_pages, table, q.dtype, slots, own_v, v_pages.rotate)
-        return padded_attention(q_group, k, v, group, scale, sliding_window)
-
-    return by_group(q, batch, attend)
+    model's basis, so neither q nor the output is rotated."""
+    return quant_paged_attention_reference(
+        q, k_pages, v_pages, batch, scale, sliding_window, gather=gather_context,
+        model_basis=True,
+    )  # fmt: skip

@@ -73,22 +73,31 @@ def quant_paged_attention_reference(
     batch: ForwardBatch,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    gather: Callable[..., torch.Tensor] | None = None,
+    model_basis: bool = False,
 ) -> torch.Tensor:
-    """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D]."""
+    """``paged_attention_reference`` over quantized pages: q [T, H, D] -> [T, H, D].
+    ``gather``: how a group's context is gathered (``gather_context``'s contract; by default
+    ``gather_context``, in torch; engine/cuda/kv_gather.py's kernel on a GPU).
+    ``model_basis``: rotated pages are rotated back as they are gathered, so q and the output
+    are not rotated (two float32 matmuls fewer); otherwise q and the output are, and the
+    attention runs in the rotated basis."""
     check_pair(k_pages, v_pages)
-    own = own_rows(k_pages, batch, q.dtype)
+    gather = gather_context if gather is None else gather
+    own = own_rows(k_pages, batch, q.dtype, rotated=not model_basis)
     slots, own_k, own_v = (None, None, None) if own is None else (own.slots, own.k, own.v)
+    unrotate = model_basis and k_pages.rotate
+    rotate = k_pages.rotate and not model_basis
 
     def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
         table = group.block_tables
-        k = gather_context(k_pages, table, q.dtype, slots, own_k)
-        v = gather_context(v_pages, table, q.dtype, slots, own_v)
+        k = gather(k_pages, table, q.dtype, slots, own_k, unrotate)
+        v = gather(v_pages, table, q.dtype, slots, own_v, unrotate)
         return padded_attention(q_group, k, v, group, scale, sliding_window)
 
-    if k_pages.rotate:
-        q = rotate_groups(q)
-    out = by_group(q, batch, attend)
-    return rotate_groups(out) if k_pages.rotate else out
+    out = by_group(rotate_groups(q) if rotate else q, batch, attend)
+    return rotate_groups(out) if rotate else out
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +117,16 @@ def gather_context(
     dtype: torch.dtype,
     own_slots: torch.Tensor | None = None,
     own_values: torch.Tensor | None = None,
+    unrotate: bool = False,
 ) -> torch.Tensor:
     """The pages ``index`` ([B, n] page ids) dequantized into [B, n * S, KV, D] of ``dtype``
-    (sink and recent pages from their rows), with the rows ``own_values`` [N, KV, D] put in
-    wherever the pages hold their slots ``own_slots`` [N] (ascending; by ``torch.where``: a
-    boolean-mask assignment would wait for the device to count the hits)."""
+    (sink and recent pages from their rows; ``unrotate``: rotated back per group), with the
+    rows ``own_values`` [N, KV, D] (in the output's basis) put in wherever the pages hold
+    their slots ``own_slots`` [N] (ascending; by ``torch.where``: a boolean-mask assignment
+    would wait for the device to count the hits)."""
     out = _context(dequantize_pages(pages, index, dtype))
+    if unrotate:
+        out = rotate_groups(out)
     if own_slots is None:
         return out
     b, blocks = index.shape

@@ -4,6 +4,8 @@ since both round code * scale once to the output dtype."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,6 +78,12 @@ def test_gather_rotates_back_into_the_models_basis(bits, rows, dtype):
     torch.testing.assert_close(got[~own].float(), want[~own], atol=tol * want.abs().max(), rtol=0)
     assert torch.equal(got[own], own_values.reshape(-1, KV, D))
     assert (got[~own].float() - stored[~own]).abs().max() > 0.1  # (it did rotate)
+    # the torch gather does the same (its own rows put in after the rotation)
+    torch_gather = quant_reference.gather_context(
+        pages, index, dtype, own_slots, own_values, unrotate=True
+    )
+    torch.testing.assert_close(torch_gather.float(), got.float(), atol=2 * tol * want.abs().max(),
+                               rtol=0)  # fmt: skip
 
 
 def test_gather_refuses_what_it_cannot_take():
@@ -108,14 +116,18 @@ def test_chunk_attention_through_the_gather_equals_the_reference():
     q, kk, vv = (torch.randn(t, h, D, generator=gen).to(DEVICE) for h in (4, KV, KV))
     angle = torch.rand(t, D // 2, generator=gen).to(DEVICE)
     outs = []
-    for attention in (quant_paged_attention_reference, quant_chunk_attention_cuda):
+    for attention in (
+        quant_paged_attention_reference,
+        functools.partial(quant_paged_attention_reference, model_basis=True),  # (torch)
+        quant_chunk_attention_cuda,
+    ):
         qr = quant_rotary_cache_write_reference(
             q, kk, vv, angle.cos(), angle.sin(), k, v, batch.slot_mapping
         )
         outs.append(attention(qr, k, v, batch, D**-0.5))
-    # (the route attends in the model's basis, the reference in the rotated one: float32
-    # rounding apart)
+    # (in the model's basis, and in the rotated one: float32 rounding apart)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[2], outs[1], atol=1e-5, rtol=1e-5)
 
 
 class _CountOps(TorchDispatchMode):
