@@ -634,7 +634,8 @@ def _decode_kernel(  # noqa: C901, PLR0915
     def code_range(block_tables, seq, lo, hi, num_sink_pages):
         """The keys [main_lo, main_hi) of the split [lo, hi) on code pages: a sequence's
         unquantized pages (engine/cache/page_table.py) are its first block when that is a sink
-        page and up to TAIL_BLOCKS last blocks on recent pages (never block 0), so the split
+        page (or, in a cache without sink pages, a recent one) and up to TAIL_BLOCKS last
+        blocks on recent pages after it, so the split
         reads [lo, main_lo) and [main_hi, hi) from rows and the rest through codes, pipelined.
         (Block boundaries are tile boundaries: pages hold a multiple of 16 slots.)"""
         main_lo = lo
