@@ -10,7 +10,9 @@ found on the H200 on 2026-11-27. Writes the tables to --output (text).
 B decode rows beside a new prompt's chunk of --chunk tokens, with the decode rows on the
 CUDA-core kernel and then on the tensor-core kernel (ENGINE_TENSOR_CORE_DECODE 0 and 1), CPU
 and CUDA activity both: on the H200 such a step took 28.2 instead of 18.2 ms (fp16) and 57.9
-instead of 41.0 (q4) with the tensor-core kernel, which alone is faster (stop 37).
+instead of 41.0 (q4) with the tensor-core kernel, which alone is faster (stop 37). Quantized
+modes run the prompt chunk both ways (``--chunk-gathers``): through the kv_gather kernel (the
+op set's since stop 41) and through the torch gather before it, each with a wall time per step.
 
     python bench/kv_forward_profile.py [--modes fp16,q4,q4+sinks] [--batch 32] [--context 4096]
     python bench/kv_forward_profile.py --mixed --modes fp16,q4
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -63,8 +66,31 @@ def profile_mode(model, mode: str, batch: int, context: int, forwards: int, rows
     return f"===== {mode}: batch {batch} x {context}, {forwards} forwards\n{table}\n"
 
 
-def profile_mixed(model, mode: str, batch: int, context: int, chunk: int, rows: int) -> str:
-    """The op set's attention over every layer of one mixed step, per tensor-core routing."""
+def chunk_routes(model, quant: str, gathers: list[str]) -> dict[str, object]:
+    """The attention op per prompt-chunk route over quantized pages: ``kernel``, the op set's
+    (engine/cuda/kv_gather.py: the context gathered by one launch per K and V, in the model's
+    basis); ``torch``, the baseline before stop 41 (the torch gather, q and the output rotated
+    by float32 matmuls). fp16 pages have one route."""
+    from engine.cuda.quant_kernels import paged_attention_quant_cuda
+    from engine.cuda.quant_reference import by_storage, quant_paged_attention_reference
+    from engine.ops import by_query_length
+
+    if quant == "fp16":
+        return {"": model.ops.paged_attention}
+    routes = {"kernel": model.ops.paged_attention}
+    routes["torch"] = by_storage(
+        model.ops.paged_attention,
+        by_query_length(paged_attention_quant_cuda, quant_paged_attention_reference),
+        pages_arg=1,
+    )
+    return {name: routes[name] for name in gathers}
+
+
+def profile_mixed(
+    model, mode: str, batch: int, context: int, chunk: int, rows: int, gathers: list[str]
+) -> str:
+    """The op set's attention over every layer of one mixed step, per tensor-core routing and
+    per prompt-chunk route (``chunk_routes``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
@@ -84,30 +110,38 @@ def profile_mixed(model, mode: str, batch: int, context: int, chunk: int, rows: 
     q = torch.randn((fwd.num_tokens, cfg.num_heads, cfg.head_dim), device=model.device)
     q, scale = q.to(model.dtype), cfg.head_dim**-0.5
 
-    def step() -> None:
+    def step(attention) -> None:
         fwd.attention = AttentionPlan()
         for k_pages, v_pages in kv:
-            model.ops.paged_attention(q, k_pages, v_pages, fwd, scale)
+            attention(q, k_pages, v_pages, fwd, scale)
 
     tables = []
     shipped = attention_mma.MODE
     try:
         for routing in ("0", "1"):
             attention_mma.MODE = routing
-            for _ in range(3):  # compile and warm up
-                step()
-            torch.cuda.synchronize()
-            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with profile(activities=activities) as prof:
-                step()
+            for gather, attention in chunk_routes(model, quant, gathers).items():
+                for _ in range(3):  # compile and warm up
+                    step(attention)
                 torch.cuda.synchronize()
-            table = prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
-            )
-            tables.append(
-                f"===== {mode} mixed step: {batch} decode rows x {context} + a {chunk}-token "
-                f"chunk, ENGINE_TENSOR_CORE_DECODE={routing}\n{table}\n"
-            )
+                start = time.perf_counter()
+                for _ in range(5):  # host and device together, as a serving step sees them
+                    step(attention)
+                torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - start) / 5 * 1e3
+                activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                with profile(activities=activities) as prof:
+                    step(attention)
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+                )
+                route = f", chunk gather {gather}" if gather else ""
+                tables.append(
+                    f"===== {mode} mixed step: {batch} decode rows x {context} + a {chunk}-token "
+                    f"chunk, ENGINE_TENSOR_CORE_DECODE={routing}{route}: {wall_ms:.2f} ms per "
+                    f"step (wall, 5 steps)\n{table}\n"
+                )
     finally:
         attention_mma.MODE = shipped
     return "".join(tables)
@@ -122,8 +156,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=14)
     parser.add_argument("--mixed", action="store_true", help="profile a mixed step's attention")
     parser.add_argument("--chunk", type=int, default=2048, help="--mixed: prompt chunk tokens")
+    parser.add_argument(
+        "--chunk-gathers",
+        default="kernel,torch",
+        help="--mixed, quantized modes: the prompt chunk's routes (chunk_routes)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if not set(args.chunk_gathers.split(",")) <= {"kernel", "torch"}:
+        raise SystemExit(f"--chunk-gathers takes kernel and/or torch, got {args.chunk_gathers!r}")
     if not torch.cuda.is_available():
         raise SystemExit("kv_forward_profile needs a CUDA device")
     spec = gpu_decode.gpu_specs()["llama3-8b"]
@@ -134,7 +175,15 @@ def main() -> None:
     for mode in args.modes.split(","):
         if args.mixed:
             tables.append(
-                profile_mixed(model, mode, args.batch, args.context, args.chunk, args.rows)
+                profile_mixed(
+                    model,
+                    mode,
+                    args.batch,
+                    args.context,
+                    args.chunk,
+                    args.rows,
+                    args.chunk_gathers.split(","),
+                )
             )
         else:
             tables.append(

@@ -171,3 +171,36 @@ def test_chunk_attention_through_the_gather_dispatches_a_third_of_the_torch_ops(
         counts[attention.__name__] = ops.count
     torch_ops, kernel_ops = counts.values()
     assert kernel_ops <= 0.35 * torch_ops, counts
+
+
+def test_the_mixed_step_profile_runs_both_chunk_routes():
+    """bench/kv_forward_profile.py --mixed compares the op set's chunk route with the torch
+    gather it replaced (GPU only, so its routes are checked here): both give the reference's
+    output on a prompt chunk over q4 pages."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine.ops import cuda_ops
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    from kv_forward_profile import chunk_routes
+
+    model = SimpleNamespace(ops=cuda_ops())
+    routes = chunk_routes(model, "q4", ["kernel", "torch"])
+    assert list(routes) == ["kernel", "torch"] and list(chunk_routes(model, "fp16", [])) == [""]
+    k = _pages(4, 3, torch.float32, exact_chunks=True)
+    v = _pages(4, 3, torch.float32, seed=2)
+    seqs = [SequenceInput([1] * 6, num_cached=5, pages=[0, 6, 8], prompt_chunk=True)]
+    batch = build_forward_batch(seqs, PAGE, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    q, kk, vv = (torch.randn(6, h, D, generator=gen).to(DEVICE) for h in (4, KV, KV))
+    angle = torch.rand(6, D // 2, generator=gen).to(DEVICE)
+    outs = []
+    for attention in (quant_paged_attention_reference, *routes.values()):
+        qr = quant_rotary_cache_write_reference(
+            q, kk, vv, angle.cos(), angle.sin(), k, v, batch.slot_mapping
+        )
+        outs.append(attention(qr, k, v, batch, D**-0.5))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[2], outs[0])  # (the torch route is the reference itself)
