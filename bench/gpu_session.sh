@@ -11,7 +11,8 @@
 #      bench/cache_write_kernel.py (rotary + quantized cache write per mode),
 #      ncu on one decode attention call per mode (bench/attention_ncu.py), the kernels of a
 #      decode forward per cache mode (bench/kv_forward_profile.py), one mixed step's attention
-#      with its decode rows on CUDA cores and on tensor cores (--mixed), and prefill through
+#      with its decode rows on CUDA cores and on tensor cores and its prompt chunk through
+#      kv_gather's kernel and the torch gather (--mixed), and prefill through
 #      SDPA vs the kernel (1B shape, prefill rows only);
 #   6. bench/gpu_decode.py on the 1B shape (kernels with and without CUDA graphs, KV-cache
 #      modes at batch 32 x 4k: issue "Quantized KV cache"), then its baselines: prefill
@@ -90,7 +91,8 @@ if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per
   step kv-forward-profile "${PROFILE_CAP:-120}" $PY bench/kv_forward_profile.py \
     --output "$OUT/kv_forward_profile.txt"
   # one eager mixed step's attention, its decode rows on CUDA cores and on tensor cores (why
-  # the latter was slower on the H200, stop 37)
+  # the latter was slower on the H200, stop 37), q4's prompt chunk through the kv_gather
+  # kernel and through the torch gather it replaced (stop 41: the host time)
   step mixed-profile "${PROFILE_CAP:-120}" $PY bench/kv_forward_profile.py --mixed \
     --modes fp16,q4 --output "$OUT/mixed_step_profile.txt"
 fi
