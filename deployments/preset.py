@@ -26,7 +26,7 @@ import yaml
 from deployments.byte_size import parse_byte_size
 from deployments.cpu_affinity import parse_cpu_list
 from deployments.router_settings import RouterSettings
-from engine.cache.page_table import budget_pages, whole_pages
+from engine.cache.page_table import RECENT_BLOCKS, budget_pages, whole_pages
 
 logger = logging.getLogger("ray.serve")
 
@@ -234,11 +234,11 @@ class EnginePreset:
     cache_rotate: bool | None = None  # Hadamard rotation of quantized groups; None: default
     cache_center_keys: bool | None = None  # quantized keys less the model's key centers
     # pages kept unquantized for sequences' first blocks (engine/cache/page_table.py): one per
-    # running sequence with its own first page, so at least max_batch_size
+    # running sequence with its own first page, so at least max_batch_size ("auto": that)
     cache_sink_pages: int = 0
     # unquantized pages for sequences' last two blocks, so decoded tokens read their recent
     # keys exactly (engine/cache/page_table.py): two per running sequence (at most half of
-    # them run at once), so 2 * max_batch_size
+    # them run at once), so 2 * max_batch_size ("auto": that)
     cache_recent_pages: int = 0
     # prompt chunks read their own K/V exactly (quantized modes; None: on), see PagedCache
     cache_exact_chunks: bool | None = None
@@ -262,10 +262,13 @@ class EnginePreset:
         cache_center_keys = _bool(raw, "cache_center_keys", "engine")
         if cache_center_keys and cache_quant == "fp16":
             raise ValueError("engine.cache_center_keys: true needs a quantized engine.cache_quant")
-        cache_sink_pages = _int(raw, "cache_sink_pages", "engine", 0, 0)
+        max_batch_size = _int(raw, "max_batch_size", "engine", None, 1)
+        cache_sink_pages = _unquantized_pages(raw, "cache_sink_pages", max_batch_size, 1)
         if cache_sink_pages and cache_quant == "fp16":
             raise ValueError("engine.cache_sink_pages needs a quantized engine.cache_quant")
-        cache_recent_pages = _int(raw, "cache_recent_pages", "engine", 0, 0)
+        cache_recent_pages = _unquantized_pages(
+            raw, "cache_recent_pages", max_batch_size, RECENT_BLOCKS
+        )
         if cache_recent_pages and cache_quant == "fp16":
             raise ValueError("engine.cache_recent_pages needs a quantized engine.cache_quant")
         if cache_recent_pages == 1:
@@ -287,7 +290,7 @@ class EnginePreset:
             cache_bytes=cache_bytes,
             page_size=page_size,
             max_chunk_size=_int(raw, "max_chunk_size", "engine", cls.max_chunk_size, 1),
-            max_batch_size=_int(raw, "max_batch_size", "engine", None, 1),
+            max_batch_size=max_batch_size,
             cache_quant=cache_quant,
             cache_rotate=cache_rotate,
             cache_center_keys=cache_center_keys,
@@ -321,6 +324,18 @@ class EnginePreset:
                 f"{pages} pages"
             )
         return pages
+
+
+def _unquantized_pages(
+    raw: Mapping[str, Any], key: str, max_batch_size: int | None, per_sequence: int
+) -> int:
+    """``engine.<key>`` (sink or recent pages): a count, or ``auto``: ``per_sequence`` pages
+    for each of ``engine.max_batch_size`` running sequences, what serves every one of them."""
+    if raw.get(key) != "auto":
+        return _int(raw, key, "engine", 0, 0)
+    if max_batch_size is None:
+        raise ValueError(f"engine.{key}: auto needs engine.max_batch_size")
+    return per_sequence * max_batch_size
 
 
 def _cache_size(raw: Mapping[str, Any], page_size: int) -> tuple[int | None, int | None]:

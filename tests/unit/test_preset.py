@@ -186,6 +186,25 @@ def test_cache_sink_pages_shorten_the_context_by_the_other_sink_pages() -> None:
     assert Preset.parse(raw).context_length(max_position_embeddings=4096) == 49 * 16
 
 
+def test_cache_sink_and_recent_pages_auto_serve_every_running_sequence() -> None:
+    raw = with_value("engine", "max_num_tokens", 4096)
+    raw["engine"].update(cache_quant="q4", cache_sink_pages="auto", cache_recent_pages="auto")
+    with pytest.raises(ValueError, match=r"cache_sink_pages: auto needs engine\.max_batch_size"):
+        Preset.parse(raw)
+    raw["engine"]["max_batch_size"] = 6
+    engine = Preset.parse(raw).engine
+    assert (engine.cache_sink_pages, engine.cache_recent_pages) == (6, 12)
+    raw["engine"]["cache_sink_pages"] = 0
+    engine = Preset.parse(raw).engine
+    assert (engine.cache_sink_pages, engine.cache_recent_pages) == (0, 12)
+    raw["engine"]["cache_recent_pages"] = "some"
+    with pytest.raises(ValueError, match="cache_recent_pages must be an integer, got 'some'"):
+        Preset.parse(raw)
+    raw["engine"].update(cache_quant="fp16", cache_recent_pages="auto")
+    with pytest.raises(ValueError, match="cache_recent_pages needs a quantized"):
+        Preset.parse(raw)
+
+
 def test_cache_not_a_multiple_of_the_page_size_rounds_once() -> None:
     preset = Preset.parse(with_value("engine", "max_num_tokens", 1000))
     assert preset.cache_tokens() == 992
