@@ -6,14 +6,14 @@ The torch reference (engine/cuda/quant_reference.py: ``gather_context``, the rot
 and the output) gathers the codes and scales of every page a group names, unpacks, scales,
 puts in the sink and recent pages' rows and the chunk's own exact rows, and rotates q and
 the output (two float32 matmuls): 128 torch ops for a prompt chunk's attention on q4 pages
-with sink pages, 40 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
+with sink pages, 38 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
 Those ops made a q4 mixed step host-bound on the H200: CPU 46-58 ms against 19-21 ms of GPU
 work per 32 layers, 2.1 ms of it the rotations' matmuls
 (bench/results/mixed_step_profile_h200_2026-11-27.txt). Here one thread takes one
 quantization group (32 values) of one row and writes:
 
 - a slot among the chunk's own rows (``own_slots``, ascending; ``OwnRows``, taken in the
-  model's basis): that row, as the reference's overlay puts it in;
+  model's basis): that row, as the torch ``gather_context`` puts it in;
 - a page below ``num_rows_pages`` (sink and recent pages): its unquantized row;
 - otherwise code times the group's fp16 scale, in float32 (exact: at most 8 + 11
   significant bits);
@@ -107,13 +107,13 @@ def _gather_kernel(bits: int, has_rows: bool, unrotate: bool):  # noqa: C901 (on
         t = j * page_size + s
         d0 = g * GROUP
         page = index[b, j]
-        # (no own rows: an empty own_slots, so that one compiled kernel serves every batch of
-        # a cache, the warm-up's included)
-        at = own_row(own_slots, page * page_size + s) if page >= 0 else -1
         if page < 0:  # (block-table padding: masked by the attention)
             for i in range(GROUP):
                 out[b, t, h, d0 + i] = 0
             return
+        # (no own rows: an empty own_slots, so that one compiled kernel serves every batch of
+        # a cache, the warm-up's included)
+        at = own_row(own_slots, page * page_size + s)
         if at >= 0:  # the chunk's own row, exact (and in the output's basis already)
             for i in range(GROUP):
                 out[b, t, h, d0 + i] = own_values[at, h, d0 + i]
@@ -144,8 +144,10 @@ def gather_context(
     ``dtype``: ``dequantize_pages`` (sink and recent pages from their rows), rotated back
     per group when ``unrotate`` (rotated pages read in the model's basis), with the rows
     ``own_values`` [N, KV, D] (``dtype``, in the output's basis) put in at the slots
-    ``own_slots`` [N] (ascending) where the pages hold them, as ``OwnRows.overlay`` does."""
-    _launch.check_dtype("gather_context", torch.empty(0, dtype=dtype))
+    ``own_slots`` [N] (ascending) where the pages hold them, as the torch ``gather_context``
+    (engine/cuda/quant_reference.py) does."""
+    if dtype not in _launch.KERNEL_DTYPES:  # (no tensor made to check it: a per-layer call)
+        raise ValueError(f"gather_context: dtype {dtype} is not supported by the CUDA kernels")
     if index.dim() != 2:
         raise ValueError(f"gather_context: index must be [B, n], got {tuple(index.shape)}")
     if (own_slots is None) != (own_values is None):

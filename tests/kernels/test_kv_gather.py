@@ -147,7 +147,7 @@ def test_chunk_attention_through_the_gather_dispatches_a_third_of_the_torch_ops(
     """The host cost of the prompt-chunk route is its torch ops (each a launch and ~10 us of
     host time on a GPU): a mixed batch's prompt chunk (exact chunks) and 4 decode rows over q4
     pages with sink pages, the rest of the split (engine/cuda/attention.py ``decode_split``)
-    as the op set hands it over: 128 torch ops by the reference, 40 here (2026-11-28)."""
+    as the op set hands it over: 128 torch ops by the reference, 38 here (2026-11-28)."""
     from engine.cuda.attention import decode_split
 
     k = _pages(4, 3, torch.float32, exact_chunks=True)
