@@ -9,6 +9,10 @@ ones). Prints, per mode, registers, spill bytes, the loop's instruction count, i
 per key (the loop body covers keys_per_step keys per key group) and the loop's most frequent
 opcodes; writes JSON to --output.
 
+With ``--gather`` (default on) it also compiles the prompt-chunk route's context gather
+(engine/cuda/kv_gather.py) at that shape and counts its global loads and stores by width
+(a thread's whole program: the gather has no loop over keys).
+
 A kernel bound by instructions, as this one was on the H200 (ncu, 2026-11-27), runs about as
 fast as its loop is short, so this is a cheap proxy for a change when no GPU is lent; it is
 no substitute for timing one (bench/attention_keys_per_step.py).
@@ -61,6 +65,19 @@ class KernelSass:
     # CUDA-core kernel, one 16-key tile per warp on tensor cores (q4-mma)
     per_key_per_warp: float
     top_opcodes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class GatherSass:
+    mode: str  # q4+rows+unrotate: 4-bit codes, sink/recent rows, rotated back; fp16 output
+    values_per_thread: int
+    registers: int
+    spill_bytes: int
+    instructions: int  # a thread's program, all paths (codes, rows, own rows, padding)
+    memory_opcodes: dict[str, int]  # LDG / STG / SHFL by width, in the program
+
+
+GATHER_MODES = {"q4+rows+unrotate": (4, True, True), "q8": (8, False, False)}
 
 
 def _tool(name: str) -> str:
@@ -147,14 +164,40 @@ def _link(kernel, signature: str, path: Path) -> tuple[int, int]:
     return registers, spills
 
 
-def key_loop(cubin: Path) -> tuple[int, list[str]]:
-    """(instructions in the kernel, the key loop's opcodes)."""
+def _sass(cubin: Path) -> str:
     env = {**os.environ, "PATH": f"{Path(_tool('nvdisasm')).parent}:{os.environ['PATH']}"}
-    text = subprocess.run(
+    return subprocess.run(
         [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, env=env,
         check=True,
     ).stdout  # fmt: skip
-    return longest_loading_loop(text)
+
+
+def key_loop(cubin: Path) -> tuple[int, list[str]]:
+    """(instructions in the kernel, the key loop's opcodes)."""
+    return longest_loading_loop(_sass(cubin))
+
+
+def memory_opcodes(sass: str) -> tuple[int, dict[str, int]]:
+    """(instructions in ``sass``, its global loads, stores and shuffles by full opcode, as
+    LDG.E.64: the width says how many bytes one thread moves per instruction)."""
+    ops = [_full_opcode(m.group(2)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+    memory = collections.Counter(o for o in ops if o.startswith(("LDG", "STG", "SHFL")))
+    return len(ops), dict(sorted(memory.items()))
+
+
+def measure_gather(mode: str, out_dir: Path) -> GatherSass:
+    from engine.cuda import kv_gather
+
+    bits, rows, unrotate = GATHER_MODES[mode]
+    kernel = kv_gather._gather_kernel(bits, rows, unrotate, True, PAGE, 8, HEAD_DIM // 32)
+    signature = (  # (page bytes as int32 words, fp16 output as an int64 view)
+        "int32[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
+        "int32[:, ::1], int64[::1], float16[:, :, ::1], int64[:, :, :, ::1]"
+    )
+    path = out_dir / f"gather_{mode.replace('+', '_')}.cubin"
+    registers, spills = _link(kernel, signature, path)
+    total, memory = memory_opcodes(_sass(path))
+    return GatherSass(mode, kv_gather.PER_LANE, registers, spills, total, memory)
 
 
 def longest_loading_loop(sass: str) -> tuple[int, list[str]]:
@@ -180,8 +223,13 @@ def longest_loading_loop(sass: str) -> tuple[int, list[str]]:
     return len(code), [_opcode(o) for o in body]
 
 
+def _full_opcode(instruction: str) -> str:
+    """The opcode with its modifiers (LDG.E.64), without a predicate."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction.strip()).split()[0]
+
+
 def _opcode(instruction: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+    return _full_opcode(instruction).split(".")[0]
 
 
 def measure(mode: str, out_dir: Path) -> KernelSass:
@@ -199,12 +247,14 @@ def main() -> None:
     parser.add_argument(
         "--modes", default="fp16,q8,q6,q4,q4+sinks,q4-mma,q4-mma+sinks,q6-mma,q8-mma,fp16-mma"
     )
+    parser.add_argument("--gather", default=",".join(GATHER_MODES), help="'': none")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         raise SystemExit("kernel_sass compiles the real kernels: unset NUMBA_ENABLE_CUDASIM")
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(mode, Path(tmp)) for mode in args.modes.split(",")]
+        gathers = [measure_gather(m, Path(tmp)) for m in args.gather.split(",") if m]
     print(f"{'mode':<18} {'keys':>4} {'regs':>4} {'spill':>5} {'kernel':>6} {'loop':>5} "
           f"{'per key':>7} {'/warp':>6}  top opcodes")  # fmt: skip
     for r in rows:
@@ -212,12 +262,19 @@ def main() -> None:
         print(f"{r.mode:<18} {r.keys_per_step:>4} {r.registers:>4} {r.spill_bytes:>5} "
               f"{r.instructions:>6} {r.loop_instructions:>5} {r.per_key:>7} "
               f"{r.per_key_per_warp:>6}  {top}")  # fmt: skip
+    if gathers:
+        print(f"\n{'gather':<18} {'vals':>4} {'regs':>4} {'spill':>5} {'kernel':>6}  memory")
+    for g in gathers:
+        memory = " ".join(f"{k}:{v}" for k, v in g.memory_opcodes.items())
+        print(f"{g.mode:<18} {g.values_per_thread:>4} {g.registers:>4} {g.spill_bytes:>5} "
+              f"{g.instructions:>6}  {memory}")  # fmt: skip
     write_record(
         args.output,
         "kernel_sass",
         target="sm_90 (compiled here, no GPU)",
         shape={"head_dim": HEAD_DIM, "page_size": PAGE, "group": GROUP_HEADS, "lanes": LANES},
         rows=[asdict(r) for r in rows],
+        gather_rows=[asdict(g) for g in gathers],
     )
 
 

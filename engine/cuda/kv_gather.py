@@ -9,8 +9,10 @@ the output (two float32 matmuls): 128 torch ops for a prompt chunk's attention o
 with sink pages, 38 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
 Those ops made a q4 mixed step host-bound on the H200: CPU 46-58 ms against 19-21 ms of GPU
 work per 32 layers, 2.1 ms of it the rotations' matmuls
-(bench/results/mixed_step_profile_h200_2026-11-27.txt). Here one thread takes one
-quantization group (32 values) of one row and writes:
+(bench/results/mixed_step_profile_h200_2026-11-27.txt). Here a grid block row takes one
+page of one sequence, and 8 threads one quantization group (32 values) of one of its rows,
+4 consecutive values each (one 32-bit load of codes, one 8-byte store of an fp16 output: a
+warp reads and writes whole sectors), and write:
 
 - a slot among the chunk's own rows (``own_slots``, ascending; ``OwnRows``, taken in the
   model's basis): that row, as the torch ``gather_context`` puts it in;
@@ -19,9 +21,10 @@ quantization group (32 values) of one row and writes:
   significant bits);
 - a negative page id (the padding of a block table): zeros (the attention masks them).
 
-Rows and codes of rotated pages are rotated back (a 32-point Walsh-Hadamard transform in the
-thread's registers, ``unrotate``), so the attention runs in the model's basis; then one
-rounding to the output dtype. Without ``unrotate`` the values are the reference's, bit for
+Rows and codes of rotated pages are rotated back (a 32-point Walsh-Hadamard transform over
+the group's 8 threads: two butterfly levels in registers, three by warp shuffles,
+``unrotate``), so the attention runs in the model's basis; then one rounding to the output
+dtype. Without ``unrotate`` the values are the reference's, bit for
 bit.
 """
 
@@ -34,20 +37,33 @@ import torch
 from engine.batch import ForwardBatch
 from engine.cache.quant import GROUP, QuantPages
 from engine.cuda import _launch
+from engine.cuda.mma import pack_half2, warp_shfl_xor
 from engine.cuda.quant_reference import quant_paged_attention_reference
 
 cuda = _launch.cuda
 float32 = _launch.nbt.float32
 int32 = _launch.nbt.int32
+int64 = _launch.nbt.int64
 
 _THREADS = 128
+# Threads per quantization group, each taking PER_LANE consecutive values: a warp then writes
+# 4 whole groups, 256 contiguous bytes of an fp16 output (one 8-byte store per thread), and
+# reads their codes (128 or 64 contiguous bytes). One thread per group wrote 32 values 64
+# bytes apart from its neighbours' (32 stores per thread, each of a warp's touching 32
+# sectors). The Hadamard levels across values of different threads go by warp shuffles.
+LANES = 8
+PER_LANE = GROUP // LANES
 _INV_SQRT_GROUP = float32(1.0 / GROUP**0.5)
+_LOW_WORD = 0xFFFFFFFF
 
 
 def _own_row(own_slots, slot):
-    """Where ``slot`` is in the ascending ``own_slots`` (-1: not there): a binary search."""
-    lo = 0
+    """Where ``slot`` is in the ascending ``own_slots`` (-1: not there): a binary search,
+    after a range test that settles most context rows (pages before the chunk's)."""
     hi = own_slots.shape[0]
+    if hi == 0 or slot < own_slots[0] or slot > own_slots[hi - 1]:
+        return -1
+    lo = 0
     while lo < hi:
         mid = (lo + hi) // 2
         if own_slots[mid] < slot:
@@ -57,77 +73,99 @@ def _own_row(own_slots, slot):
     return lo if lo < own_slots.shape[0] and own_slots[lo] == slot else -1
 
 
-def _unrotate(vals):
-    """vals [32] times H_32 / sqrt(32) (its own inverse: engine/cache/quant.py ``hadamard``,
-    Sylvester's order), in place: five butterfly levels."""
-    for stride in (1, 2, 4, 8, 16):
-        for i in range(GROUP):
-            if i & stride == 0:
-                x = vals[i]
-                y = vals[i + stride]
-                vals[i] = x + y
-                vals[i + stride] = x - y
-    for i in range(GROUP):
-        vals[i] *= _INV_SQRT_GROUP
-
-
 @functools.cache
-def _gather_kernel(bits: int, has_rows: bool, unrotate: bool):  # noqa: C901 (one kernel)
+def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
+    bits: int, has_rows: bool, unrotate: bool, packed: bool, page_size: int, kv: int,
+    num_groups: int,
+):  # fmt: skip
+    """``packed``: an fp16 output, written as an int64 view (4 values per store). The page
+    shape is compiled in: a thread's (slot, head, group, lane) within its page then costs
+    divisions by constants, not the 64-bit divisions by runtime sizes that would otherwise
+    be most of a lane's instructions (a grid block row per page: no division for those)."""
     HALF = GROUP // 2
+    PAGE_THREADS = page_size * kv * num_groups * LANES
     own_row = _launch.device_function(_own_row)
-    unrotate_group = _launch.device_function(_unrotate)
 
     @_launch.device_function
-    def codes(data, scales, page, s, h, g, vals):
-        """The group's codes times its scale into vals (exact in float32)."""
+    def load(words, scales, rows, num_rows_pages, page, s, h, g, sub, vals):
+        """The lane's values (dims 32 g + PER_LANE sub ...) of the row: a sink or recent
+        page's unquantized row, else its codes (one 32-bit word of the page bytes, ``words``)
+        times the group's scale (exact in float32)."""
+        if has_rows and page < num_rows_pages:
+            d = g * GROUP + PER_LANE * sub
+            for k in range(PER_LANE):
+                vals[k] = float32(rows[page, s, h, d + k])
+            return
         scale = float32(scales[page, s, h, g])
-        if bits == 8:
-            for i in range(GROUP):
-                vals[i] = float32(data[page, s, h, g * GROUP + i]) * scale
+        if bits == 8:  # the lane's 4 signed bytes, dim d + k in byte k (little-endian)
+            word = int32(words[page, s, h, g * (GROUP // 4) + sub])
+            for k in range(PER_LANE):
+                byte = (word >> (8 * k)) & 255
+                vals[k] = float32(byte - 256 if byte >= 128 else byte) * scale
         else:  # byte i of the group: dim i in its low nibble, dim 16 + i in its high one
-            for i in range(HALF):
-                byte = int32(data[page, s, h, g * HALF + i])
-                vals[i] = float32((byte & 15) - 8) * scale
-                vals[HALF + i] = float32((byte >> 4) - 8) * scale
+            word = int32(words[page, s, h, g * (HALF // 4) + sub % (HALF // PER_LANE)])
+            shift = 4 * (sub // (HALF // PER_LANE))
+            for k in range(PER_LANE):
+                vals[k] = float32(((word >> (8 * k + shift)) & 15) - 8) * scale
 
-    def gather(data, scales, rows, num_rows_pages, index, own_slots, own_values, out):
-        """out[b, j * S + s, h, 32 g ...] for the thread's (b, j, s, h, g)."""
-        num_groups = scales.shape[3]
-        kv = data.shape[2]
-        page_size = data.shape[1]
-        blocks = index.shape[1]
-        idx = cuda.grid(1)
-        if idx >= index.shape[0] * blocks * page_size * kv * num_groups:
-            return
-        g = idx % num_groups
-        h = idx // num_groups % kv
-        s = idx // (num_groups * kv) % page_size
-        j = idx // (num_groups * kv * page_size) % blocks
-        b = idx // (num_groups * kv * page_size * blocks)
-        t = j * page_size + s
-        d0 = g * GROUP
-        page = index[b, j]
-        if page < 0:  # (block-table padding: masked by the attention)
-            for i in range(GROUP):
-                out[b, t, h, d0 + i] = 0
-            return
+    @_launch.device_function
+    def unrotate_group(vals, sub):
+        """The group times H_32 / sqrt(32) (its own inverse: engine/cache/quant.py
+        ``hadamard``, Sylvester's order), in place: butterflies of strides 1 and 2 within the
+        lane's values, 4, 8 and 16 with lanes sub ^ 1, 2, 4 (the strides in order, each
+        pair summed as x + y and x - y: the sums one thread per group made)."""
+        for stride in (1, 2):
+            for i in range(PER_LANE):
+                if i & stride == 0:
+                    x = vals[i]
+                    y = vals[i + stride]
+                    vals[i] = x + y
+                    vals[i + stride] = x - y
+        for mask in (1, 2, 4):
+            upper = sub & mask
+            for i in range(PER_LANE):
+                other = warp_shfl_xor(vals[i], mask)
+                vals[i] = other - vals[i] if upper else vals[i] + other
+        for i in range(PER_LANE):
+            vals[i] *= _INV_SQRT_GROUP
+
+    def gather(words, scales, rows, num_rows_pages, index, own_slots, own_values, out):
+        """out[b, j * S + s, h, 32 g ...] for the block's (b, j) = (blockIdx.z, blockIdx.y)
+        and the thread's (s, h, g), PER_LANE values of it per thread. No thread leaves before
+        the shuffles (every lane takes part)."""
+        b = cuda.blockIdx.z
+        j = cuda.blockIdx.y
+        local = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        live = local < PAGE_THREADS
+        sub = local % LANES
+        g = local // LANES % num_groups
+        h = local // (LANES * num_groups) % kv
+        s = local // (LANES * num_groups * kv)
+        # (a negative page: block-table padding, zeros, which the attention masks)
+        page = index[b, j] if live else -1
         # (no own rows: an empty own_slots, so that one compiled kernel serves every batch of
         # a cache, the warm-up's included)
-        at = own_row(own_slots, page * page_size + s)
-        if at >= 0:  # the chunk's own row, exact (and in the output's basis already)
-            for i in range(GROUP):
-                out[b, t, h, d0 + i] = own_values[at, h, d0 + i]
-            return
-        vals = cuda.local.array(GROUP, float32)
-        if has_rows and page < num_rows_pages:  # a sink or recent page: its exact row
-            for i in range(GROUP):
-                vals[i] = float32(rows[page, s, h, d0 + i])
-        else:
-            codes(data, scales, page, s, h, g, vals)
+        at = own_row(own_slots, page * page_size + s) if page >= 0 else -1
+        vals = cuda.local.array(PER_LANE, float32)
+        for k in range(PER_LANE):
+            vals[k] = float32(0.0)
+        if page >= 0 and at < 0:
+            load(words, scales, rows, num_rows_pages, page, s, h, g, sub, vals)
         if unrotate:  # stored rotated: back to the model's basis, rounded once below
-            unrotate_group(vals)
-        for i in range(GROUP):
-            out[b, t, h, d0 + i] = vals[i]
+            unrotate_group(vals, sub)
+        if not live:
+            return
+        d = g * GROUP + PER_LANE * sub
+        if at >= 0:  # the chunk's own row, exact (and in the output's basis already)
+            for k in range(PER_LANE):
+                vals[k] = float32(own_values[at, h, d + k])
+        if packed:  # four fp16 (each rounded to nearest), lowest dim in the low bits
+            lo = int64(pack_half2(vals[0], vals[1])) & _LOW_WORD
+            hi = int64(pack_half2(vals[2], vals[3]))
+            out[b, j * page_size + s, h, d // PER_LANE] = (hi << 32) | lo
+        else:
+            for k in range(PER_LANE):
+                out[b, j * page_size + s, h, d + k] = vals[k]
 
     return cuda.jit(gather)
 
@@ -157,8 +195,7 @@ def gather_context(
     groups = pages.scales.shape[3]
     b, n = index.shape
     out = torch.empty((b, n * page_size, kv, groups * GROUP), dtype=dtype, device=index.device)
-    total = b * n * page_size * kv * groups
-    if total == 0:
+    if out.numel() == 0:
         return out
     if own_slots is None:  # (none to find; own_values a dummy the kernel never reads)
         own_slots, own_values = index.new_zeros(0, dtype=torch.int64), out[0, :1]
@@ -167,10 +204,12 @@ def gather_context(
     has_rows = pages.sinks is not None
     rows = pages.sinks if has_rows else out  # (a dummy when there are none)
     num_rows_pages = pages.sinks.shape[0] if has_rows else 0
-    kernel = _gather_kernel(pages.bits, has_rows, unrotate)
+    packed = dtype == torch.float16
+    kernel = _gather_kernel(pages.bits, has_rows, unrotate, packed, page_size, kv, groups)
+    grid = (_launch.blocks(page_size * kv * groups * LANES, _THREADS), n, b)
     _launch.launch(
-        kernel, _launch.blocks(total, _THREADS), _THREADS, pages.data, pages.scales, rows,
-        num_rows_pages, index, own_slots, own_values, out,
+        kernel, grid, _THREADS, pages.data.view(torch.int32), pages.scales, rows,
+        num_rows_pages, index, own_slots, own_values, out.view(torch.int64) if packed else out,
     )  # fmt: skip
     return out
 

@@ -410,15 +410,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
         assert spills == "0", log
 
     # The context gather of the prompt-chunk route (kv_gather.py): 4-bit pages with sink rows
-    # rotated back, 8-bit ones without either.
+    # rotated back, 8-bit ones without either; fp16 output (packed: an int64 view) and fp32.
     from engine.cuda import kv_gather
 
-    for kb, page, rows in ((4, "uint8", True), (8, "int8", False)):
+    for kb, rows, out in ((4, True, "int64"), (8, False, "float32")):
         signature = (
-            f"{page}[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
-            "int32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, :, ::1]"
+            "int32[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
+            f"int32[:, ::1], int64[::1], float16[:, :, ::1], {out}[:, :, :, ::1]"
         )
-        regs, spills, log = link(kv_gather._gather_kernel(kb, rows, rows), signature)
+        kernel = kv_gather._gather_kernel(kb, rows, rows, out == "int64", 16, 8, 4)
+        regs, spills, log = link(kernel, signature)
         print("gather", kb, rows, "registers", regs, "spill stores", spills)
         assert spills == "0", log
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-from kernel_sass import longest_loading_loop
+from kernel_sass import longest_loading_loop, memory_opcodes
 
 # An outer loop 0x10..0xb0 around three inner ones: 0x20..0x40 (one load, 3 instructions),
 # 0x50..0x70 (two loads, 3 instructions: like a sink variant's exact tiles) and 0x80..0xa0 (no
@@ -44,3 +44,11 @@ def test_the_longest_innermost_loop_that_loads_is_the_key_loop():
 def test_predicates_are_not_opcodes():
     _, body = longest_loading_loop(SASS)
     assert not any(op.startswith("@") for op in body)
+
+
+def test_memory_opcodes_count_loads_and_stores_by_width():
+    """The gather's figures (``--gather``): every global load and store of the program with
+    its width, a predicated one included, nothing else."""
+    total, memory = memory_opcodes(SASS + "        /*0130*/    @P4 STG.E.64 [R2.64], R4 ;\n")
+    assert total == 20
+    assert memory == {"LDG.E": 3, "LDG.E.64": 1, "STG.E.64": 1}
