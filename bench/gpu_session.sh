@@ -9,6 +9,7 @@
 #   5. bench/attention_kernel.py (decode attention GB/s vs the copy bandwidth), then
 #      bench/attention_keys_per_step.py (decode attention per cache mode vs keys per step),
 #      bench/cache_write_kernel.py (rotary + quantized cache write per mode),
+#      bench/kv_gather_kernel.py (the prompt-chunk route's context gather, kernel vs torch),
 #      ncu on one decode attention call per mode (bench/attention_ncu.py), the kernels of a
 #      decode forward per cache mode (bench/kv_forward_profile.py), one mixed step's attention
 #      with its decode rows on CUDA cores and on tensor cores and its prompt chunk through
@@ -81,6 +82,10 @@ if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per
   # (token, KV head); stop 38's one-block-per-token figures: cache_write_kernel_h200_2026-11-27)
   step cache-write "${WRITE_CAP:-60}" $PY bench/cache_write_kernel.py \
     --output "$OUT/cache_write_kernel.json"
+  # the prompt-chunk route's context gather, the kv_gather kernel (stop 42: 8 threads per
+  # group, 8-byte stores) beside the torch gather, against the copy bandwidth
+  step kv-gather "${GATHER_CAP:-60}" $PY bench/kv_gather_kernel.py \
+    --output "$OUT/kv_gather_kernel.json"
   # the decode attention's hardware counters (ncu reads them on a Firecracker machine only),
   # then where a decode forward's GPU time goes per cache mode
   step attention-ncu "${NCU_CAP:-90}" bash -c "ncu --clock-control none --profile-from-start off \
