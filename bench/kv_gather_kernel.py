@@ -24,6 +24,7 @@ bench/results/kv_gather_kernel.json (--output).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,29 +105,33 @@ def check_equal(pages, index, unrotate: bool) -> None:
         raise AssertionError("kv_gather's kernel and the torch gather differ")
 
 
-def measure(modes: list[str], seqs: int, context: int, iters: int, copy_gbs: float):
+def time_routes(pages, index, unrotate: bool, iters: int) -> dict[str, tuple[float, str]]:
+    """Each route's (us per call, how timed) on one case."""
     from engine.cuda import quant_reference
     from engine.cuda.kv_gather import gather_context
 
     routes = {"kernel": gather_context, "torch": quant_reference.gather_context}
+    times = {}
+    for route in ROUTES:
+        call = functools.partial(routes[route], pages, index, torch.float16, unrotate=unrotate)
+        ms, how = time_ms(call, iters)
+        times[route] = (1000 * ms, how)
+    return times
+
+
+def measure(modes: list[str], seqs: int, context: int, iters: int, copy_gbs: float):
     rows: list[GatherRow] = []
     for mode in modes:
         pages, index, unrotate, moved = gather_case(mode, seqs, context)
         check_equal(pages, index, unrotate)
-        times = {}
-        for route in ROUTES:
-            gather = routes[route]
-            ms, how = time_ms(lambda g=gather: g(pages, index, torch.float16, unrotate=unrotate),
-                              iters)  # fmt: skip
-            times[route] = us = 1000 * ms
+        times = time_routes(pages, index, unrotate, iters)
+        for route, (us, how) in times.items():
             gbs = moved / (us / 1e6) / 1e9
             print(f"  {mode:<12} {route:<6} {us:9.1f} us  {gbs:7.1f} GB/s "
                   f"({100 * gbs / copy_gbs:4.1f}% of copy; {how})")  # fmt: skip
+            ratio = round(times["torch"][0] / us, 2) if route == "kernel" else None
             rows.append(GatherRow(mode, route, seqs, context, round(us, 1), moved,
-                                  round(gbs, 1), None))  # fmt: skip
-        rows[-2] = GatherRow(**{**asdict(rows[-2]),
-                                "vs_torch": round(times["torch"] / times["kernel"], 2)})  # fmt: skip
-        del pages, index
+                                  round(gbs, 1), ratio))  # fmt: skip
         torch.cuda.empty_cache()
     return rows
 

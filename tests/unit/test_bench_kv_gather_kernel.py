@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from kv_gather_kernel import PAGE, check_equal, gather_case
