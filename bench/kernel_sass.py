@@ -189,10 +189,13 @@ def measure_gather(mode: str, out_dir: Path) -> GatherSass:
     from engine.cuda import kv_gather
 
     bits, rows, unrotate = GATHER_MODES[mode]
-    kernel = kv_gather._gather_kernel(bits, rows, unrotate, True, PAGE, 8, HEAD_DIM // 32)
+    # (K pages of exact chunks: own rows take rotary and the center)
+    kernel = kv_gather._gather_kernel(bits, rows, unrotate, True, PAGE, 8, HEAD_DIM // 32,
+                                      unrotate, True, True)  # fmt: skip
     signature = (  # (page bytes as int32 words, fp16 output as an int64 view)
         "int32[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
-        "int32[:, ::1], int64[::1], float16[:, :, ::1], int64[:, :, :, ::1]"
+        "int32[:, ::1], int64[::1], int64[::1], float16[:, :, ::1], float16[:, ::1], "
+        "float16[:, ::1], float32[:, ::1], int64[:, :, :, ::1]"
     )
     path = out_dir / f"gather_{mode.replace('+', '_')}.cubin"
     registers, spills = _link(kernel, signature, path)

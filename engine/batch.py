@@ -64,9 +64,9 @@ class AttentionPlan:
     kernel: dict[KernelPlanKey, KernelPlan] = field(default_factory=dict)
     # torch reference: the sequences padded together (row maps, pages, masks per window)
     groups: list[AttentionGroup] | None = None
-    # torch reference over quantized pages: the flat rows of the prompt chunks of more than one
-    # token, which read their own K/V exactly (exact_chunks)
-    prompt_rows: torch.Tensor | None = None
+    # quantized pages with exact_chunks: the slots (ascending) and flat rows of the prompt
+    # chunks of more than one token, which read their own K/V exactly; () when there are none
+    own_order: tuple[torch.Tensor, ...] | None = None
     # CUDA op set, a batch of decode rows and longer queries: the decode rows for the kernel,
     # the rest for the reference (engine/cuda/attention.py ``decode_split``)
     decode_split: DecodeSplit | None = None

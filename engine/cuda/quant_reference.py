@@ -85,15 +85,14 @@ def quant_paged_attention_reference(
     attention runs in the rotated basis."""
     check_pair(k_pages, v_pages)
     gather = gather_context if gather is None else gather
-    own = own_rows(k_pages, batch, q.dtype, rotated=not model_basis)
-    slots, own_k, own_v = (None, None, None) if own is None else (own.slots, own.k, own.v)
+    own_k, own_v = own_rows(k_pages, batch) or (None, None)
     unrotate = model_basis and k_pages.rotate
     rotate = k_pages.rotate and not model_basis
 
     def attend(group: AttentionGroup, q_group: torch.Tensor) -> torch.Tensor:
         table = group.block_tables
-        k = gather(k_pages, table, q.dtype, slots, own_k, unrotate)
-        v = gather(v_pages, table, q.dtype, slots, own_v, unrotate)
+        k = gather(k_pages, table, q.dtype, own_k, unrotate)
+        v = gather(v_pages, table, q.dtype, own_v, unrotate)
         return padded_attention(q_group, k, v, group, scale, sliding_window)
 
     out = by_group(rotate_groups(q) if rotate else q, batch, attend)
@@ -102,81 +101,98 @@ def quant_paged_attention_reference(
 
 @dataclass(frozen=True, slots=True)
 class OwnRows:
-    """This forward's K/V rows of the sequences that read them exactly, as their codes
-    would dequantize without the error (centered, and rotated as the pages are unless
-    ``own_rows`` was asked otherwise), sorted by slot."""
+    """The K (or V) rows this forward wrote for its prompt chunks of more than one token,
+    which its attention reads exactly instead of through their codes, as the cache write took
+    them: keys before rotary, with their rotary tables and the pages' center, so that a
+    gather kernel makes each row in its registers (engine/cuda/kv_gather.py) with no torch op
+    per layer, and ``exact`` makes them in torch."""
 
     slots: torch.Tensor  # [N] long, ascending
-    k: torch.Tensor  # [N, KV, D]
-    v: torch.Tensor  # [N, KV, D]
+    rows: torch.Tensor  # [N] long: each slot's row of the write (into values, cos, sin)
+    values: torch.Tensor  # [T, KV, D], the write's rows (the model's dtype)
+    cos: torch.Tensor | None = None  # [T, D / 2]: keys (rotary applied here); values: None
+    sin: torch.Tensor | None = None
+    center: torch.Tensor | None = None  # [KV, D] float32, subtracted (centered key pages)
+
+    def exact(self) -> torch.Tensor:
+        """[N, KV, D] float32 in the model's basis: the rows as their codes would dequantize
+        without the error (rotary in the model's dtype, as the torch write applies it)."""
+        x = self.values[self.rows]
+        if self.cos is not None:
+            x = rotary_rows(x, self.cos[self.rows], self.sin[self.rows])
+        x = x.float()
+        return x if self.center is None else x - self.center
 
 
 def gather_context(
     pages: QuantPages,
     index: torch.Tensor,
     dtype: torch.dtype,
-    own_slots: torch.Tensor | None = None,
-    own_values: torch.Tensor | None = None,
+    own: OwnRows | None = None,
     unrotate: bool = False,
 ) -> torch.Tensor:
     """The pages ``index`` ([B, n] page ids) dequantized into [B, n * S, KV, D] of ``dtype``
     (sink and recent pages from their rows; ``unrotate``: rotated back per group), with the
-    rows ``own_values`` [N, KV, D] (in the output's basis) put in wherever the pages hold
-    their slots ``own_slots`` [N] (ascending; by ``torch.where``: a boolean-mask assignment
-    would wait for the device to count the hits)."""
+    ``own`` rows put in (in the output's basis: rotated when the pages are and ``unrotate``
+    is not) wherever the pages hold their slots (by ``torch.where``: a boolean-mask
+    assignment would wait for the device to count the hits)."""
     out = _context(dequantize_pages(pages, index, dtype))
     if unrotate:
         out = rotate_groups(out)
-    if own_slots is None:
+    if own is None:
         return out
+    values = own.exact()
+    if pages.rotate and not unrotate:
+        values = rotate_groups(values)
     b, blocks = index.shape
     page_size = pages.shape[1]
     offsets = torch.arange(page_size, device=index.device)
     ids = (index.long()[..., None] * page_size + offsets).reshape(b, blocks * page_size)
-    at = torch.searchsorted(own_slots, ids).clamp_(max=own_slots.numel() - 1)
-    hit = (own_slots[at] == ids)[..., None, None]
-    return torch.where(hit, own_values[at], out)
+    at = torch.searchsorted(own.slots, ids).clamp_(max=own.slots.numel() - 1)
+    hit = (own.slots[at] == ids)[..., None, None]
+    return torch.where(hit, values.to(dtype)[at], out)
 
 
-def own_rows(
-    k_pages: QuantPages, batch: ForwardBatch, dtype: torch.dtype, rotated: bool = True
-) -> OwnRows | None:
+def own_rows(k_pages: QuantPages, batch: ForwardBatch) -> tuple[OwnRows, OwnRows] | None:
     """The K and V rows this forward wrote for its prompt chunks of more than one token,
-    from the stash on the K pages (None: none, or the write left no rows for this batch);
-    ``rotated`` False: in the model's basis even when the pages are stored rotated."""
+    from the stash on the K pages (None: none, or the write left no rows for this batch).
+    Their order by slot is found once per forward (``AttentionPlan.own_order``)."""
     if k_pages.written is None:
         return None
     written = k_pages.written.take(batch.slot_mapping)
     if written is None or not any(batch.prompt_chunks):
         return None
-    keep = _prompt_chunk_rows(batch)
-    if keep.numel() == 0:
+    order = _own_order(batch, written)
+    if order is None:
         return None
-    slots = written.slot_mapping[keep].long()
-    k = rotary_rows(written.k[keep], written.cos[keep], written.sin[keep]).float()
-    v = written.v[keep].float()
-    if k_pages.center is not None:
-        k = k - k_pages.center
-    if k_pages.rotate and rotated:
-        k, v = rotate_groups(k), rotate_groups(v)
-    order = slots.argsort()
-    return OwnRows(slots[order], k[order].to(dtype), v[order].to(dtype))
+    slots, rows = order
+    keys = OwnRows(slots, rows, written.k, written.cos, written.sin, k_pages.center)
+    return keys, OwnRows(slots, rows, written.v)
 
 
-def _prompt_chunk_rows(batch: ForwardBatch) -> torch.Tensor:
-    """[N] long: the flat rows of the batch's prompt chunks of more than one token, from host
-    values (no device sync), once per forward (the plan keeps them for every layer)."""
+def _own_order(
+    batch: ForwardBatch, written: WrittenRows
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(slots ascending, their rows of the write) of the batch's prompt chunks of more than
+    one token; rows from host values (no device sync), once per forward (every layer's write
+    takes the batch's slot mapping: the plan keeps them)."""
     plan = batch.attention
-    if plan.prompt_rows is None:
+    if plan.own_order is None:
         rows: list[int] = []
         start = 0
         for q_len, prompt in zip(batch.q_lens, batch.prompt_chunks, strict=True):
             if prompt and q_len > 1:
                 rows.extend(range(start, start + q_len))
             start += q_len
+        if not rows:
+            plan.own_order = ()
+            return None
         device = batch.slot_mapping.device
-        plan.prompt_rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    return plan.prompt_rows
+        keep = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        slots = written.slot_mapping[keep].long()
+        order = slots.argsort()
+        plan.own_order = (slots[order], keep[order])
+    return plan.own_order or None
 
 
 def _context(gathered: torch.Tensor) -> torch.Tensor:

@@ -414,11 +414,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from engine.cuda import kv_gather
 
     for kb, rows, out in ((4, True, "int64"), (8, False, "float32")):
-        signature = (
+        signature = (  # (own rows of keys: rotary and the center, for 4 bits)
             "int32[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
-            f"int32[:, ::1], int64[::1], float16[:, :, ::1], {out}[:, :, :, ::1]"
+            "int32[:, ::1], int64[::1], int64[::1], float16[:, :, ::1], float16[:, ::1], "
+            f"float16[:, ::1], float32[:, ::1], {out}[:, :, :, ::1]"
         )
-        kernel = kv_gather._gather_kernel(kb, rows, rows, out == "int64", 16, 8, 4)
+        kernel = kv_gather._gather_kernel(kb, rows, rows, out == "int64", 16, 8, 4, True, rows,
+                                          rows)  # fmt: skip
         regs, spills, log = link(kernel, signature)
         print("gather", kb, rows, "registers", regs, "spill stores", spills)
         assert spills == "0", log

@@ -4,6 +4,7 @@ since both round code * scale once to the output dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -15,6 +16,7 @@ from engine.cache.quant import allocate_quant_pages, rotate_groups, write_slots
 from engine.cuda import quant_reference
 from engine.cuda.kv_gather import gather_context, quant_chunk_attention_cuda
 from engine.cuda.quant_reference import (
+    OwnRows,
     quant_paged_attention_reference,
     quant_rotary_cache_write_reference,
 )
@@ -23,9 +25,10 @@ from tests.kernels.common import DEVICE, DTYPES
 PAGE, KV, D = 4, 2, 64
 
 
-def _pages(bits: int, rows: int, dtype: torch.dtype, seed: int = 0, **kwargs):
+def _pages(bits: int, rows: int, dtype: torch.dtype, seed: int = 0, rotate=True, **kwargs):
     gen = torch.Generator().manual_seed(seed)
-    pages = allocate_quant_pages(10, PAGE, KV, D, bits, True, DEVICE, None, rows, dtype, **kwargs)
+    pages = allocate_quant_pages(10, PAGE, KV, D, bits, rotate, DEVICE, kwargs.pop("center", None),
+                                 rows, dtype, **kwargs)  # fmt: skip
     write_slots(
         pages,
         (3 * torch.randn(10 * PAGE, KV, D, generator=gen)).to(DEVICE),
@@ -34,27 +37,32 @@ def _pages(bits: int, rows: int, dtype: torch.dtype, seed: int = 0, **kwargs):
     return pages
 
 
+def _own_values(dtype: torch.dtype, seed: int = 1) -> OwnRows:
+    """Own rows of values at slots 21..26 (page 5's slots 1..3, page 6's 0..2), written by
+    rows 3, 2, 1, 0, 5, 4 of a forward of 7 tokens."""
+    values = torch.randn(7, KV, D, generator=torch.Generator().manual_seed(seed))
+    rows = torch.tensor([3, 2, 1, 0, 5, 4], device=DEVICE)
+    return OwnRows(torch.arange(21, 27, device=DEVICE), rows, values.to(DEVICE, dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("bits", "rows", "own"), [(4, 0, False), (4, 3, True), (8, 3, False),
                                                    (8, 0, True)])  # fmt: skip
 def test_gather_matches_the_torch_gather(dtype, bits, rows, own):
     """Code pages, sink/recent pages (ids below ``rows``: their rows) and the chunk's own rows
-    (slots 21..26, pages 5 and 6) put in; a block table's padding (-1) gives zeros."""
-    pages = _pages(bits, rows, dtype)
+    (slots 21..26, pages 5 and 6) put in; a block table's padding (-1) gives zeros. (Pages
+    not rotated: a rotated own row is the float32 butterflies' rounding apart, tested below.)"""
+    pages = _pages(bits, rows, dtype, rotate=False)
     index = torch.tensor([[5, 1, 7], [2, 6, -1], [0, 9, 4]], dtype=torch.int32, device=DEVICE)
-    own_slots = own_values = None
-    if own:
-        own_slots = torch.arange(21, 27, device=DEVICE)
-        own_values = torch.randn(6, KV, D, generator=torch.Generator().manual_seed(1))
-        own_values = own_values.to(DEVICE, dtype)
-    got = gather_context(pages, index, dtype, own_slots, own_values)
-    want = quant_reference.gather_context(pages, index, dtype, own_slots, own_values)
+    own_rows = _own_values(dtype) if own else None
+    got = gather_context(pages, index, dtype, own_rows)
+    want = quant_reference.gather_context(pages, index, dtype, own_rows)
     assert got.shape == want.shape == (3, 3 * PAGE, KV, D) and got.dtype == dtype
     valid = (index >= 0).repeat_interleave(PAGE, dim=1)
     assert torch.equal(got[valid], want[valid])
     assert not got[~valid].any()
-    if own:  # (the overlay was exercised: page 5's slot 1 is own row 0)
-        assert torch.equal(got[0, 1], own_values[0])
+    if own:  # (the overlay was exercised: page 5's slot 1 is own row 0, the write's row 3)
+        assert torch.equal(got[0, 1], own_rows.values[3])
     if rows:  # (and the rows: page 1 is a sink or recent page)
         assert torch.equal(got[0, PAGE : 2 * PAGE], pages.sinks[1].to(dtype))
 
@@ -62,28 +70,58 @@ def test_gather_matches_the_torch_gather(dtype, bits, rows, own):
 @pytest.mark.parametrize(("bits", "rows", "dtype"), [(4, 3, torch.float32), (8, 0, torch.float16)])
 def test_gather_rotates_back_into_the_models_basis(bits, rows, dtype):
     """``unrotate``: each stored (rotated) group times H, as ``rotate_groups`` takes it (to
-    float32 rounding, then the output dtype's); the own rows come in that basis already and
-    stay as they are."""
+    float32 rounding, then the output dtype's); the own rows are made in that basis and stay
+    as they are. Without ``unrotate`` the own rows are rotated into the pages' basis."""
     pages = _pages(bits, rows, dtype)
     index = torch.tensor([[5, 1, 7], [2, 6, 0]], dtype=torch.int32, device=DEVICE)
-    own_slots = torch.arange(21, 27, device=DEVICE)  # (page 5's slots 1..3, page 6's 0..2)
-    own_values = torch.randn(6, KV, D, generator=torch.Generator().manual_seed(1))
-    own_values = own_values.to(DEVICE, dtype)
-    got = gather_context(pages, index, dtype, own_slots, own_values, unrotate=True)
+    own_rows = _own_values(dtype)
+    got = gather_context(pages, index, dtype, own_rows, unrotate=True)
     stored = quant_reference.gather_context(pages, index, torch.float32)
     want = rotate_groups(stored)
     own = torch.zeros(got.shape[:2], dtype=torch.bool, device=DEVICE)
     own[0, 1:4] = own[1, PAGE : PAGE + 3] = True
     tol = 2e-6 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got[~own].float(), want[~own], atol=tol * want.abs().max(), rtol=0)
-    assert torch.equal(got[own], own_values.reshape(-1, KV, D))
+    assert torch.equal(got[own], own_rows.values[own_rows.rows])
     assert (got[~own].float() - stored[~own]).abs().max() > 0.1  # (it did rotate)
     # the torch gather does the same (its own rows put in after the rotation)
-    torch_gather = quant_reference.gather_context(
-        pages, index, dtype, own_slots, own_values, unrotate=True
-    )
+    torch_gather = quant_reference.gather_context(pages, index, dtype, own_rows, unrotate=True)
     torch.testing.assert_close(torch_gather.float(), got.float(), atol=2 * tol * want.abs().max(),
                                rtol=0)  # fmt: skip
+    # in the pages' basis: codes as stored, own rows rotated
+    got = gather_context(pages, index, dtype, own_rows)
+    want = quant_reference.gather_context(pages, index, dtype, own_rows)
+    assert torch.equal(got[~own], want[~own])
+    scale = own_rows.values.abs().max()
+    torch.testing.assert_close(got[own].float(), want[own].float(), atol=tol * scale, rtol=0)
+    assert (got[own].float() - own_rows.values[own_rows.rows].float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_own_rows_of_keys_take_rotary_and_the_center_in_the_kernel(dtype):
+    """K pages that keep written rows (exact chunks) and subtract a center: the kernel makes
+    an own row from the key before rotary, its rotary tables and the center, as
+    ``OwnRows.exact`` does in torch (fp16: rotary in float32 here, in fp16 there)."""
+    gen = torch.Generator().manual_seed(4)
+    center = torch.randn(KV, D, generator=gen).to(DEVICE)
+    pages = _pages(4, 3, dtype, exact_chunks=True, center=center)
+    keys = torch.randn(7, KV, D, generator=gen).to(DEVICE, dtype)
+    angle = torch.rand(7, D // 2, generator=gen).to(DEVICE) * 6.28
+    own_rows = OwnRows(torch.arange(21, 27, device=DEVICE), torch.tensor([3, 2, 1, 0, 5, 4]),
+                       keys, angle.cos().to(dtype), angle.sin().to(dtype), center)  # fmt: skip
+    index = torch.tensor([[5, 1, 7], [2, 6, 0]], dtype=torch.int32, device=DEVICE)
+    own = torch.zeros(2, 3 * PAGE, dtype=torch.bool, device=DEVICE)
+    own[0, 1:4] = own[1, PAGE : PAGE + 3] = True
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    for unrotate in (True, False):
+        got = gather_context(pages, index, dtype, own_rows, unrotate=unrotate)
+        want = quant_reference.gather_context(pages, index, dtype, own_rows, unrotate=unrotate)
+        scale = want.abs().max()
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * scale, rtol=0)
+    exact = own_rows.exact()
+    assert (exact - keys[own_rows.rows].float()).abs().max() > 0.5  # (rotary, center applied)
+    got = gather_context(pages, index, dtype, own_rows, unrotate=True)
+    torch.testing.assert_close(got[own].float(), exact, atol=tol * exact.abs().max(), rtol=0)
 
 
 def test_gather_refuses_what_it_cannot_take():
@@ -91,12 +129,12 @@ def test_gather_refuses_what_it_cannot_take():
     index = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"index must be \[B, n\]"):
         gather_context(pages, index, torch.float32)
-    with pytest.raises(ValueError, match="go together"):
-        gather_context(pages, index[None], torch.float32, torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="float16"):
-        own = torch.zeros(1, KV, D, dtype=torch.float16, device=DEVICE)
-        slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
-        gather_context(pages, index[None], torch.float32, slots, own)
+        gather_context(pages, index[None], torch.float32, _own_values(torch.float16))
+    cos = torch.ones(7, D // 2, device=DEVICE)
+    keys = dataclasses.replace(_own_values(torch.float32), cos=cos, sin=cos)
+    with pytest.raises(ValueError, match="keep written rows"):  # (pages without a stash)
+        gather_context(pages, index[None], torch.float32, keys)
 
 
 def test_chunk_attention_through_the_gather_equals_the_reference():
@@ -143,11 +181,12 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_chunk_attention_through_the_gather_dispatches_a_third_of_the_torch_ops():
+def test_chunk_attention_through_the_gather_dispatches_a_fifth_of_the_torch_ops():
     """The host cost of the prompt-chunk route is its torch ops (each a launch and ~10 us of
     host time on a GPU): a mixed batch's prompt chunk (exact chunks) and 4 decode rows over q4
     pages with sink pages, the rest of the split (engine/cuda/attention.py ``decode_split``)
-    as the op set hands it over: 128 torch ops by the reference, 38 here (2026-11-28)."""
+    as the op set hands it over: 123 torch ops by the reference, 24 here (2026-11-28; 38
+    before the kernel made the own rows: rotary, center and order were torch ops per layer)."""
     from engine.cuda.attention import decode_split
 
     k = _pages(4, 3, torch.float32, exact_chunks=True)
@@ -170,7 +209,7 @@ def test_chunk_attention_through_the_gather_dispatches_a_third_of_the_torch_ops(
                 attention(qr, k, v, rest, D**-0.5)
         counts[attention.__name__] = ops.count
     torch_ops, kernel_ops = counts.values()
-    assert kernel_ops <= 0.35 * torch_ops, counts
+    assert kernel_ops <= 0.2 * torch_ops, counts
 
 
 def test_the_mixed_step_profile_runs_both_chunk_routes():
