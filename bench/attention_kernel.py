@@ -96,6 +96,15 @@ def time_ms(fn, iters: int) -> tuple[float, str]:
     return start.elapsed_time(end) / iters, "eager"
 
 
+def pick_modes(text: str, known: tuple[str, ...]) -> list[str]:
+    """A --modes argument (comma-separated) as a list; exits naming any unknown mode."""
+    modes = text.split(",")
+    unknown = sorted(set(modes) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; known: {', '.join(known)}")
+    return modes
+
+
 def copy_bandwidth_gbs(iters: int = 20) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

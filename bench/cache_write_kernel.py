@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_kernel import HEAD_DIM, KV_HEADS, PAGE, require_gpu, time_ms, versions
+from attention_kernel import HEAD_DIM, KV_HEADS, PAGE, pick_modes, require_gpu, time_ms, versions
 from record import write_record
 
 RESULTS = Path(__file__).parent / "results" / "cache_write_kernel.json"
@@ -115,10 +115,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise SystemExit(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    modes = pick_modes(args.modes, MODES)
     require_gpu()
     name = torch.cuda.get_device_properties(0).name
     print(f"{name}: rotary + cache write, {HEADS} heads, {KV_HEADS} KV heads x {HEAD_DIM}")

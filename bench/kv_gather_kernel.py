@@ -37,6 +37,7 @@ from attention_kernel import (
     KV_HEADS,
     PAGE,
     copy_bandwidth_gbs,
+    pick_modes,
     require_gpu,
     time_ms,
     versions,
@@ -144,10 +145,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise SystemExit(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    modes = pick_modes(args.modes, MODES)
     require_gpu()
     name = torch.cuda.get_device_properties(0).name
     copy_gbs = copy_bandwidth_gbs()
