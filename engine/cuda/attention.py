@@ -85,7 +85,7 @@ def padded_attention(
     layout = group.layout
     num_heads, head_dim = q.shape[1], q.shape[2]
     q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
-    mask = _mask(group, sliding_window)
+    mask = _mask(group, sliding_window, q.dtype)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
         k.transpose(1, 2).to(q.dtype),  # [B, KV, max_kv, D]
@@ -130,7 +130,8 @@ class AttentionGroup:
     rows: torch.Tensor | None  # [T_g] the group's flat query rows (None: all, in order)
     block_tables: torch.Tensor  # [B_g, num_blocks] long: the pages each sequence reads
     layout: PaddedLayout
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per window
+    # additive masks per (window, dtype)
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
 
 def by_group(
@@ -281,21 +282,24 @@ def _padded_layout(
     )
 
 
-def _mask(group: AttentionGroup, sliding_window: int | None) -> torch.Tensor:
-    """Boolean [B, 1, max_q, max_kv] mask (True = attend), one per window size per group."""
-    mask = group.masks.get(sliding_window)
+def _mask(group: AttentionGroup, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, max_q, max_kv] mask of ``dtype`` (0: attend, -inf: not), one per
+    window size and dtype per group. (SDPA turns a boolean mask into this one on every call:
+    three more ops per layer.)"""
+    mask = group.masks.get((sliding_window, dtype))
     if mask is not None:
         return mask
     layout = group.layout
     q_pos = layout.q_pos[:, :, None]  # [B, max_q, 1]
     kv_pos = layout.kv_pos[None, None, :]  # [1, 1, max_kv]
-    mask = kv_pos <= q_pos
+    attend = kv_pos <= q_pos
     if sliding_window is not None:
-        mask &= kv_pos > q_pos - sliding_window
+        attend &= kv_pos > q_pos - sliding_window
     # Padding query rows would see no key and turn into NaN; give them key 0 (rows are dropped).
-    mask[:, :, 0] |= ~layout.valid
-    mask = mask[:, None]
-    group.masks[sliding_window] = mask
+    attend[:, :, 0] |= ~layout.valid
+    mask = torch.zeros(attend.shape, dtype=dtype, device=attend.device)
+    mask = mask.masked_fill_(~attend, float("-inf"))[:, None]
+    group.masks[(sliding_window, dtype)] = mask
     return mask
 
 

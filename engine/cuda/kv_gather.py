@@ -5,8 +5,8 @@ for batches with prompt chunks or drafts) attends over with torch's SDPA on the 
 The torch reference (engine/cuda/quant_reference.py: ``gather_context``, the rotations of q
 and the output) gathers the codes and scales of every page a group names, unpacks, scales,
 puts in the sink and recent pages' rows and the chunk's own exact rows, and rotates q and
-the output (two float32 matmuls): 123 torch ops for a prompt chunk's attention on q4 pages
-with sink pages, 24 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
+the output (two float32 matmuls): 120 torch ops for a prompt chunk's attention on q4 pages
+with sink pages, 17 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
 Those ops made a q4 mixed step host-bound on the H200: CPU 46-58 ms against 19-21 ms of GPU
 work per 32 layers, 2.1 ms of it the rotations' matmuls
 (bench/results/mixed_step_profile_h200_2026-11-27.txt). Here a grid block row takes one
@@ -201,11 +201,11 @@ def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
 
 
 @functools.cache
-def _none(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """An empty [0] tensor (own slots and rows when there are none) or a [1, 1] dummy (a
-    float32 center the kernel never reads), made once per device."""
-    shape = (0,) if dtype == torch.int64 else (1, 1)
-    return torch.zeros(shape, dtype=dtype, device=device)
+def _dummy(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """A tensor the kernel never reads, of the type of the one it stands for (own rows when
+    there are none: empty slots and rows, a [1, 1, 1] of values, [1, 1] tables and center),
+    made once per device, not per call."""
+    return torch.zeros((0,) if ndim == 1 else (1,) * ndim, dtype=dtype, device=device)
 
 
 def gather_context(
@@ -241,17 +241,18 @@ def gather_context(
     out = torch.empty((b, n * page_size, kv, groups * GROUP), dtype=dtype, device=index.device)
     if out.numel() == 0:
         return out
-    if own is None:  # (dummies the kernel never reads, of the real ones' types)
-        slots = rows_of = _none(index.device, torch.int64)
-        values, cos, sin, center = out[0, :1], out[0, 0], out[0, 0], pages.center
+    table = _dummy(index.device, dtype, 2)
+    if own is None:
+        slots = rows_of = _dummy(index.device, torch.int64, 1)
+        values, cos, sin, center = _dummy(index.device, dtype, 3), table, table, pages.center
     else:
         if own.values.dtype != dtype:
             raise ValueError(f"gather_context: own rows are {own.values.dtype}, not {dtype}")
         slots, rows_of, cos, sin, center = own.slots, own.rows, own.cos, own.sin, own.center
         # (a view of the fused qkv projection: copied, so that every call has one layout)
         values = own.values if own.values.is_contiguous() else own.values.contiguous()
-        cos, sin = (out[0, 0], out[0, 0]) if cos is None else (cos, sin)
-    center = _none(index.device, torch.float32) if center is None else center
+        cos, sin = (table, table) if cos is None else (cos, sin)
+    center = _dummy(index.device, torch.float32, 2) if center is None else center
     has_rows = pages.sinks is not None
     rows = pages.sinks if has_rows else out  # (a dummy when there are none)
     num_rows_pages = pages.sinks.shape[0] if has_rows else 0

@@ -181,12 +181,13 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_chunk_attention_through_the_gather_dispatches_a_fifth_of_the_torch_ops():
+def test_chunk_attention_through_the_gather_dispatches_a_seventh_of_the_torch_ops():
     """The host cost of the prompt-chunk route is its torch ops (each a launch and ~10 us of
     host time on a GPU): a mixed batch's prompt chunk (exact chunks) and 4 decode rows over q4
     pages with sink pages, the rest of the split (engine/cuda/attention.py ``decode_split``)
-    as the op set hands it over: 123 torch ops by the reference, 24 here (2026-11-28; 38
-    before the kernel made the own rows: rotary, center and order were torch ops per layer)."""
+    as the op set hands it over: 120 torch ops by the reference, 17 here (2026-11-28; 38
+    before the kernel made the own rows (rotary, center and their order were torch ops per
+    layer) and the attention mask was kept additive (SDPA converted a boolean one per call))."""
     from engine.cuda.attention import decode_split
 
     k = _pages(4, 3, torch.float32, exact_chunks=True)
@@ -209,7 +210,7 @@ def test_chunk_attention_through_the_gather_dispatches_a_fifth_of_the_torch_ops(
                 attention(qr, k, v, rest, D**-0.5)
         counts[attention.__name__] = ops.count
     torch_ops, kernel_ops = counts.values()
-    assert kernel_ops <= 0.2 * torch_ops, counts
+    assert kernel_ops <= 0.15 * torch_ops, counts
 
 
 def test_the_mixed_step_profile_runs_both_chunk_routes():
