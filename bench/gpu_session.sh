@@ -29,8 +29,9 @@
 #   DRY=1 OUT=/tmp/x bash bench/gpu_session.sh      # here: the same steps as CPU dry runs
 #   STEPS="kernel-tests step-gap" ... bash bench/gpu_session.sh   # only the steps named
 # The caps add up to more than one device call may run (10 minutes): split the steps over two
-# calls, e.g. STEPS="machine kernel-tests keys-per-step" then
-# STEPS="attention-ncu kv-forward-profile gpu-decode-8b" (issue "Quantized KV cache").
+# calls, e.g. STEPS="machine kernel-tests keys-per-step kv-gather" then
+# STEPS="cache-write mixed-profile gpu-decode-8b" (issue "Quantized KV cache": stops 39-42's
+# kernels are untimed: the pipelined sink variant, the context gather, the cache write).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
