@@ -48,19 +48,21 @@ def _greedy(
 
 @pytest.mark.parametrize(
     ("sink_pages", "exact", "recent_pages"),
-    [(0, True, 0), (2, True, 0), (0, False, 0), (2, False, 4), (0, False, 4)],
+    [(0, True, 0), (2, True, 0), (0, False, 0), (2, False, 4), (0, False, 4), (2, True, 4)],
 )
 def test_generator_on_q4_pages_through_kernels_matches_torch(
     small32, tiny, monkeypatch, sink_pages, exact, recent_pages
 ):
     # Unrotated: the kernel's codes equal the reference's bit for bit in float32, so the
-    # greedy picks must match exactly (chunked prefill: 9 tokens in chunks of 8); with sink
+    # greedy picks must match exactly (chunked prefill: 11 tokens in chunks of 8 and 3, the
+    # second prompt 3 tokens after a prefix hit: in this one-layer model only a prompt's last
+    # chunk reaches a sampled token, so it has several); with sink
     # pages the first page of each sequence is read from its unquantized rows, with recent
     # pages its last two blocks (8 new tokens: blocks settle as the sequences grow past 4
     # pages). With exact chunks the
     # prompt chunks go to the reference on the rows the write kernel left; without, every
     # batch goes to the attention kernel (ENGINE_PREFILL_ATTENTION=kernel).
-    prompts = [[5, 9, 17, 3, 40, 2, 8, 8, 1], [5, 9, 17, 3, 11]]
+    prompts = [[5, 9, 17, 3, 40, 2, 8, 8, 1, 22, 6], [5, 9, 17, 3, 11, 12, 13]]
     new_tokens = 8 if recent_pages else 3
     args = (tiny.tokenizer, prompts, "q4", False, sink_pages, exact, recent_pages, new_tokens)
     if not exact:
