@@ -204,8 +204,10 @@ def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
 def _dummy(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
     """A tensor the kernel never reads, of the type of the one it stands for (own rows when
     there are none: empty slots and rows, a [1, 1, 1] of values, [1, 1] tables and center),
-    made once per device, not per call."""
-    return torch.zeros((0,) if ndim == 1 else (1,) * ndim, dtype=dtype, device=device)
+    made once per device, not per call (as an ordinary tensor even when that first call runs
+    under ``torch.inference_mode``: a cached inference tensor would behave differently later)."""
+    with torch.inference_mode(False):
+        return torch.zeros((0,) if ndim == 1 else (1,) * ndim, dtype=dtype, device=device)
 
 
 def gather_context(
