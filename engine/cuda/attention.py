@@ -84,7 +84,7 @@ def padded_attention(
     context k, v [B_g, num_blocks * S, KV, D]; returns [T_g, H, D]."""
     layout = group.layout
     num_heads, head_dim = q.shape[1], q.shape[2]
-    q_pad = torch.cat((q, q.new_zeros(1, num_heads, head_dim)))[layout.q_index]
+    q_pad = q[layout.q_index]
     mask = _mask(group, sliding_window, q.dtype)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
@@ -109,7 +109,9 @@ def _gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 class PaddedLayout:
     """The torch reference's map between a group's flat rows and [B, max_q] padded rows."""
 
-    q_index: torch.Tensor  # [B, max_q] flat row of each padded row (T: the zero row)
+    # [B, max_q] flat row of each padded row (padding: row 0, whose copy there is attended
+    # and dropped, as rows are independent in the attention: no zero row to append per call)
+    q_index: torch.Tensor
     out_rows: torch.Tensor  # [T] padded row of each flat row
     valid: torch.Tensor  # [B, max_q] bool: the padded row is a real query
     q_pos: torch.Tensor  # [B, max_q] absolute position of each padded query row
@@ -224,7 +226,7 @@ def attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
 def _whole_batch_group(batch: ForwardBatch) -> AttentionGroup:
     """Every sequence in one group, with the batch's own row offsets (no row gather)."""
     starts = batch.query_start_loc[:-1].long()
-    layout = _padded_layout(batch, batch.q_lens, batch.seq_lens_host, starts, batch.num_tokens)
+    layout = _padded_layout(batch, batch.q_lens, batch.seq_lens_host, starts)
     table = batch.block_tables[:, : layout.num_blocks].long()
     return AttentionGroup(None, table, layout)
 
@@ -242,7 +244,7 @@ def _group(batch: ForwardBatch, seqs: list[int]) -> AttentionGroup:
     for q_len in q_lens[:-1]:
         local_starts.append(local_starts[-1] + q_len)
     starts = _to_device(local_starts, device)
-    layout = _padded_layout(batch, q_lens, seq_lens, starts, len(rows))
+    layout = _padded_layout(batch, q_lens, seq_lens, starts)
     index = _to_device(seqs, device)
     table = batch.block_tables[index, : layout.num_blocks].long()
     return AttentionGroup(_to_device(rows, device), table, layout)
@@ -260,10 +262,9 @@ def _padded_layout(
     q_lens: tuple[int, ...],
     seq_lens: tuple[int, ...],
     starts: torch.Tensor,
-    num_tokens: int,
 ) -> PaddedLayout:
-    """Index tensors mapping a group's ``num_tokens`` flat rows (starting at ``starts`` per
-    sequence) <-> [B, max_q] padded rows."""
+    """Index tensors mapping a group's flat rows (starting at ``starts`` per sequence) <->
+    [B, max_q] padded rows."""
     device = batch.input_ids.device
     num_seqs, max_q = len(q_lens), max(q_lens)
     q_lens_t = _to_device(q_lens, device)
@@ -272,8 +273,7 @@ def _padded_layout(
     valid = col[None, :] < q_lens_t[:, None]  # [B, max_q]
     num_blocks = -(-max(seq_lens) // batch.page_size)
     return PaddedLayout(
-        # padding rows point at the extra zero row appended to q (index T)
-        q_index=torch.where(valid, starts[:, None] + col[None, :], num_tokens),
+        q_index=torch.where(valid, starts[:, None] + col[None, :], 0),
         out_rows=(torch.arange(num_seqs, device=device)[:, None] * max_q + col[None, :])[valid],
         valid=valid,
         q_pos=(seq_lens_t - q_lens_t)[:, None] + col[None, :],

@@ -5,8 +5,8 @@ for batches with prompt chunks or drafts) attends over with torch's SDPA on the 
 The torch reference (engine/cuda/quant_reference.py: ``gather_context``, the rotations of q
 and the output) gathers the codes and scales of every page a group names, unpacks, scales,
 puts in the sink and recent pages' rows and the chunk's own exact rows, and rotates q and
-the output (two float32 matmuls): 120 torch ops for a prompt chunk's attention on q4 pages
-with sink pages, 17 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
+the output (two float32 matmuls): 118 torch ops for a prompt chunk's attention on q4 pages
+with sink pages, 15 by this route (a dispatch counter in tests/kernels/test_kv_gather.py).
 Those ops made a q4 mixed step host-bound on the H200: CPU 46-58 ms against 19-21 ms of GPU
 work per 32 layers, 2.1 ms of it the rotations' matmuls
 (bench/results/mixed_step_profile_h200_2026-11-27.txt). Here a grid block row takes one

@@ -185,9 +185,10 @@ def test_chunk_attention_through_the_gather_dispatches_a_seventh_of_the_torch_op
     """The host cost of the prompt-chunk route is its torch ops (each a launch and ~10 us of
     host time on a GPU): a mixed batch's prompt chunk (exact chunks) and 4 decode rows over q4
     pages with sink pages, the rest of the split (engine/cuda/attention.py ``decode_split``)
-    as the op set hands it over: 120 torch ops by the reference, 17 here (2026-11-28; 38
+    as the op set hands it over: 118 torch ops by the reference, 15 here (2026-11-28; 38
     before the kernel made the own rows (rotary, center and their order were torch ops per
-    layer) and the attention mask was kept additive (SDPA converted a boolean one per call))."""
+    layer), the attention mask was kept additive (SDPA converted a boolean one per call) and
+    q's padding rows took row 0 (no zero row appended per call))."""
     from engine.cuda.attention import decode_split
 
     k = _pages(4, 3, torch.float32, exact_chunks=True)
