@@ -16,8 +16,8 @@ warp reads and writes whole sectors), and write:
 
 - a slot among the chunk's own rows (``OwnRows``: slots ascending, found by binary search):
   that row as the cache write took it, made here (keys: rotary on the pair of dims i and
-  i +- D/2 from the forward's tables, in float32, less the pages' center), so no torch op
-  per layer makes them;
+  i +- D/2 from the forward's tables, rounded as the write rounds it, less the pages'
+  center), so no torch op per layer makes them;
 - a page below ``num_rows_pages`` (sink and recent pages): its unquantized row;
 - otherwise code times the group's fp16 scale, in float32 (exact: at most 8 + 11
   significant bits);
@@ -91,6 +91,7 @@ def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
     PAGE_THREADS = page_size * kv * num_groups * LANES
     HALF_DIM = num_groups * GROUP // 2
     HADAMARD_OWN = rotated and not unrotate  # (and the stored values: ``unrotate``)
+    io = _launch.NUMBA_DTYPES[torch.float16 if packed else torch.float32]  # the output dtype
     own_row = _launch.device_function(_own_row)
 
     @_launch.device_function
@@ -143,7 +144,9 @@ def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
     @_launch.device_function
     def own_load(own_rows, own_values, own_cos, own_sin, center, at, h, d, vals):
         """The lane's values of own row ``at`` as the write took it: keys with rotary (the
-        pair of dims i and i +- D/2, as ``rotary_rows``, in float32) less the center."""
+        pair of dims i and i +- D/2), each product and the sum rounded to the model's dtype as
+        the cache write kernel (engine/cuda/quant_kernels.py) and ``rotary_rows`` round them,
+        less the center in float32: the key its codes were made from."""
         row = own_rows[at]
         for k in range(PER_LANE):
             x = float32(own_values[row, h, d + k])
@@ -152,9 +155,10 @@ def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
                 c = float32(own_cos[row, i])
                 sn = float32(own_sin[row, i])
                 if d + k < HALF_DIM:
-                    x = x * c + -float32(own_values[row, h, d + k + HALF_DIM]) * sn
+                    other = -float32(own_values[row, h, d + k + HALF_DIM])
                 else:
-                    x = x * c + float32(own_values[row, h, d + k - HALF_DIM]) * sn
+                    other = float32(own_values[row, h, d + k - HALF_DIM])
+                x = float32(io(float32(io(x * c)) + float32(io(other * sn))))
             if centered:
                 x -= float32(center[h, d + k])
             vals[k] = x

@@ -101,7 +101,7 @@ def test_gather_rotates_back_into_the_models_basis(bits, rows, dtype):
 def test_own_rows_of_keys_take_rotary_and_the_center_in_the_kernel(dtype):
     """K pages that keep written rows (exact chunks) and subtract a center: the kernel makes
     an own row from the key before rotary, its rotary tables and the center, as
-    ``OwnRows.exact`` does in torch (fp16: rotary in float32 here, in fp16 there)."""
+    ``OwnRows.exact`` does in torch (each rotary product and sum rounded to the dtype)."""
     gen = torch.Generator().manual_seed(4)
     center = torch.randn(KV, D, generator=gen).to(DEVICE)
     pages = _pages(4, 3, dtype, exact_chunks=True, center=center)
