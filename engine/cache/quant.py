@@ -355,21 +355,41 @@ def search_scales(groups: torch.Tensor, bits: int) -> torch.Tensor:
     largest magnitude; d in SEARCH_DIVISORS) whose codes reconstruct the group with the least
     squared error (the first such d on a tie). The errors are summed in float64 from float32
     residuals (q * scale is exact: a small integer times an fp16), so the choice does not
-    depend on the summation order the Numba kernel takes."""
+    depend on the summation order the Numba kernel takes. All candidates at once, for up to
+    ``_SEARCH_SLICE`` groups at a time (a decode step's cache write on the CPU was ~100 small
+    ops per call; a prompt chunk's stays in the CPU's caches)."""
+    flat = groups.reshape(-1, GROUP)
+    if flat.shape[0] <= _SEARCH_SLICE:
+        return _search_slice(groups, bits)
+    parts = [_search_slice(part, bits) for part in flat.split(_SEARCH_SLICE)]
+    return torch.cat(parts).reshape(groups.shape[:-1])
+
+
+_SEARCH_SLICE = 1024  # groups per pass: 8 candidates' float64 errors, ~2 MiB
+
+
+def _search_slice(groups: torch.Tensor, bits: int) -> torch.Tensor:
     first = groups.abs().argmax(dim=-1, keepdim=True)
-    m = groups.gather(-1, first)[..., 0]
-    best_scales = best_error = None
-    for d in SEARCH_DIVISORS:
-        scales = (m / -d).clamp(-FP16_MAX, FP16_MAX).to(SCALE_DTYPE)
-        residual = groups - _codes(groups, scales, bits) * scales.float()[..., None]
-        error = residual.double().square().sum(dim=-1)
-        if best_scales is None:
-            best_scales, best_error = scales, error
-            continue
-        better = error < best_error
-        best_scales = torch.where(better, scales, best_scales)
-        best_error = torch.where(better, error, best_error)
-    return best_scales
+    m = groups.gather(-1, first)  # [..., G, 1]
+    candidates = (m / _negated_divisors(groups.device)).clamp(-FP16_MAX, FP16_MAX)
+    candidates = candidates.to(SCALE_DTYPE)  # [..., G, K]
+    each = groups.unsqueeze(-2)  # [..., G, 1, 32]
+    residual = each - _codes(each, candidates, bits) * candidates.float()[..., None]
+    error = residual.double().square().sum(dim=-1)
+    return candidates.gather(-1, error.argmin(dim=-1, keepdim=True))[..., 0]  # (first on a tie)
+
+
+def _negated_divisors(device: torch.device) -> torch.Tensor:
+    return _divisors_on(device.type, device.index)
+
+
+@functools.cache
+def _divisors_on(device_type: str, device_index: int | None) -> torch.Tensor:
+    """-SEARCH_DIVISORS in float32 (exact), once per device (made outside inference mode, so
+    that a first call under it does not cache an inference tensor)."""
+    with torch.inference_mode(False):
+        device = torch.device(device_type, device_index)
+        return -torch.tensor(SEARCH_DIVISORS, dtype=torch.float32, device=device)
 
 
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -387,7 +407,9 @@ def _unpack(data: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32) -
     if bits == 8:
         return data.to(dtype).reshape(*lead, -1, GROUP)
     b = data.reshape(*lead, -1, 1, GROUP // 2)  # a group's low nibbles, then its high ones
-    return (torch.cat((b & 15, b >> 4), dim=-2).to(dtype) - 8).reshape(*lead, -1, GROUP)
+    # (less 8 in bytes, wrapping, read back as int8: one pass over the floats fewer)
+    q = torch.cat(((b & 15) - 8, (b >> 4) - 8), dim=-2).view(torch.int8)
+    return q.to(dtype).reshape(*lead, -1, GROUP)
 
 
 def dequantize(
@@ -399,7 +421,9 @@ def dequantize(
     dtype gives too (without a float32 copy of every gathered page; bf16 rounds the scale
     first, so it goes through float32)."""
     work = dtype if dtype in (SCALE_DTYPE, torch.float32) else torch.float32
-    q = _unpack(data, bits, work) * scales.to(work)[..., None]
+    # (in place on _unpack's new tensor: on the CPU a fresh context-sized tensor per op costs
+    # more in page faults than the arithmetic)
+    q = _unpack(data, bits, work).mul_(scales.to(work)[..., None])
     return q.reshape(*q.shape[:-2], -1).to(dtype)
 
 
@@ -407,11 +431,30 @@ def dequantize_pages(pages: QuantPages, index: torch.Tensor, dtype: torch.dtype)
     """The pages ``index`` ([...] page ids) dequantized: [..., S, KV, D]. Only those pages;
     sink pages come from their unquantized rows."""
     values = dequantize(pages.data[index], pages.scales[index], pages.bits, dtype)
-    if pages.sinks is not None:  # (torch.where: a boolean-mask assignment syncs the device)
-        sink = (index >= 0) & (index < pages.num_sink_pages)
-        rows = pages.sinks[index.clamp(0, pages.num_sink_pages - 1)].to(dtype)
-        values = torch.where(sink[..., None, None, None], rows, values)
-    return values
+    if pages.sinks is None:
+        return values
+    sink = (index >= 0) & (index < pages.num_sink_pages)
+    return put_rows(values, sink, pages.sinks, index.clamp(0, pages.num_sink_pages - 1))
+
+
+def put_rows(
+    out: torch.Tensor,
+    hit: torch.Tensor,
+    source: torch.Tensor,
+    at: torch.Tensor,
+    in_place: bool | None = None,
+) -> torch.Tensor:
+    """``out`` with ``source[at]`` (in out's dtype) wherever ``hit``; ``hit`` and ``at``
+    index out's leading dims. ``in_place`` (default: on the CPU): written into ``out`` (a new
+    tensor of the caller's), reading only the hits' rows (a few sink pages among a context);
+    otherwise by ``torch.where`` over every row, since on a device a boolean-mask assignment
+    would wait for it to count the hits."""
+    if out.device.type == "cpu" if in_place is None else in_place:
+        where = hit.nonzero(as_tuple=True)
+        out[where] = source[at[where]].to(out.dtype)
+        return out
+    mask = hit.reshape(*hit.shape, *(1,) * (out.dim() - hit.dim()))
+    return torch.where(mask, source[at].to(out.dtype), out)
 
 
 def write_slots(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ from engine.cache.quant import (
     QuantPages,
     WrittenRows,
     dequantize_pages,
+    put_rows,
     rotate_groups,
     write_slots,
 )
@@ -134,8 +135,7 @@ def gather_context(
     """The pages ``index`` ([B, n] page ids) dequantized into [B, n * S, KV, D] of ``dtype``
     (sink and recent pages from their rows; ``unrotate``: rotated back per group), with the
     ``own`` rows put in (in the output's basis: rotated when the pages are and ``unrotate``
-    is not) wherever the pages hold their slots (by ``torch.where``: a boolean-mask
-    assignment would wait for the device to count the hits)."""
+    is not) wherever the pages hold their slots (``put_rows``)."""
     out = _context(dequantize_pages(pages, index, dtype))
     if unrotate:
         out = rotate_groups(out)
@@ -149,8 +149,7 @@ def gather_context(
     offsets = torch.arange(page_size, device=index.device)
     ids = (index.long()[..., None] * page_size + offsets).reshape(b, blocks * page_size)
     at = torch.searchsorted(own.slots, ids).clamp_(max=own.slots.numel() - 1)
-    hit = (own.slots[at] == ids)[..., None, None]
-    return torch.where(hit, values.to(dtype)[at], out)
+    return put_rows(out, own.slots[at] == ids, values, at)
 
 
 def own_rows(k_pages: QuantPages, batch: ForwardBatch) -> tuple[OwnRows, OwnRows] | None:

@@ -25,9 +25,11 @@ from engine.cache.quant import (
     check_quant,
     dequantize,
     hadamard,
+    put_rows,
     qmax,
     quantize,
     rotate_groups,
+    search_scales,
     write_slots,
 )
 
@@ -100,6 +102,38 @@ def test_searched_scales_never_lose_to_absmax():
     assert len(set(nearest.tolist())) >= 4
 
 
+def _search_one_divisor_at_a_time(groups: torch.Tensor) -> torch.Tensor:
+    """search_scales by its definition: each divisor's scale in turn, kept where its float64
+    squared error is strictly lower than the best so far (the first on a tie)."""
+    m = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))[..., 0]
+    best = best_error = None
+    for d in SEARCH_DIVISORS:
+        scales = (m / -d).clamp(-65504.0, 65504.0).half()
+        step = torch.where(scales != 0, scales.float(), torch.ones_like(scales.float()))
+        codes = torch.floor(groups / step[..., None] + 0.5).clamp(-8, 7)
+        error = (groups - codes * scales.float()[..., None]).double().square().sum(dim=-1)
+        if best is None:
+            best, best_error = scales, error
+            continue
+        better = error < best_error
+        best, best_error = torch.where(better, scales, best), torch.where(better, error, best_error)
+    return best
+
+
+@pytest.mark.parametrize("rows", [5, 300])  # 300 x 4 groups: more than one slice of the search
+def test_searched_scales_are_the_definitions_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = rotate_groups(torch.randn(rows, 128, generator=gen) * 3)
+    x[0, :GROUP] = 0  # an all-zero group (scale -0.0 from d = 7)
+    x[1] = torch.round(x[1] * 2) / 2  # coarse values
+    x[2, :GROUP] = 0
+    x[2, 3] = 56.0  # exact under d = 7 and d = 8 alike: the first (scale -8) wins the tie
+    groups = _groups(x)
+    got, want = search_scales(groups, 4), _search_one_divisor_at_a_time(groups)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # signs of zero too
+    assert float(got[2, 0]) == -8.0
+
+
 def test_search_is_the_default_for_rotated_4_bit_only():
     x = _data()
     for bits, rotate in ((4, True), (4, False), (8, True)):
@@ -165,3 +199,20 @@ def test_modes_are_validated():
     with pytest.raises(ValueError, match="head_dim divisible by 32"):
         allocate_quant_pages(1, 4, 1, 48, bits=8, rotate=False, device="cpu")
     assert isinstance(allocate_quant_pages(1, 4, 1, 32, 8, False, "cpu"), QuantPages)
+
+
+@pytest.mark.parametrize("lead", [(2, 5), (9,)])
+def test_put_rows_in_place_and_by_where_agree(lead):
+    """The CPU's in-place put (only the hits' rows read) and the device's torch.where give the
+    same tensor; neither touches the source, and the rows cast to out's dtype."""
+    gen = torch.Generator().manual_seed(1)
+    out = torch.randn(*lead, 4, 3, 8, generator=gen).half()
+    source = torch.randn(6, 4, 3, 8, generator=gen)
+    hit = torch.rand(lead, generator=gen) < 0.4
+    hit.view(-1)[0] = True
+    at = torch.randint(0, 6, lead, generator=gen)
+    by_where = put_rows(out.clone(), hit, source, at, in_place=False)
+    in_place = put_rows(out.clone(), hit, source, at, in_place=True)
+    assert torch.equal(by_where, in_place) and by_where.dtype == torch.float16
+    assert torch.equal(in_place[hit], source[at[hit]].half())
+    assert torch.equal(in_place[~hit], out[~hit])
