@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.gather import take_pages
+
 GROUP = 32
 SCALE_DTYPE = torch.float16
 FP16_MAX = 65504.0
@@ -430,7 +432,8 @@ def dequantize(
 def dequantize_pages(pages: QuantPages, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The pages ``index`` ([...] page ids) dequantized: [..., S, KV, D]. Only those pages;
     sink pages come from their unquantized rows."""
-    values = dequantize(pages.data[index], pages.scales[index], pages.bits, dtype)
+    data, scales = take_pages(pages.data, index), take_pages(pages.scales, index)
+    values = dequantize(data, scales, pages.bits, dtype)
     if pages.sinks is None:
         return values
     sink = (index >= 0) & (index < pages.num_sink_pages)

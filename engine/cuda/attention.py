@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import AttentionPlan, ForwardBatch
+from engine.cache.gather import take_pages
 from engine.cache.page_table import RECENT_BLOCKS
 from engine.cache.quant import rotate_groups
 from engine.cuda import attention_mma  # (it imports this module only inside functions)
@@ -100,7 +101,7 @@ def padded_attention(
 
 def _gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[P, S, KV, D] pages -> [B, num_blocks * S, KV, D] contiguous per-sequence context."""
-    gathered = pages[table]  # [B, num_blocks, S, KV, D]
+    gathered = take_pages(pages, table)  # [B, num_blocks, S, KV, D]
     b, n, s, kv, d = gathered.shape
     return gathered.view(b, n * s, kv, d)
 
