@@ -423,8 +423,8 @@ def dequantize(
     dtype gives too (without a float32 copy of every gathered page; bf16 rounds the scale
     first, so it goes through float32)."""
     work = dtype if dtype in (SCALE_DTYPE, torch.float32) else torch.float32
-    # (in place on _unpack's new tensor: on the CPU a fresh context-sized tensor per op costs
-    # more in page faults than the arithmetic)
+    # (in place on _unpack's new tensor: on the CPU a new context-sized tensor per op took
+    # longer than the arithmetic; a q4 decode step of SmolLM2 at 8 x 1k went 234 -> 190 ms)
     q = _unpack(data, bits, work).mul_(scales.to(work)[..., None])
     return q.reshape(*q.shape[:-2], -1).to(dtype)
 
