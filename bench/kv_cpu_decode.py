@@ -14,8 +14,8 @@ and recent pages for its last blocks, read unquantized; README, "KV cache").
 
 ``--baseline REF`` also runs every mode with the engine at git ref REF (a temporary git
 worktree; this script, in a subprocess whose PYTHONPATH puts that tree first), mode by mode
-before this engine's, so both see the same load; the JSON then holds both and a per-mode
-comparison.
+before this engine's, so both see the same load; the JSON then holds both (the printed table
+adds each mode's speedup).
 
     python bench/kv_cpu_decode.py [--baseline REF] [--quick]
         # writes bench/results/kv_cpu_decode.json
@@ -46,6 +46,7 @@ from bench.host_overhead import baseline_tree  # noqa: E402
 from bench.record import write_record  # noqa: E402
 from engine import DynamicGenerator, DynamicJob, SamplerSettings  # noqa: E402
 from engine.cache.kv_cache import PagedCache, recent_pages_for  # noqa: E402
+from engine.cache.quant import CACHE_QUANTS  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kv_cpu_decode.json"
 EXACT_PAGES = "+sinks+recent"
@@ -66,8 +67,9 @@ def parse_mode(mode: str) -> tuple[str, bool]:
     """``mode`` -> (cache quant, sink and recent pages); a ValueError names a bad one."""
     exact = mode.endswith(EXACT_PAGES)
     quant = mode[: -len(EXACT_PAGES)] if exact else mode
-    if quant not in ("fp16", "q8", "q6", "q4") or (exact and quant == "fp16"):
-        raise ValueError(f"unknown mode {mode!r}: fp16, q8, q6 or q4 (these three +sinks+recent)")
+    if quant not in CACHE_QUANTS or (exact and quant == "fp16"):
+        names = ", ".join(CACHE_QUANTS)
+        raise ValueError(f"unknown mode {mode!r}: one of {names} (the quantized +sinks+recent)")
     return quant, exact
 
 
