@@ -1,12 +1,16 @@
 """One table of the model's non-matmul ops, so every implementation can be swapped as a set.
 
-``select_ops(device)`` returns the op set for a device. The environment variable
-``ENGINE_OPS`` forces a choice: ``torch`` (the references) or ``cuda`` (Numba CUDA kernels).
+``select_ops(device)`` returns the op set for a device: the Numba CUDA kernels on a GPU, and
+on the CPU the torch references with a Numba CPU kernel for the decode rows over a quantized
+cache (engine/cpu/quant_decode.py). The environment variable ``ENGINE_OPS`` forces a choice:
+``torch`` (the references alone) or ``cuda`` (Numba CUDA kernels).
 Matmuls are not in the table: they always go to torch (cuBLAS on GPU, MKL/oneDNN on CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +57,9 @@ class OpSet:
     dtypes: tuple[torch.dtype, ...] | None = None
     # Compiles what a warm-up forward cannot reach: (config, dtype, device, page_size).
     warm_up_extra: Callable[[Any, torch.dtype, torch.device, int], None] | None = None
+    # What it compiles is for the CPU itself (not the CUDA simulator, which is not worth a
+    # warm-up): a runner on a CPU device warms it up too.
+    compiles_for_cpu: bool = False
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return self.dtypes is None or dtype in self.dtypes
@@ -71,6 +78,39 @@ TORCH_OPS = OpSet(
     ),
     silu_mul=silu_mul_reference,
 )
+
+
+@functools.cache
+def cpu_ops() -> OpSet:
+    """The CPU's op set: the torch references, with two Numba kernels for a quantized cache
+    (imported on first use: they load numba): its decode rows read from the codes in place
+    (engine/cpu/quant_decode.py), and its rows' codes and scales made in one pass
+    (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
+    cache), so runners warm them up."""
+    from engine.cpu.quant_decode import quant_decode_attention_cpu, supports
+    from engine.cpu.quant_write import write_slots_cpu
+
+    def decode_attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
+        if supports(q, k_pages, batch):
+            return quant_decode_attention_cpu(q, k_pages, v_pages, batch, scale, sliding_window)
+        return quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, sliding_window)
+
+    return dataclasses.replace(
+        TORCH_OPS,
+        name="cpu",
+        rotary_cache_write=by_storage(
+            rotary_cache_write_reference,
+            functools.partial(quant_rotary_cache_write_reference, write=write_slots_cpu),
+            pages_arg=5,
+        ),
+        paged_attention=by_storage(
+            paged_attention_reference,
+            decode_rows_on(decode_attention, quant_paged_attention_reference),
+            pages_arg=1,
+        ),
+        compiles=True,
+        compiles_for_cpu=True,
+    )
 
 
 def cuda_ops() -> OpSet:
@@ -123,6 +163,12 @@ def by_query_length(kernel: Callable, reference: Callable) -> Callable:
     batch (a quantized prompt chunk then reads its own K/V through their codes)."""
     if prefill_attention_choice() == "kernel":
         return kernel
+    return decode_rows_on(kernel, reference)
+
+
+def decode_rows_on(kernel: Callable, reference: Callable) -> Callable:
+    """Attention whose one-token sequences go to ``kernel`` (a decode batch, or a mixed
+    batch's decode rows: ``decode_split``) and every other sequence to ``reference``."""
 
     def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
         if batch.max_query_len == 1:
@@ -168,13 +214,15 @@ def ops_choice() -> str:
 
 
 def select_ops(device: torch.device | str) -> OpSet:
-    """The op set for ``device``: the Numba kernels on CUDA devices, the torch references
-    elsewhere. ``ENGINE_OPS=torch`` forces the references (to bisect a drift);
+    """The op set for ``device``: the Numba kernels on CUDA devices, ``cpu_ops`` elsewhere.
+    ``ENGINE_OPS=torch`` forces the references (to bisect a drift);
     ``ENGINE_OPS=cuda`` forces the kernels, on CPU too when ``NUMBA_ENABLE_CUDASIM=1``."""
     choice = ops_choice()
     device = torch.device(device)
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice == "torch":
         return TORCH_OPS
+    if choice == "auto" and device.type != "cuda":
+        return cpu_ops()
     from engine.cuda._launch import SIMULATOR
 
     if device.type != "cuda" and not SIMULATOR:

@@ -325,17 +325,22 @@ def quantize(
     """x [..., D] -> (data [..., data_width], float16 scales [..., D // 32]); math in float32.
     ``search`` (default: rotated 4-bit groups, ``searches``) picks each group's scale by
     ``search_scales``, otherwise absmax / qmax."""
-    head_dim = x.shape[-1]
-    check_head_dim(head_dim)
-    groups = x.float().reshape(*x.shape[:-1], head_dim // GROUP, GROUP)
-    if rotate:
-        groups = groups @ hadamard(x.device)
+    groups = rotated_groups(x, rotate)
     if searches(bits, rotate) if search is None else search:
         scales = search_scales(groups, bits)
     else:
         absmax = groups.abs().amax(dim=-1)
         scales = (absmax / qmax(bits)).clamp_max(FP16_MAX).to(SCALE_DTYPE)
     return _pack(_codes(groups, scales, bits), bits), scales
+
+
+def rotated_groups(x: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """x [..., D] -> the groups ``quantize`` quantizes: float32 [..., D // 32, 32], each times
+    H when ``rotate``."""
+    head_dim = x.shape[-1]
+    check_head_dim(head_dim)
+    groups = x.float().reshape(*x.shape[:-1], head_dim // GROUP, GROUP)
+    return groups @ hadamard(x.device) if rotate else groups
 
 
 def searches(bits: int, rotate: bool) -> bool:
@@ -464,16 +469,22 @@ def write_slots(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None
     """Quantize rows x [T, KV, D] (less the pages' center, in float32) into ``slots``
     ([T] page * S + slot in page, all valid); rows of sink pages are also kept as they are
     (centered, rotated)."""
-    if pages.center is not None:
-        x = x.float() - pages.center
+    x = centered(pages, x)
     data, scales = quantize(x, pages.bits, pages.rotate)
     pages.data.view(-1, *pages.data.shape[2:]).index_copy_(0, slots, data)
     pages.scales.view(-1, *pages.scales.shape[2:]).index_copy_(0, slots, scales)
     if pages.sinks is not None:
-        _write_sinks(pages, x, slots)
+        write_sink_rows(pages, x, slots)
 
 
-def _write_sinks(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
+def centered(pages: QuantPages, x: torch.Tensor) -> torch.Tensor:
+    """Rows x less the pages' center (in float32), as they are quantized; x without one."""
+    return x if pages.center is None else x.float() - pages.center
+
+
+def write_sink_rows(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """The unquantized copy of centered rows x whose ``slots`` lie in sink or recent pages
+    (rotated like the codes)."""
     sink = slots < pages.num_sink_pages * pages.sinks.shape[1]
     if not bool(sink.any()):
         return

@@ -51,10 +51,13 @@ def quant_rotary_cache_write_reference(
     k_pages: QuantPages,
     v_pages: QuantPages,
     slot_mapping: torch.Tensor,
+    *,
+    write: Callable[[QuantPages, torch.Tensor, torch.Tensor], None] = write_slots,
 ) -> torch.Tensor:
     """``rotary_cache_write_reference`` into quantized pages; returns the rotated q. The
     rows are also left in ``k_pages.written`` (when the pages keep them) for this forward's
-    attention."""
+    attention. ``write`` quantizes rows into slots (``write_slots``'s contract; the CPU op set
+    passes its kernel's)."""
     if k_pages.written is not None:
         k_pages.written.put(WrittenRows(slot_mapping, k, v, cos, sin))
     q, k = rotary_reference(q, k, cos, sin)
@@ -62,8 +65,8 @@ def quant_rotary_cache_write_reference(
     if bool((slots < 0).any()):  # padding rows are not written
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    write_slots(k_pages, k, slots)
-    write_slots(v_pages, v, slots)
+    write(k_pages, k, slots)
+    write(v_pages, v, slots)
     return q
 
 

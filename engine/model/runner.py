@@ -60,7 +60,7 @@ class ModelRunner:
         self.page_size = page_size
         self.ops = model.ops if ops is None else ops
         self.device = model.device
-        if self.ops.compiles and self.device.type == "cuda":
+        if self.ops.compiles and (self.device.type == "cuda" or self.ops.compiles_for_cpu):
             self.warm_up()
         self.decode_graphs = self._make_decode_graphs(cuda_graphs, max_batch_size, max_seq_len)
         if persistent_batch is None:

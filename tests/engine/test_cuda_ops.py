@@ -46,7 +46,7 @@ def test_ops_env_is_validated(monkeypatch):
     monkeypatch.setenv(OPS_ENV, "torch")
     assert select_ops("cpu").name == "torch"
     monkeypatch.delenv(OPS_ENV)
-    assert select_ops("cpu").name == "torch"  # auto: references off CUDA
+    assert select_ops("cpu").name == "cpu"  # auto: the references with a CPU decode kernel
 
 
 class _Spy:

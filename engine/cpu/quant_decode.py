@@ -1,0 +1,286 @@
+"""Decode attention over quantized pages (q8/q6/q4) on the CPU: a Numba kernel that reads
+each key's and value's codes where they lie in the cache, the way the GPU kernels do, instead
+of dequantizing the batch's context into a float tensor for SDPA (the torch reference,
+engine/cuda/quant_reference.py), which on the CPU made a q4 cache slower than fp16 pages.
+
+One work item per (sequence, KV head): its G = H / KV query heads (scaled, in the pages'
+basis: rotated when the pages are) are held in a small array, every key of the sequence's
+context is read once for all of them (scores in float32 by group of 32: the codes' dot
+product times the group's scale), a softmax per head, then every value once, accumulated per
+head and divided by the softmax's sum. Sink and recent pages (ids below ``QuantPages.sinks``'
+rows) are read from their unquantized rows. The key center is not added back: ``q . c`` is
+the same for every key of a query, so the softmax does not see it (the references drop it
+the same way).
+
+Layout (engine/cache/quant.py): 8-bit codes one per byte (int8), 4-bit codes as split halves
+(byte j of a group: element j in the low nibble, j + 16 in the high one, each + 8), a float16
+scale per group, read here through a 65536-entry table of their float32 values (Numba has no
+float16 on the CPU; the table converts exactly).
+
+Work items are taken in turn by ``torch.get_num_threads()`` threads: the kernel releases the
+GIL (``nogil``), the calling thread and a small pool take chunks of items until none is
+left, so two engines in one process can call it at once (Numba's own parallel loops cannot
+promise that).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cache.quant import QuantPages, rotate_groups
+from engine.cuda.quant_reference import check_pair
+
+# reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
+_FASTMATH = {"reassoc", "contract", "nsz"}
+_CACHE = os.environ.get("NUMBA_DISABLE_JIT", "0") == "0"
+# 4-bit codes: nibble mask, high-nibble shift and the +8 offset (int32: int64 arithmetic
+# converted more slowly)
+_LOW, _SHIFT, _OFFSET = np.int32(15), np.int32(4), np.int32(8)
+_CHUNKS_PER_THREAD = 4  # work-queue granularity (each kernel call costs ~10 us to dispatch)
+
+
+@numba.njit(inline="always")
+def _code8(byte):
+    """A uint8-stored 8-bit code's signed value."""
+    return np.float32((np.int32(byte) ^ 128) - 128)
+
+
+@numba.njit(nogil=True, cache=_CACHE, fastmath=_FASTMATH)
+def _attend_items(
+    q,  # float32 [B, H, D]: scaled queries, in the pages' basis
+    k_data,  # uint8 [P, S, KV, W_k]
+    v_data,  # uint8 [P, S, KV, W_v]
+    k_scales,  # uint16 [P, S, KV, D / 32]: float16 bits
+    v_scales,
+    k_bits,
+    v_bits,
+    k_rows,  # float32 [R, S, KV, D]: pages below R read here (R may be 0)
+    v_rows,
+    tables,  # int32 [B, n]
+    seq_lens,  # int32 [B]
+    window,  # keys within ``window`` positions of the query's (0: all)
+    half,  # float32 [65536]: float16 bits -> value
+    out,  # float32 [B, H, D]
+    first,
+    last,  # work items [first, last) of B * KV
+):
+    kv_heads = k_data.shape[2]
+    heads = q.shape[1] // kv_heads
+    block = np.empty((k_data.shape[1], q.shape[2]), np.float32)
+    for item in range(first, last):
+        b = item // kv_heads
+        kvh = item - b * kv_heads
+        end = seq_lens[b]
+        start = end - window if 0 < window < end else 0
+        rows = slice(kvh * heads, (kvh + 1) * heads)
+        keys = (k_data, k_scales, k_bits, k_rows)
+        scores = _scores(q[b, rows], keys, half, tables[b], kvh, start, end, block)
+        sums = _softmax(scores, start % k_data.shape[1])
+        values = (v_data, v_scales, v_bits, v_rows)
+        _weigh_values(scores, sums, values, half, tables[b], kvh, start, end, block, out[b, rows])
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _scores(qg, keys, half, table, kvh, start, end, block):
+    """[G, span] scores of the item's query heads against keys start..end-1, by whole pages
+    from the window's first (entry i: key i + its first page's first key; entries before
+    ``start`` are written and ignored)."""
+    data, scales, bits, rows = keys
+    page_size = block.shape[0]
+    first_block = start // page_size
+    scores = np.empty((qg.shape[0], end - first_block * page_size), np.float32)
+    for blk in range(first_block, (end + page_size - 1) // page_size):
+        count = min(page_size, end - blk * page_size)
+        _load_block(data, scales, bits, rows, table[blk], kvh, count, half, block)
+        at = (blk - first_block) * page_size
+        for slot in range(count):
+            for h in range(qg.shape[0]):
+                acc = np.float32(0.0)
+                for d in range(qg.shape[1]):
+                    acc += qg[h, d] * block[slot, d]
+                scores[h, at + slot] = acc
+    return scores
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _softmax(scores, skip):
+    """Each row of ``scores`` from entry ``skip`` on -> exp(score - its max) (earlier entries
+    -> 0); returns the rows' sums."""
+    sums = np.empty(scores.shape[0], np.float32)
+    for h in range(scores.shape[0]):
+        top = scores[h, skip]
+        for t in range(skip + 1, scores.shape[1]):
+            top = max(top, scores[h, t])
+        total = np.float32(0.0)
+        for t in range(scores.shape[1]):
+            p = np.exp(scores[h, t] - top) if t >= skip else np.float32(0.0)
+            scores[h, t] = p
+            total += p
+        sums[h] = total
+    return sums
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _weigh_values(weights, sums, values, half, table, kvh, start, end, block, out):
+    """out [G, D] = the values start..end-1 weighted by ``weights`` (``_scores``' entries),
+    over ``sums``."""
+    data, scales, bits, rows = values
+    page_size = block.shape[0]
+    first_block = start // page_size
+    acc = np.zeros(out.shape, np.float32)
+    for blk in range(first_block, (end + page_size - 1) // page_size):
+        count = min(page_size, end - blk * page_size)
+        _load_block(data, scales, bits, rows, table[blk], kvh, count, half, block)
+        at = (blk - first_block) * page_size
+        for slot in range(count):
+            for h in range(out.shape[0]):
+                p = weights[h, at + slot]
+                for d in range(out.shape[1]):
+                    acc[h, d] += p * block[slot, d]
+    for h in range(out.shape[0]):
+        inv = np.float32(1.0) / sums[h]
+        for d in range(out.shape[1]):
+            out[h, d] = acc[h, d] * inv
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _load_block(data, scales, bits, rows, page, kvh, count, half, block):
+    """Rows 0..count-1 of one page for one KV head into ``block`` (float32 [S, D]): the
+    unquantized rows for pages below their count, else the codes times their groups' scales.
+    (Indices are unsigned so that Numba emits no negative-index wraparound, which kept LLVM
+    from vectorizing the loops; the loop bounds are not constants, so they are vectorized
+    rather than unrolled: Numba turns LLVM's SLP vectorizer off.)"""
+    dim = np.uintp(block.shape[1])
+    if page < rows.shape[0]:
+        for slot in range(count):
+            for d in range(dim):
+                block[slot, d] = rows[page, slot, kvh, d]
+        return
+    groups = np.uintp(scales.shape[3])
+    group = dim // groups
+    half_group = group // np.uintp(2)
+    for slot in range(count):
+        for grp in range(groups):
+            scale = half[scales[page, slot, kvh, grp]]
+            base = grp * group
+            if bits == 8:
+                for j in range(group):
+                    block[slot, base + j] = _code8(data[page, slot, kvh, base + j]) * scale
+            else:
+                src = grp * half_group
+                high = base + half_group
+                for j in range(half_group):
+                    byte = np.int32(data[page, slot, kvh, src + j])
+                    block[slot, base + j] = np.float32((byte & _LOW) - _OFFSET) * scale
+                    block[slot, high + j] = np.float32((byte >> _SHIFT) - _OFFSET) * scale
+
+
+@functools.cache
+def _half_table() -> np.ndarray:
+    """float32 value of every float16 bit pattern (index: the bits as uint16)."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.float16).float().numpy()
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quant-decode")
+
+
+def supports(q: torch.Tensor, k_pages: QuantPages, batch: ForwardBatch) -> bool:
+    """Whether the kernel takes this call: a CPU decode batch (one query row per sequence)
+    whose unquantized rows, if any, are float32 (the CPU's run dtype)."""
+    if q.device.type != "cpu" or batch.max_query_len != 1:
+        return False
+    return k_pages.sinks is None or k_pages.sinks.dtype == torch.float32
+
+
+def quant_decode_attention_cpu(
+    q: torch.Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``quant_paged_attention_reference`` for a decode batch (``supports``), read from the
+    codes in place: q [B, H, D] -> [B, H, D] in q's dtype."""
+    check_pair(k_pages, v_pages)
+    if not supports(q, k_pages, batch):
+        raise ValueError(
+            "quant_decode_attention_cpu takes CPU decode batches (one query row per "
+            f"sequence, float32 sink rows); got max_query_len={batch.max_query_len}, "
+            f"device={q.device.type}"
+        )
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    _, _, kv_heads, head_dim = k_pages.shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pages {k_pages.shape}")
+    queries = q.float() * scale
+    if k_pages.rotate:
+        queries = rotate_groups(queries)
+    out = torch.empty_like(queries)
+    args = (
+        queries.contiguous().numpy(),
+        _bytes(k_pages),
+        _bytes(v_pages),
+        k_pages.scales.view(torch.int16).numpy().view(np.uint16),
+        v_pages.scales.view(torch.int16).numpy().view(np.uint16),
+        k_pages.bits,
+        v_pages.bits,
+        _rows(k_pages, head_dim),
+        _rows(v_pages, head_dim),
+        batch.block_tables.to(torch.int32).numpy(),
+        batch.seq_lens.to(torch.int32).numpy(),
+        sliding_window or 0,
+        _half_table(),
+        out.numpy(),
+    )
+    _run_items(args, q.shape[0] * kv_heads)
+    if k_pages.rotate:
+        out = rotate_groups(out)
+    return out.to(q.dtype)
+
+
+def _run_items(args: tuple, items: int) -> None:
+    """The work items in chunks that ``torch.get_num_threads()`` threads (this one and the
+    pool's) take in turn until none is left. In turn, not a fixed share each: torch's own
+    worker threads keep spinning on the other cores for milliseconds after each torch op, so
+    a pool thread there gets a fraction of a core (SmolLM2's decode attention, 8 x 1k, 2
+    cores: a fixed share took 2.1 ms per call after a torch matmul, against 1.7 ms on this
+    thread alone; chunks in turn, in a real decode step, 2.0 against 1.95 ms). On more cores
+    the pool's threads add up."""
+    threads = max(1, min(torch.get_num_threads(), items))
+    if threads == 1:
+        _attend_items(*args, 0, items)
+        return
+    size = max(1, items // (_CHUNKS_PER_THREAD * threads))
+    starts = iter(range(0, items, size))  # (next() on it is atomic under the GIL)
+
+    def work() -> None:
+        for first in starts:
+            _attend_items(*args, first, min(first + size, items))
+
+    futures = [_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+    work()
+    for future in futures:
+        future.result()
+
+
+def _bytes(pages: QuantPages) -> np.ndarray:
+    return pages.data.view(torch.uint8).numpy()
+
+
+def _rows(pages: QuantPages, head_dim: int) -> np.ndarray:
+    if pages.sinks is None:
+        return np.zeros((0, 1, pages.shape[2], head_dim), np.float32)
+    return pages.sinks.numpy()
+

@@ -1,0 +1,244 @@
+"""The CPU's Numba kernels over a quantized cache (engine/cpu/) against the torch references:
+decode attention read from the codes in place (quant_decode.py) and the cache write's codes
+and scales (quant_write.py), and the CPU op set that routes to them (engine/ops.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.batch import SequenceInput, build_forward_batch
+from engine.cache.quant import (
+    GROUP,
+    QUANT_BITS,
+    allocate_quant_pages,
+    quantize,
+    rotate_groups,
+    search_scales,
+    write_slots,
+)
+from engine.cpu import quant_decode, quant_write
+from engine.cpu.quant_decode import quant_decode_attention_cpu
+from engine.cpu.quant_write import write_slots_cpu
+from engine.cuda.quant_reference import quant_paged_attention_reference
+from engine.ops import cpu_ops
+
+PAGE = 4
+TOL = 1e-5  # float32 both ways, summed in other orders: max error relative to the max output
+
+
+def _case(
+    contexts: list[int],
+    quant: str,
+    rotate: bool = True,
+    heads: int = 2,
+    kv_heads: int = 1,
+    head_dim: int = GROUP,
+    unquantized: bool = False,
+    new: int = 1,
+    seed: int = 0,
+):
+    """Sequences of ``contexts`` tokens (the last ``new`` of each new in this forward) on a
+    shuffled subset of a pool of pages holding random rows (a wrong page read shows). With
+    ``unquantized`` (sink and recent pages: the lowest ids, read from their rows), each
+    sequence's first and last pages are such pages, and every such page is one of them."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-c // PAGE) for c in contexts]
+    unquantized = sum(min(n, 2) for n in needed) if unquantized else 0
+    pool = unquantized + sum(needed) + 3
+    exact = torch.randperm(unquantized, generator=gen).tolist()
+    rest = (unquantized + torch.randperm(pool - unquantized, generator=gen)).tolist()
+    seqs = []
+    for context, n_pages in zip(contexts, needed, strict=True):
+        pages, rest = rest[:n_pages], rest[n_pages:]
+        for block in {0, n_pages - 1} if unquantized else ():
+            pages[block] = exact.pop()
+        seqs.append(SequenceInput([1] * new, num_cached=context - new, pages=pages))
+    batch = build_forward_batch(seqs, PAGE)
+    k_bits, v_bits = QUANT_BITS[quant]
+    center = torch.randn(kv_heads, head_dim, generator=gen)
+    k_pages, v_pages = (
+        allocate_quant_pages(
+            pool, PAGE, kv_heads, head_dim, bits, rotate, "cpu", c, unquantized, torch.float32
+        )
+        for bits, c in ((k_bits, center), (v_bits, None))
+    )
+    slots = torch.arange(pool * PAGE)
+    for pages in (k_pages, v_pages):
+        rows = 3 * torch.randn(pool * PAGE, kv_heads, head_dim, generator=gen)
+        rows[::5, :, 3] *= 10  # an outlier channel in some rows
+        write_slots(pages, rows, slots)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
+    return q, k_pages, v_pages, batch
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize(
+    ("contexts", "quant", "rotate", "heads", "kv_heads", "head_dim", "window", "unquantized"),
+    [
+        ([1, 4, 9], "q4", True, 2, 1, GROUP, None, False),  # 1 key, a whole page, 3 pages
+        ([13, 6], "q8", False, 4, 2, 2 * GROUP, None, False),  # GQA, two groups per head
+        ([17, 2], "q6", True, 3, 1, 2 * GROUP, 6, False),  # a window across pages
+        ([11, 23, 5], "q4", True, 2, 1, 4 * GROUP, 3, False),  # a window inside a page
+        ([14, 9, 3], "q4", True, 2, 1, GROUP, None, True),  # sink and recent pages
+        ([21, 10], "q6", False, 4, 2, 2 * GROUP, 7, True),  # exact pages inside a window
+    ],
+)
+def test_decode_matches_reference(
+    contexts, quant, rotate, heads, kv_heads, head_dim, window, unquantized
+):
+    q, k_pages, v_pages, batch = _case(
+        contexts, quant, rotate, heads, kv_heads, head_dim, unquantized
+    )
+    scale = head_dim**-0.5
+    out = quant_decode_attention_cpu(q, k_pages, v_pages, batch, scale, window)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _rel_error(out, ref) <= TOL
+
+
+def test_decode_reads_the_codes_it_is_given():
+    """Not a copy of the reference's numbers: changing one key's codes changes the kernel's
+    output for its sequence only, as it does the reference's."""
+    q, k_pages, v_pages, batch = _case([9, 9], "q4", seed=3)
+    before = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
+    page = int(batch.block_tables[1, 1])
+    k_pages.data[page, 2] ^= 0x5A  # every nibble of one key of the second sequence flips
+    after = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.3)
+    assert torch.equal(after[0], before[0]) and not torch.allclose(after[1], before[1])
+    assert _rel_error(after, ref) <= TOL
+
+
+def test_decode_fp16_queries_and_threads():
+    """A float16 query comes back in float16; the result does not depend on how many threads
+    take the work items, and two callers at once each get their own."""
+    q, k_pages, v_pages, batch = _case([7, 12, 3, 9], "q8", heads=4, kv_heads=2, seed=5)
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results[n] = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[1], results[3])  # each item is one thread's, in one order
+    half = quant_decode_attention_cpu(q.half(), k_pages, v_pages, batch, 0.2)
+    assert half.dtype == torch.float16
+    assert _rel_error(half, results[1]) <= 2e-3
+    outs = [None, None]
+
+    def call(i: int) -> None:
+        outs[i] = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
+
+    callers = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert all(torch.equal(out, results[1]) for out in outs)
+
+
+def test_decode_refuses_what_it_does_not_take():
+    q, k_pages, v_pages, batch = _case([6, 9], "q4", new=2)
+    with pytest.raises(ValueError, match="max_query_len=2"):
+        quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
+    q, k_pages, v_pages, batch = _case([6], "q4")
+    with pytest.raises(ValueError, match="sliding_window must be positive, got 0"):
+        quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.3, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        quant_decode_attention_cpu(q[..., :16], k_pages, v_pages, batch, 0.3)
+
+
+def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
+    """In a batch with a prompt chunk and decode rows, the decode rows go to the kernel and
+    the chunk to the reference: the op's output is the reference's either way."""
+    calls = []
+    run = quant_decode._run_items
+    monkeypatch.setattr(quant_decode, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+    gen = torch.Generator().manual_seed(9)
+    seqs = [
+        SequenceInput([1], num_cached=6, pages=[0, 1]),
+        SequenceInput([1] * 3, num_cached=2, pages=[2, 3]),
+        SequenceInput([1], num_cached=9, pages=[4, 5, 6]),
+    ]
+    batch = build_forward_batch(seqs, PAGE)
+    k_pages, v_pages = (
+        allocate_quant_pages(8, PAGE, 1, GROUP, bits, True, "cpu") for bits in (4, 8)
+    )
+    for pages in (k_pages, v_pages):
+        write_slots(pages, torch.randn(8 * PAGE, 1, GROUP, generator=gen), torch.arange(8 * PAGE))
+    q = torch.randn(batch.num_tokens, 2, GROUP, generator=gen)
+    out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
+    assert calls == [2]  # one kernel call: the two decode rows' items
+    assert _rel_error(out, ref) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("bits", "rotate", "center", "unquantized"),
+    [(8, False, False, 0), (8, True, True, 3), (4, False, True, 0), (4, True, False, 3)],
+)
+def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unquantized):
+    """Codes, float16 scales (their bits: signs of zero too) and unquantized rows as the
+    reference writes them, over rows that exercise the scale search's choices, all-zero
+    groups (+0 and -0), values far below and near float16's range."""
+    gen = torch.Generator().manual_seed(bits + 2 * rotate + 4 * center)
+    kv, dim, rows = 2, 2 * GROUP, 300
+    x = torch.randn(rows, kv, dim, generator=gen)
+    x[::3, :, 5] *= 30  # outlier channels: the search clips them
+    x[1] = 0.0
+    x[2, 0, :GROUP] = -0.0
+    x[4] *= 1e-6  # scales below float16's normal range
+    x[5] *= 3e5 if bits == 4 else 2e6  # scales at float16's largest
+    c = torch.randn(kv, dim, generator=gen) if center else None
+    slots = torch.randperm(160 * PAGE, generator=gen)[:rows]
+    written = []
+    for write in (write_slots, write_slots_cpu):
+        pages = allocate_quant_pages(160, PAGE, kv, dim, bits, rotate, "cpu", c, unquantized)
+        write(pages, x, slots)
+        written.append(pages)
+    ref, got = written
+    assert torch.equal(got.data, ref.data)
+    assert torch.equal(got.scales.view(torch.int16), ref.scales.view(torch.int16))
+    if bits == 4 and rotate and not center:  # the search scales a zero group by -0 / d
+        assert (ref.scales.view(torch.int16) == -32768).any()
+    if unquantized:
+        assert torch.equal(got.sinks, ref.sinks)
+
+
+@pytest.mark.parametrize(("bits", "search"), [(4, True), (4, False), (8, False)])
+def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
+    """The kernel's per-group rules on groups as given (no rotation): a tie between two
+    divisors (the first wins), a scale exactly halfway between two float16 values (to even),
+    all-zero groups of both signs, and random rotated groups; codes as ``quantize`` packs."""
+    gen = torch.Generator().manual_seed(bits)
+    x = rotate_groups(torch.randn(64, 4 * GROUP, generator=gen) * 3)
+    x[0, :GROUP] = 0.0
+    x[1, :GROUP] = -0.0
+    x[2, :GROUP] = 0.0
+    x[2, 3] = 56.0  # exact under d = 7 and d = 8 alike: the search keeps d = 7 (scale -8)
+    x[3, :GROUP] = 0.0
+    x[3, 5] = (2**bits // 2 - 1) * (1 + 2**-11)  # absmax / qmax halfway above 1.0: to 1.0
+    groups = x.reshape(64, 1, 4, GROUP).contiguous()
+    data = torch.zeros(64, 1, 4 * GROUP * bits // 8, dtype=torch.uint8)
+    scales = torch.zeros(64, 1, 4, dtype=torch.int16)
+    quant_write._write_rows(
+        groups.numpy(), bits, search, torch.arange(64).numpy(), data.numpy(),
+        scales.numpy().view("uint16"), quant_write._DIVISORS,
+    )  # fmt: skip
+    want_data, want_scales = quantize(x.reshape(64, 1, -1), bits, False, search)
+    if search:
+        assert torch.equal(
+            want_scales.view(torch.int16), search_scales(groups, bits).view(torch.int16)
+        )
+        assert float(want_scales[2, 0, 0]) == -8.0
+    else:
+        assert float(want_scales[3, 0, 0]) == 1.0
+    assert torch.equal(scales, want_scales.view(torch.int16))  # signs of zero too
+    assert torch.equal(data, want_data.view(torch.uint8))
