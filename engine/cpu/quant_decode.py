@@ -283,4 +283,3 @@ def _rows(pages: QuantPages, head_dim: int) -> np.ndarray:
     if pages.sinks is None:
         return np.zeros((0, 1, pages.shape[2], head_dim), np.float32)
     return pages.sinks.numpy()
-

@@ -149,4 +149,3 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     )
     if pages.sinks is not None:
         write_sink_rows(pages, x, slots)
-
