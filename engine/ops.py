@@ -57,9 +57,9 @@ class OpSet:
     dtypes: tuple[torch.dtype, ...] | None = None
     # Compiles what a warm-up forward cannot reach: (config, dtype, device, page_size).
     warm_up_extra: Callable[[Any, torch.dtype, torch.device, int], None] | None = None
-    # What it compiles is for the CPU itself (not the CUDA simulator, which is not worth a
-    # warm-up): a runner on a CPU device warms it up too.
-    compiles_for_cpu: bool = False
+    # It compiles CPU kernels for a quantized cache (not the CUDA simulator's, which are not
+    # worth a warm-up): a runner on a CPU device with quantized pages warms them up too.
+    compiles_for_cpu_quant: bool = False
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return self.dtypes is None or dtype in self.dtypes
@@ -109,7 +109,7 @@ def cpu_ops() -> OpSet:
             pages_arg=1,
         ),
         compiles=True,
-        compiles_for_cpu=True,
+        compiles_for_cpu_quant=True,
     )
 
 

@@ -8,9 +8,10 @@ import torch
 
 from engine import Model
 from engine.batch import SequenceInput, build_forward_batch
+from engine.cache.kv_cache import kv_format
 from engine.cuda import activation, attention, norm, rotary
 from engine.model.runner import ModelRunner, plan_rows
-from engine.ops import OPS_ENV, TORCH_OPS, cuda_ops
+from engine.ops import OPS_ENV, TORCH_OPS, cpu_ops, cuda_ops
 from engine.scheduler import SeqState, StepEntry, StepPlan
 from tests.engine.test_cuda_ops import small  # noqa: F401 - fixture
 from tests.kernels.common import TOL
@@ -53,6 +54,18 @@ def test_op_set_capabilities():
     kernels = cuda_ops()
     assert kernels.compiles and kernels.supports_graphs and kernels.warm_up_extra is not None
     assert kernels.supports_dtype(torch.float16) and not kernels.supports_dtype(torch.bfloat16)
+
+
+def test_cpu_runners_warm_up_the_quantized_cache_kernels(tiny32, monkeypatch):
+    """The CPU op set's kernels serve a quantized cache: a CPU runner warms them up over
+    quantized pages (never mid-request), and over fp16 pages skips the warm-up."""
+    warmed = []
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda runner: warmed.append(runner))
+    assert cpu_ops().compiles and not cpu_ops().supports_graphs
+    for quant in ("fp16", "q4"):
+        kv = tiny32.model.allocate_kv(16, PAGE, quant)
+        ModelRunner(tiny32.model, kv, PAGE, max_batch_size=4, max_seq_len=32, ops=cpu_ops())
+    assert len(warmed) == 1 and kv_format(warmed[0].kv_pages)[0] == "q4"
 
 
 def test_plan_rows_carry_the_entries_chunks_and_logits_rows():
