@@ -225,7 +225,8 @@ def _half_table() -> np.ndarray:
 
 
 @functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    """One pool per size and process (a forked child has none of its parent's threads)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quant-decode")
 
 
@@ -304,10 +305,11 @@ def _run_items(args: tuple, items: int) -> None:
         for first in starts:
             _attend_items(*args, first, min(first + size, items))
 
-    futures = [_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+    futures = [_pool(threads - 1, os.getpid()).submit(work) for _ in range(threads - 1)]
     work()
-    for future in futures:
-        future.result()
+    for future in futures:  # (one that never started finds nothing left: not waited for)
+        if not future.cancel():
+            future.result()
 
 
 def _bytes(pages: QuantPages) -> np.ndarray:

@@ -5,6 +5,7 @@ and scales (quant_write.py), and the CPU op set that routes to them (engine/ops.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -142,6 +143,31 @@ def test_decode_fp16_queries_and_threads():
     for t in callers:
         t.join()
     assert all(torch.equal(out, results[1]) for out in outs)
+
+
+def test_decode_does_not_wait_for_a_pool_thread_that_never_starts(monkeypatch):
+    """The calling thread takes every chunk the pool has not: a pool whose thread is busy
+    (or gone, as in a forked child) does not hold the call up, and the result is whole."""
+    q, k_pages, v_pages, batch = _case([7, 12, 3, 9], "q4", heads=4, kv_heads=2, seed=6)
+    want = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
+    busy = ThreadPoolExecutor(max_workers=1)
+    release = threading.Event()
+    busy.submit(release.wait)
+    monkeypatch.setattr(quant_decode, "_pool", lambda workers, pid: busy)
+    watchdog = threading.Timer(30, release.set)  # (a call that waits returns only after it)
+    threads = torch.get_num_threads()
+    try:
+        watchdog.start()
+        torch.set_num_threads(2)
+        got = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
+        waited = release.is_set()
+    finally:
+        torch.set_num_threads(threads)
+        watchdog.cancel()
+        release.set()
+        busy.shutdown()
+    assert not waited
+    assert torch.equal(got, want)
 
 
 def test_decode_refuses_what_it_does_not_take():
