@@ -292,8 +292,8 @@ def _run_items(args: tuple, items: int) -> None:
     worker threads keep spinning on the other cores for milliseconds after each torch op, so
     a pool thread there gets a fraction of a core (SmolLM2's decode attention, 8 x 1k, 2
     cores: a fixed share took 2.1 ms per call after a torch matmul, against 1.7 ms on this
-    thread alone; chunks in turn, in a real decode step, 2.0 against 1.95 ms). On more cores
-    the pool's threads add up."""
+    thread alone; chunks in turn, in a real decode step, 2.0 against 1.95 ms). Whether more
+    cores add up is not measured (this project's CPU box has 2)."""
     threads = max(1, min(torch.get_num_threads(), items))
     if threads == 1:
         _attend_items(*args, 0, items)

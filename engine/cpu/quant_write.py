@@ -48,7 +48,8 @@ def _half(x):
     units = round(frac * 2048.0)  # 11 significant bits
     if units == 2048:
         units, exp = 1024, exp + 1
-    return math.copysign(units * 2.0 ** (exp - 11), x), sign | ((exp + 14) << 10) | (units - 1024)
+    value = math.ldexp(np.float64(units), exp - 11)
+    return math.copysign(value, x), sign | ((exp + 14) << 10) | (units - 1024)
 
 
 @numba.njit(cache=_CACHE)
