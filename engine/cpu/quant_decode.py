@@ -43,11 +43,10 @@ from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
 _FASTMATH = {"reassoc", "contract", "nsz"}
-_CACHE = os.environ.get("NUMBA_DISABLE_JIT", "0") == "0"
 # 4-bit codes: nibble mask, high-nibble shift and the +8 offset (int32: int64 arithmetic
 # converted more slowly)
 _LOW, _SHIFT, _OFFSET = np.int32(15), np.int32(4), np.int32(8)
-_CHUNKS_PER_THREAD = 4  # work-queue granularity (each kernel call costs ~10 us to dispatch)
+_CHUNKS_PER_THREAD = 4  # work-queue granularity (a kernel call's dispatch: ~1 us)
 
 
 # exp(x) for x <= 0 as 2^n * 2^f (n = round(x log2 e), |f| <= 1/2), 2^f by its Taylor
@@ -87,7 +86,7 @@ def _code8(byte):
     return np.float32((np.int32(byte) ^ 128) - 128)
 
 
-@numba.njit(nogil=True, cache=_CACHE, fastmath=_FASTMATH)
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _attend_items(
     q,  # float32 [B, H, D]: scaled queries, in the pages' basis
     k_data,  # uint8 [P, S, KV, W_k]
@@ -232,7 +231,8 @@ def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
 
 def supports(q: torch.Tensor, k_pages: QuantPages, batch: ForwardBatch) -> bool:
     """Whether the kernel takes this call: a CPU decode batch (one query row per sequence)
-    whose unquantized rows, if any, are float32 (the CPU's run dtype)."""
+    whose unquantized rows, if any, are float32 (the CPU build's run dtype; pages of a
+    bfloat16 or float16 model's sink rows go to the reference)."""
     if q.device.type != "cpu" or batch.max_query_len != 1:
         return False
     return k_pages.sinks is None or k_pages.sinks.dtype == torch.float32
