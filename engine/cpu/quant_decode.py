@@ -33,12 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
 
 from engine.batch import ForwardBatch
 from engine.cache.quant import QuantPages, rotate_groups
+from engine.cpu.bits import float_from_bits
 from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
@@ -57,18 +55,6 @@ _EXP2_TAYLOR = tuple(np.float32(math.log(2) ** k / math.factorial(k)) for k in r
 _C0, _C1, _C2, _C3, _C4, _C5, _C6 = _EXP2_TAYLOR
 
 
-@intrinsic
-def _float_from_bits(typingctx, bits):
-    """The float32 whose IEEE 754 bits are the int32 ``bits``."""
-    if bits != types.int32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
 @numba.njit(inline="always", fastmath=_FASTMATH)
 def _exp_nonpositive(x):
     """exp(x) for x <= 0 (below 2^-126: 2^-126, which no softmax sum notices)."""
@@ -77,7 +63,7 @@ def _exp_nonpositive(x):
     f = y - n
     p = ((((_C6 * f + _C5) * f + _C4) * f + _C3) * f + _C2) * f
     p = (p + _C1) * f + _C0
-    return p * _float_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    return p * float_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
 @numba.njit(inline="always")

@@ -9,8 +9,9 @@ reference's own torch code (``quant.rotated_groups``), then per group the kernel
 same float32 steps (the scale's division, its rounding to float16 to nearest even, the codes'
 ``floor(x / scale + 0.5)``) and sums each candidate's squared error in float64 from float32
 residuals, keeping the first least. Numba has no float16 on the CPU: a scale is rounded to
-float16 in float64 arithmetic (exact: a float32 has 24 significant bits) and stored as its
-bits. Rows of sink and recent pages are kept unquantized by the reference's own code too.
+float16 on its float32 bits (engine/cpu/bits.py; libm's frexp took a fifth of the search)
+and stored as its bits. Rows of sink and recent pages are kept unquantized by the
+reference's own code too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.cache.quant import (
     searches,
     write_sink_rows,
 )
+from engine.cpu.bits import bits_from_float, float_from_bits
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
 
@@ -37,18 +39,35 @@ _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
 @numba.njit(cache=True)
 def _half(x):
     """float32 ``x`` (within float16's range) rounded to float16, to nearest even: (its value
-    as a float64, its bits)."""
-    sign = 0x8000 if math.copysign(1.0, x) < 0 else 0
-    a = abs(np.float64(x))
-    if a < 2.0**-14:  # subnormal: a multiple of 2^-24 (1024 of them is the least normal)
-        units = round(a * 2.0**24)
-        return math.copysign(units * 2.0**-24, x), sign | units
-    frac, exp = math.frexp(a)  # a = frac * 2^exp, 0.5 <= frac < 1
-    units = round(frac * 2048.0)  # 11 significant bits
-    if units == 2048:
-        units, exp = 1024, exp + 1
-    value = math.ldexp(np.float64(units), exp - 11)
-    return math.copysign(value, x), sign | ((exp + 14) << 10) | (units - 1024)
+    as a float64, its bits). On the float32's bits: the 13 (or, below float16's normal range,
+    more) low significand bits dropped, rounding up past half and on half to an even result;
+    a carry into the exponent is the next binade's first value, as in the bits themselves."""
+    b = bits_from_float(np.float32(x))
+    sign = (b >> 16) & 0x8000
+    exponent = (b >> 23) & 0xFF  # biased by 127; float16's by 15
+    significand = (b & 0x7FFFFF) | (0x800000 if exponent else 0)
+    # units of float16's last place: 2^-24 below its normal range (exponent < 113), else
+    # 2^(exponent - 137), of which the first 1024 are implicit
+    shift = 126 - exponent if exponent < 113 else 13
+    units = 0 if shift > 24 else _round_shift(significand, shift)  # (below 2^-25: zero)
+    if exponent < 113:
+        value = units * 2.0**-24
+        bits = sign | units  # (1024 units: the least normal's bits, as float16 has them)
+    else:
+        bits = sign | (((exponent - 112) << 10) + units - 1024)
+        value = np.float64(float_from_bits(np.int32((exponent - 10) << 23))) * units  # 2^(e-137)
+    return (-value if sign else value), bits
+
+
+@numba.njit(cache=True)
+def _round_shift(n, shift):
+    """round(n / 2^shift) to nearest even, for a non-negative integer n."""
+    kept = n >> shift
+    rest = n & ((1 << shift) - 1)
+    halfway = 1 << (shift - 1)
+    if rest > halfway or (rest == halfway and kept & 1):
+        kept += 1
+    return kept
 
 
 @numba.njit(cache=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +270,28 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
         assert float(want_scales[3, 0, 0]) == 1.0
     assert torch.equal(scales, want_scales.view(torch.int16))  # signs of zero too
     assert torch.equal(data, want_data.view(torch.uint8))
+
+
+def test_float16_rounding_is_torchs():
+    """The write kernel's float16 rounding (on the float32's bits) against torch's conversion:
+    random values over every float16 exponent, subnormals included, and every value exactly
+    halfway between two float16s (to even), of both signs; value and bits alike."""
+    rng = np.random.default_rng(0)
+    count = 200_000
+    x = rng.random(count) * 2.0 ** rng.integers(-30, 16, count) * rng.choice([-1, 1], count)
+    h = np.arange(0x7BFF, dtype=np.uint16).view(np.float16).astype(np.float64)
+    halfway = (h[:-1] + h[1:]) / 2  # exact in float32
+    edges = [0.0, -0.0, 65504.0, 2.0**-14, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 1e-40]
+    x = np.concatenate([x, halfway, -halfway, edges, np.negative(edges)]).astype(np.float32)
+    values, bits = np.empty(x.shape[0]), np.empty(x.shape[0], np.int64)
+    _round_all(x, values, bits)
+    want = torch.from_numpy(x).half()
+    assert np.array_equal(bits, want.view(torch.int16).numpy().astype(np.int64) & 0xFFFF)
+    assert np.array_equal(values, want.double().numpy())
+    assert np.array_equal(np.signbit(values), np.signbit(want.double().numpy()))
+
+
+@numba.njit
+def _round_all(x, values, bits):
+    for i in range(x.shape[0]):
+        values[i], bits[i] = quant_write._half(x[i])
