@@ -2,7 +2,7 @@
 ``quantize``, the 4-bit scale search included) made by a Numba kernel and stored in their
 slots, instead of the torch reference's ~50 small tensor ops per call, which made a q4 cache's
 decode write cost 5x fp16's (SmolLM2, a decode step of 8 rows: 0.85 against 0.16 ms per
-layer; 0.37 ms with this kernel, the rest being rotary, centering, the rotation's matmul).
+layer; 0.26 ms with this kernel, the rest being rotary, centering, the rotation's matmul).
 
 Same codes and scales as the reference, bit for bit: the rows are centered and rotated by the
 reference's own torch code (``quant.rotated_groups``), then per group the kernel takes the
