@@ -24,13 +24,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["fp16", "q4"])
 def client(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> openai.OpenAI:
+    """The preset as shipped, and with a q4 cache (``engine.cache_quant``: on the CPU its
+    decode rows and cache writes run the Numba kernels of engine/cpu/ inside the replica)."""
     raw = yaml.safe_load((REPO_ROOT / "configs" / "smollm2.yaml").read_text())
     raw["serving"]["num_replicas"] = 1  # one replica is enough here, and loads faster
     raw["engine"]["max_num_tokens"] = 4096
+    raw["engine"]["cache_quant"] = request.param
     config = tmp_path_factory.mktemp("preset") / "smollm2.yaml"
     config.write_text(yaml.safe_dump(raw))
     url = start_app(request, config, "smollm2") + "/v1"
