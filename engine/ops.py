@@ -1,9 +1,9 @@
 """One table of the model's non-matmul ops, so every implementation can be swapped as a set.
 
 ``select_ops(device)`` returns the op set for a device: the Numba CUDA kernels on a GPU, and
-on the CPU the torch references with a Numba CPU kernel for the decode rows over a quantized
-cache (engine/cpu/quant_decode.py). The environment variable ``ENGINE_OPS`` forces a choice:
-``torch`` (the references alone) or ``cuda`` (Numba CUDA kernels).
+on the CPU the torch references with two Numba CPU kernels for a quantized cache (its decode
+rows' attention and its cache write: engine/cpu/). The environment variable ``ENGINE_OPS``
+forces a choice: ``torch`` (the references alone) or ``cuda`` (Numba CUDA kernels).
 Matmuls are not in the table: they always go to torch (cuBLAS on GPU, MKL/oneDNN on CPU).
 """
 

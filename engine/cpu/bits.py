@@ -1,8 +1,11 @@
 """Bit casts between float32 and int32 inside Numba CPU kernels (Numba has no scalar view):
-one LLVM ``bitcast`` each, which LLVM vectorizes like any other instruction."""
+one LLVM ``bitcast`` each, which LLVM vectorizes like any other instruction; and float16
+tensors handed to the kernels as their bits (Numba has no float16 on the CPU)."""
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
@@ -30,3 +33,8 @@ def bits_from_float(typingctx, value):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.int32(types.float32), codegen
+
+
+def float16_bits(values: torch.Tensor) -> np.ndarray:
+    """A float16 tensor's bits as a uint16 numpy view of the same memory (CPU)."""
+    return values.view(torch.int16).numpy().view(np.uint16)

@@ -36,7 +36,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.cache.quant import QuantPages, rotate_groups
-from engine.cpu.bits import float_from_bits
+from engine.cpu.bits import float16_bits, float_from_bits
 from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
@@ -254,8 +254,8 @@ def quant_decode_attention_cpu(
         queries.contiguous().numpy(),
         _bytes(k_pages),
         _bytes(v_pages),
-        k_pages.scales.view(torch.int16).numpy().view(np.uint16),
-        v_pages.scales.view(torch.int16).numpy().view(np.uint16),
+        float16_bits(k_pages.scales),
+        float16_bits(v_pages.scales),
         k_pages.bits,
         v_pages.bits,
         _rows(k_pages, head_dim),

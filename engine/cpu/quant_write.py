@@ -31,7 +31,7 @@ from engine.cache.quant import (
     searches,
     write_sink_rows,
 )
-from engine.cpu.bits import bits_from_float, float_from_bits
+from engine.cpu.bits import bits_from_float, float16_bits, float_from_bits
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
 
@@ -71,6 +71,13 @@ def _round_shift(n, shift):
 
 
 @numba.njit(cache=True)
+def _step(scale):
+    """The divisor a scale quantizes by: the scale, or 1 for a zero scale (an all-zero group,
+    or one below float16's range: every code 0), as ``quant._codes`` takes it."""
+    return np.float32(scale) if scale != 0 else np.float32(1.0)
+
+
+@numba.njit(cache=True)
 def _code(x, step, low, high):
     """``floor(x / step + 0.5)`` in float32 steps, clamped to [low, high]."""
     q = math.floor(np.float32(np.float32(x / step) + np.float32(0.5)))
@@ -105,8 +112,7 @@ def _searched_scale(group, low, high, divisors):
         c = np.float32(m / np.float32(-divisors[i]))
         c = min(max(c, np.float32(-FP16_MAX)), np.float32(FP16_MAX))
         value, bits = _half(c)
-        step = np.float32(value) if value != 0 else np.float32(1.0)
-        error = _candidate_error(group, step, np.float32(low), np.float32(high))
+        error = _candidate_error(group, _step(value), np.float32(low), np.float32(high))
         if error < best_error:  # (the first least on a tie)
             best, best_bits, best_error = value, bits, error
     return best, best_bits
@@ -136,7 +142,7 @@ def _write_rows(groups, bits, search, slots, data, scales, divisors):
                 else:
                     value, bits16 = _absmax_scale(group, high)
                 scales[slot, kvh, g] = bits16
-                step = np.float32(value) if value != 0 else np.float32(1.0)
+                step = _step(value)
                 for j in range(group.shape[0]):
                     codes[j] = _code(group[j], step, low, high)
                 if bits == 8:
@@ -156,14 +162,13 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     x = centered(pages, x)
     groups = rotated_groups(x, pages.rotate)
     flat_data = pages.data.view(-1, *pages.data.shape[2:]).view(torch.uint8)
-    flat_scales = pages.scales.view(-1, *pages.scales.shape[2:]).view(torch.int16)
     _write_rows(
         groups.contiguous().numpy(),
         pages.bits,
         searches(pages.bits, pages.rotate),
         slots.long().numpy(),
         flat_data.numpy(),
-        flat_scales.numpy().view(np.uint16),
+        float16_bits(pages.scales.view(-1, *pages.scales.shape[2:])),
         _DIVISORS,
     )
     if pages.sinks is not None:
