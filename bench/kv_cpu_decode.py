@@ -1,9 +1,10 @@
-"""Decode speed of each KV-cache mode on the CPU, where the torch reference reads the pages.
+"""Decode speed of each KV-cache mode on the CPU.
 
-On a CPU a decode row's attention reads the codes in place (engine/cpu/quant_decode.py), a
-prompt chunk's dequantizes the pages it names (the torch reference), and every cache write
-quantizes the step's rows (engine/cpu/quant_write.py, the 4-bit scale search included), so a
-quantized cache may trade tokens per byte for time per step. This runs
+On a CPU a decode row's attention reads the pages in place, float rows or codes
+(engine/cpu/decode_attention.py), a prompt chunk's copies (dequantizes) the pages it names
+(the torch reference), and every quantized cache write quantizes the step's rows
+(engine/cpu/quant_write.py, the 4-bit scale search included), so a quantized cache may trade
+tokens per byte for time per step. This runs
 the real generator on the installed SmolLM2-135M (float32, ``--threads`` torch threads):
 ``--batch`` jobs with prompts of ``--context`` tokens of the fixed text (different windows
 of it, so no prefix is shared), prefilled in one step, then ``--steps`` greedy decode steps

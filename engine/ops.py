@@ -1,9 +1,10 @@
 """One table of the model's non-matmul ops, so every implementation can be swapped as a set.
 
 ``select_ops(device)`` returns the op set for a device: the Numba CUDA kernels on a GPU, and
-on the CPU the torch references with two Numba CPU kernels for a quantized cache (its decode
-rows' attention and its cache write: engine/cpu/). The environment variable ``ENGINE_OPS``
-forces a choice: ``torch`` (the references alone) or ``cuda`` (Numba CUDA kernels).
+on the CPU the torch references with Numba CPU kernels for decode rows' attention (float and
+quantized pages) and a quantized cache's write (engine/cpu/). The environment variable
+``ENGINE_OPS`` forces a choice: ``torch`` (the references alone) or ``cuda`` (Numba CUDA
+kernels).
 Matmuls are not in the table: they always go to torch (cuBLAS on GPU, MKL/oneDNN on CPU).
 """
 
@@ -57,9 +58,9 @@ class OpSet:
     dtypes: tuple[torch.dtype, ...] | None = None
     # Compiles what a warm-up forward cannot reach: (config, dtype, device, page_size).
     warm_up_extra: Callable[[Any, torch.dtype, torch.device, int], None] | None = None
-    # It compiles CPU kernels for a quantized cache (not the CUDA simulator's, which are not
-    # worth a warm-up): a runner on a CPU device with quantized pages warms them up too.
-    compiles_for_cpu_quant: bool = False
+    # It compiles CPU kernels (not the CUDA simulator's, which are not worth a warm-up): a
+    # runner on a CPU device warms them up too.
+    compiles_on_cpu: bool = False
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return self.dtypes is None or dtype in self.dtypes
@@ -82,18 +83,25 @@ TORCH_OPS = OpSet(
 
 @functools.cache
 def cpu_ops() -> OpSet:
-    """The CPU's op set: the torch references, with two Numba kernels for a quantized cache
-    (imported on first use: they load numba): its decode rows read from the codes in place
-    (engine/cpu/quant_decode.py), and its rows' codes and scales made in one pass
-    (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
-    cache), so runners warm them up."""
-    from engine.cpu.quant_decode import quant_decode_attention_cpu, supports
+    """The CPU's op set: the torch references, with Numba kernels (imported on first use:
+    they load numba) for decode rows' attention, which reads float pages and a quantized
+    cache's codes in place (engine/cpu/decode_attention.py), and for a quantized cache's
+    write, which makes its rows' codes and scales in one pass (engine/cpu/quant_write.py).
+    Their first call compiles them (or loads them from Numba's cache), so runners warm them
+    up."""
+    from engine.cpu.decode_attention import (
+        decode_attention_cpu,
+        quant_decode_attention_cpu,
+        supports,
+    )
     from engine.cpu.quant_write import write_slots_cpu
 
-    def decode_attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
-        if supports(q, k_pages, batch):
-            return quant_decode_attention_cpu(q, k_pages, v_pages, batch, scale, sliding_window)
-        return quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, sliding_window)
+    def kernel_or(kernel: Callable, reference: Callable) -> Callable:
+        def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
+            chosen = kernel if supports(q, k_pages, batch) else reference
+            return chosen(q, k_pages, v_pages, batch, scale, sliding_window)
+
+        return attention
 
     return dataclasses.replace(
         TORCH_OPS,
@@ -104,12 +112,18 @@ def cpu_ops() -> OpSet:
             pages_arg=5,
         ),
         paged_attention=by_storage(
-            paged_attention_reference,
-            decode_rows_on(decode_attention, quant_paged_attention_reference),
+            decode_rows_on(
+                kernel_or(decode_attention_cpu, paged_attention_reference),
+                paged_attention_reference,
+            ),
+            decode_rows_on(
+                kernel_or(quant_decode_attention_cpu, quant_paged_attention_reference),
+                quant_paged_attention_reference,
+            ),
             pages_arg=1,
         ),
         compiles=True,
-        compiles_for_cpu_quant=True,
+        compiles_on_cpu=True,
     )
 
 

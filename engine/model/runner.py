@@ -60,8 +60,7 @@ class ModelRunner:
         self.page_size = page_size
         self.ops = model.ops if ops is None else ops
         self.device = model.device
-        cpu_quant = self.ops.compiles_for_cpu_quant and kv_format(kv_pages)[0] != "fp16"
-        if self.ops.compiles and (self.device.type == "cuda" or cpu_quant):
+        if self.ops.compiles and (self.device.type == "cuda" or self.ops.compiles_on_cpu):
             self.warm_up()
         self.decode_graphs = self._make_decode_graphs(cuda_graphs, max_batch_size, max_seq_len)
         if persistent_batch is None:

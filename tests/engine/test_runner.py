@@ -56,16 +56,18 @@ def test_op_set_capabilities():
     assert kernels.supports_dtype(torch.float16) and not kernels.supports_dtype(torch.bfloat16)
 
 
-def test_cpu_runners_warm_up_the_quantized_cache_kernels(tiny32, monkeypatch):
-    """The CPU op set's kernels serve a quantized cache: a CPU runner warms them up over
-    quantized pages (never mid-request), and over fp16 pages skips the warm-up."""
+def test_cpu_runners_warm_up_the_cpu_kernels(tiny32, monkeypatch):
+    """The CPU op set's kernels serve every cache format (float pages and quantized ones): a
+    CPU runner warms them up (never mid-request); the references alone compile nothing."""
     warmed = []
     monkeypatch.setattr(ModelRunner, "warm_up", lambda runner: warmed.append(runner))
     assert cpu_ops().compiles and not cpu_ops().supports_graphs
     for quant in ("fp16", "q4"):
         kv = tiny32.model.allocate_kv(16, PAGE, quant)
         ModelRunner(tiny32.model, kv, PAGE, max_batch_size=4, max_seq_len=32, ops=cpu_ops())
-    assert len(warmed) == 1 and kv_format(warmed[0].kv_pages)[0] == "q4"
+        ModelRunner(tiny32.model, kv, PAGE, max_batch_size=4, max_seq_len=32, ops=TORCH_OPS)
+    assert [kv_format(runner.kv_pages)[0] for runner in warmed] == ["fp16", "q4"]
+    assert all(runner.ops is cpu_ops() for runner in warmed)
 
 
 def test_plan_rows_carry_the_entries_chunks_and_logits_rows():

@@ -1,21 +1,24 @@
-"""Decode attention over quantized pages (q8/q6/q4) on the CPU: a Numba kernel that reads
-each key's and value's codes where they lie in the cache, the way the GPU kernels do, instead
-of dequantizing the batch's context into a float tensor for SDPA (the torch reference,
-engine/cuda/quant_reference.py), which on the CPU made a q4 cache slower than fp16 pages.
+"""Decode attention over the paged cache on the CPU: a Numba kernel that reads each key and
+value where it lies in the cache (float rows, or the codes of a quantized page: q8/q6/q4), the
+way the GPU kernels do, instead of the torch reference, which copies the batch's context into
+a padded tensor for SDPA (engine/cuda/attention.py, engine/cuda/quant_reference.py): for a
+quantized cache it dequantizes all of it, every layer of every step, and for float pages the
+copy alone grows past the caches (SmolLM2, 8 x 4k context, 2 cores: 18 ms per layer).
 
 One work item per (sequence, KV head): its G = H / KV query heads (scaled, in the pages'
 basis: rotated when the pages are) are held in a small array, every key of the sequence's
-context is read once for all of them (scores in float32 by group of 32: the codes' dot
-product times the group's scale), a softmax per head, then every value once, accumulated per
-head and divided by the softmax's sum. Sink and recent pages (ids below ``QuantPages.sinks``'
-rows) are read from their unquantized rows. The key center is not added back: ``q . c`` is
-the same for every key of a query, so the softmax does not see it (the references drop it
-the same way).
+context is read once for all of them (scores in float32; for codes by group of 32: the codes'
+dot product times the group's scale), a softmax per head, then every value once, accumulated
+per head and divided by the softmax's sum. Float pages, and the sink and recent pages of a
+quantized cache (ids below ``QuantPages.sinks``' rows), are read from their rows. The key
+center is not added back: ``q . c`` is the same for every key of a query, so the softmax does
+not see it (the references drop it the same way).
 
 Layout (engine/cache/quant.py): 8-bit codes one per byte (int8), 4-bit codes as split halves
 (byte j of a group: element j in the low nibble, j + 16 in the high one, each + 8), a float16
 scale per group, read here through a 65536-entry table of their float32 values (Numba has no
-float16 on the CPU; the table converts exactly).
+float16 on the CPU; the table converts exactly). Float pages must be float32 (the CPU build's
+run dtype); others go to the reference.
 
 Work items are taken in turn by ``torch.get_num_threads()`` threads: the kernel releases the
 GIL (``nogil``), the calling thread and a small pool take chunks of items until none is
@@ -215,13 +218,46 @@ def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quant-decode")
 
 
-def supports(q: torch.Tensor, k_pages: QuantPages, batch: ForwardBatch) -> bool:
+def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: ForwardBatch) -> bool:
     """Whether the kernel takes this call: a CPU decode batch (one query row per sequence)
-    whose unquantized rows, if any, are float32 (the CPU build's run dtype; pages of a
-    bfloat16 or float16 model's sink rows go to the reference)."""
+    whose rows read unquantized are float32 (the CPU build's run dtype): float pages, or a
+    quantized cache's sink and recent rows, if any (a bfloat16 or float16 model's go to the
+    reference)."""
     if q.device.type != "cpu" or batch.max_query_len != 1:
         return False
-    return k_pages.sinks is None or k_pages.sinks.dtype == torch.float32
+    if isinstance(k_pages, QuantPages):
+        return k_pages.sinks is None or k_pages.sinks.dtype == torch.float32
+    return k_pages.dtype == torch.float32
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention_reference`` for a decode batch (``supports``) over float32 pages
+    [P, S, KV, D], read in place: q [B, H, D] -> [B, H, D] in q's dtype."""
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"K pages {tuple(k_pages.shape)} {k_pages.dtype} and V pages "
+            f"{tuple(v_pages.shape)} {v_pages.dtype} differ"
+        )
+    _check_call(q, k_pages, batch, sliding_window, tuple(k_pages.shape))
+    _, page_size, kv_heads, _ = k_pages.shape
+    # no codes: every page id is below the rows' count, so the kernel reads only rows
+    no_codes = np.zeros((0, page_size, kv_heads, 1), np.uint8)
+    no_scales = np.zeros((0, page_size, kv_heads, 1), np.uint16)
+    queries = q.float() * scale
+    out = torch.empty_like(queries)
+    codes = (no_codes, no_codes, no_scales, no_scales, 0, 0)
+    rows = (_float_rows(k_pages), _float_rows(v_pages))
+    _run_items(
+        _kernel_args(queries, codes, rows, batch, sliding_window, out), q.shape[0] * kv_heads
+    )
+    return out.to(q.dtype)
 
 
 def quant_decode_attention_cpu(
@@ -235,41 +271,71 @@ def quant_decode_attention_cpu(
     """``quant_paged_attention_reference`` for a decode batch (``supports``), read from the
     codes in place: q [B, H, D] -> [B, H, D] in q's dtype."""
     check_pair(k_pages, v_pages)
-    if not supports(q, k_pages, batch):
-        raise ValueError(
-            "quant_decode_attention_cpu takes CPU decode batches (one query row per "
-            f"sequence, float32 sink rows); got max_query_len={batch.max_query_len}, "
-            f"device={q.device.type}"
-        )
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    _, _, kv_heads, head_dim = k_pages.shape
-    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit pages {k_pages.shape}")
+    _check_call(q, k_pages, batch, sliding_window, k_pages.shape)
+    head_dim = k_pages.shape[3]
     queries = q.float() * scale
     if k_pages.rotate:
         queries = rotate_groups(queries)
     out = torch.empty_like(queries)
-    args = (
-        queries.contiguous().numpy(),
+    codes = (
         _bytes(k_pages),
         _bytes(v_pages),
         float16_bits(k_pages.scales),
         float16_bits(v_pages.scales),
         k_pages.bits,
         v_pages.bits,
-        _rows(k_pages, head_dim),
-        _rows(v_pages, head_dim),
+    )
+    rows = (_rows(k_pages, head_dim), _rows(v_pages, head_dim))
+    _run_items(
+        _kernel_args(queries, codes, rows, batch, sliding_window, out),
+        q.shape[0] * k_pages.shape[2],
+    )
+    if k_pages.rotate:
+        out = rotate_groups(out)
+    return out.to(q.dtype)
+
+
+def _check_call(
+    q: torch.Tensor,
+    k_pages: torch.Tensor | QuantPages,
+    batch: ForwardBatch,
+    sliding_window: int | None,
+    shape: tuple[int, ...],
+) -> None:
+    """ValueError unless the kernel takes q over pages of ``shape`` [P, S, KV, D]."""
+    if not supports(q, k_pages, batch):
+        raise ValueError(
+            "the CPU decode attention takes CPU decode batches (one query row per "
+            f"sequence, float32 rows); got max_query_len={batch.max_query_len}, "
+            f"device={q.device.type}"
+        )
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    _, _, kv_heads, head_dim = shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pages {tuple(shape)}")
+
+
+def _kernel_args(
+    queries: torch.Tensor,
+    codes: tuple,
+    rows: tuple[np.ndarray, np.ndarray],
+    batch: ForwardBatch,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> tuple:
+    """``_attend_items``' arguments but the work items: (K codes, V codes, K scales, V scales,
+    K bits, V bits) and the (K, V) rows read unquantized."""
+    return (
+        queries.contiguous().numpy(),
+        *codes,
+        *rows,
         batch.block_tables.to(torch.int32).numpy(),
         batch.seq_lens.to(torch.int32).numpy(),
         sliding_window or 0,
         _half_table(),
         out.numpy(),
     )
-    _run_items(args, q.shape[0] * kv_heads)
-    if k_pages.rotate:
-        out = rotate_groups(out)
-    return out.to(q.dtype)
 
 
 def _run_items(args: tuple, items: int) -> None:
@@ -300,6 +366,12 @@ def _run_items(args: tuple, items: int) -> None:
 
 def _bytes(pages: QuantPages) -> np.ndarray:
     return pages.data.view(torch.uint8).numpy()
+
+
+def _float_rows(pages: torch.Tensor) -> np.ndarray:
+    """Float pages as the kernel's rows: C-contiguous, as it was compiled for (a copy
+    otherwise, which only a caller slicing pages would pay)."""
+    return np.ascontiguousarray(pages.numpy())
 
 
 def _rows(pages: QuantPages, head_dim: int) -> np.ndarray:

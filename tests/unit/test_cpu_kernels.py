@@ -1,6 +1,7 @@
-"""The CPU's Numba kernels over a quantized cache (engine/cpu/) against the torch references:
-decode attention read from the codes in place (quant_decode.py) and the cache write's codes
-and scales (quant_write.py), and the CPU op set that routes to them (engine/ops.py)."""
+"""The CPU's Numba kernels (engine/cpu/) against the torch references: decode attention read
+in place from float pages and from a quantized cache's codes (decode_attention.py), the
+cache write's codes and scales (quant_write.py), and the CPU op set that routes to them
+(engine/ops.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from engine.cache.quant import (
     search_scales,
     write_slots,
 )
-from engine.cpu import quant_decode, quant_write
-from engine.cpu.quant_decode import quant_decode_attention_cpu
+from engine.cpu import decode_attention, quant_write
+from engine.cpu.decode_attention import decode_attention_cpu, quant_decode_attention_cpu
 from engine.cpu.quant_write import write_slots_cpu
+from engine.cuda.attention import paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from engine.ops import cpu_ops
 
@@ -155,7 +157,7 @@ def test_decode_does_not_wait_for_a_pool_thread_that_never_starts(monkeypatch):
     busy = ThreadPoolExecutor(max_workers=1)
     release = threading.Event()
     busy.submit(release.wait)
-    monkeypatch.setattr(quant_decode, "_pool", lambda workers, pid: busy)
+    monkeypatch.setattr(decode_attention, "_pool", lambda workers, pid: busy)
     watchdog = threading.Timer(30, release.set)  # (a call that waits returns only after it)
     threads = torch.get_num_threads()
     try:
@@ -187,8 +189,8 @@ def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     """In a batch with a prompt chunk and decode rows, the decode rows go to the kernel and
     the chunk to the reference: the op's output is the reference's either way."""
     calls = []
-    run = quant_decode._run_items
-    monkeypatch.setattr(quant_decode, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+    run = decode_attention._run_items
+    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
     gen = torch.Generator().manual_seed(9)
     seqs = [
         SequenceInput([1], num_cached=6, pages=[0, 1]),
@@ -205,6 +207,89 @@ def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
     assert calls == [2]  # one kernel call: the two decode rows' items
+    assert _rel_error(out, ref) <= TOL
+
+
+def _float_case(contexts: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """Decode rows of ``contexts`` tokens on shuffled pages of a pool of float32 pages
+    [P, PAGE, KV, D] holding random rows."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-c // PAGE) for c in contexts]
+    pool = sum(needed) + 3
+    order = torch.randperm(pool, generator=gen).tolist()
+    seqs = []
+    for context, n_pages in zip(contexts, needed, strict=True):
+        pages, order = order[:n_pages], order[n_pages:]
+        seqs.append(SequenceInput([1], num_cached=context - 1, pages=pages))
+    batch = build_forward_batch(seqs, PAGE)
+    k_pages, v_pages = 3 * torch.randn(2, pool, PAGE, kv_heads, head_dim, generator=gen)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
+    return q, k_pages, v_pages, batch
+
+
+@pytest.mark.parametrize(
+    ("contexts", "heads", "kv_heads", "head_dim", "window"),
+    [
+        ([1, 4, 9], 2, 1, 64, None),  # 1 key, a whole page, 3 pages
+        ([13, 6], 4, 2, 48, None),  # GQA, a head size no quantized page has
+        ([17, 2], 3, 1, 80, 6),  # a window across pages
+        ([11, 23, 5], 2, 2, 16, 3),  # a window inside a page, one query head per KV head
+    ],
+)
+def test_float_decode_matches_reference(contexts, heads, kv_heads, head_dim, window):
+    q, k_pages, v_pages, batch = _float_case(contexts, heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    out = decode_attention_cpu(q, k_pages, v_pages, batch, scale, window)
+    ref = paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _rel_error(out, ref) <= TOL
+    half = decode_attention_cpu(q.half(), k_pages, v_pages, batch, scale, window)
+    assert half.dtype == torch.float16 and _rel_error(half, ref) <= 2e-3
+
+
+def test_float_decode_reads_the_pages_it_is_given():
+    """Changing one cached value changes the output of its sequence only, as in the
+    reference; the kernel reads a page's rows where they lie."""
+    q, k_pages, v_pages, batch = _float_case([9, 9], 2, 1, 32, seed=3)
+    before = decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
+    v_pages[int(batch.block_tables[1, 1]), 2] += 5.0
+    after = decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
+    ref = paged_attention_reference(q, k_pages, v_pages, batch, 0.3)
+    assert torch.equal(after[0], before[0]) and not torch.allclose(after[1], before[1])
+    assert _rel_error(after, ref) <= TOL
+
+
+def test_float_decode_takes_float32_pages_only():
+    """bfloat16 pages (a bfloat16 model's cache) are not the kernel's: refused by name, and
+    the CPU op set sends them to the reference; so do K and V pages that differ."""
+    q, k_pages, v_pages, batch = _float_case([6, 3], 2, 1, 32)
+    k16, v16 = k_pages.bfloat16(), v_pages.bfloat16()
+    with pytest.raises(ValueError, match="float32 rows"):
+        decode_attention_cpu(q, k16, v16, batch, 0.3)
+    with pytest.raises(ValueError, match="differ"):
+        decode_attention_cpu(q, k_pages, v16, batch, 0.3)
+    out = cpu_ops().paged_attention(q, k16, v16, batch, 0.3)
+    assert torch.equal(out, paged_attention_reference(q, k16, v16, batch, 0.3))
+
+
+def test_cpu_ops_route_float_decode_rows_to_the_kernel(monkeypatch):
+    """Float pages: a mixed batch's decode rows go to the kernel, its prompt chunk to the
+    reference; a decode batch is one kernel call."""
+    calls = []
+    run = decode_attention._run_items
+    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+    gen = torch.Generator().manual_seed(9)
+    seqs = [
+        SequenceInput([1], num_cached=6, pages=[0, 1]),
+        SequenceInput([1] * 3, num_cached=2, pages=[2, 3]),
+        SequenceInput([1], num_cached=9, pages=[4, 5, 6]),
+    ]
+    batch = build_forward_batch(seqs, PAGE)
+    k_pages, v_pages = torch.randn(2, 8, PAGE, 2, 24, generator=gen)
+    q = torch.randn(batch.num_tokens, 4, 24, generator=gen)
+    out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
+    ref = paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
+    assert calls == [4]  # one kernel call: the two decode rows' items, 2 KV heads each
     assert _rel_error(out, ref) <= TOL
 
 
