@@ -75,16 +75,25 @@ def parse_mode(mode: str) -> tuple[str, bool]:
     return quant, exact
 
 
-def prompts(tokenizer, batch: int, context: int) -> list[list[int]]:
-    """``batch`` windows of the fixed text, ``context`` tokens each, none sharing a page."""
+def context_lengths(batch: int, context: int, ragged: bool) -> list[int]:
+    """Each job's prompt length: ``context`` tokens, or with ``ragged`` halving from job to
+    job (at least 16), as a serving batch mixes long and short conversations."""
+    return [max(context >> i, 16) if ragged else context for i in range(batch)]
+
+
+def prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """Windows of the fixed text, one per length, none sharing a page."""
     ids = quality.text_ids(tokenizer)
-    if len(ids) < context + batch:
-        raise ValueError(f"--context {context}: the fixed text has {len(ids)} tokens")
-    stride = (len(ids) - context) // batch
-    return [ids[i * stride : i * stride + context] for i in range(batch)]
+    longest = max(lengths)
+    if len(ids) < longest + len(lengths):
+        raise ValueError(f"--context {longest}: the fixed text has {len(ids)} tokens")
+    stride = (len(ids) - longest) // len(lengths)
+    return [ids[i * stride : i * stride + n] for i, n in enumerate(lengths)]
 
 
-def measure(model, tokenizer, mode: str, batch: int, context: int, steps: int) -> DecodeResult:
+def measure(
+    model, tokenizer, mode: str, batch: int, context: int, steps: int, ragged: bool = False
+) -> DecodeResult:
     """One mode: the batch's prompts prefilled, then ``steps`` timed decode steps."""
     quant, exact = parse_mode(mode)
     extra = {"sink_pages": batch, "recent_pages": recent_pages_for(batch)} if exact else {}
@@ -92,7 +101,9 @@ def measure(model, tokenizer, mode: str, batch: int, context: int, steps: int) -
     chunk = batch * context  # the whole prefill in one step
     gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk)
     greedy = SamplerSettings.greedy()
-    for ids in prompts(tokenizer, batch, context):  # (no stop: every job makes steps + 1 tokens)
+    for ids in prompts(
+        tokenizer, context_lengths(batch, context, ragged)
+    ):  # (no stop: every job makes steps + 1 tokens)
         job = DynamicJob(ids, max_new_tokens=steps + 1, stop_conditions=[], gen_settings=greedy)
         gen.enqueue(job)
     started, decode = time.perf_counter(), []
@@ -125,7 +136,7 @@ def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> dict[str, A
             sys.executable, str(Path(__file__).resolve()), "--modes", mode,
             *("--batch", str(args.batch), "--context", str(args.context)),
             *("--steps", str(args.steps), "--threads", str(args.threads)),
-            "--output", str(output),
+            "--output", str(output), *(["--ragged"] if args.ragged else []),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(tree))
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -157,6 +168,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument(
+        "--ragged", action="store_true", help="prompt lengths halving from --context on"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline", metavar="REF", help="also run the engine at git ref REF")
     parser.add_argument("--quick", action="store_true", help="batch 2, 64 tokens, 4 steps")
@@ -181,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             if tree is not None:
                 baseline[mode] = run_baseline(args, mode, tree)
-            results.append(measure(model, tokenizer, mode, args.batch, args.context, args.steps))
+            results.append(
+                measure(model, tokenizer, mode, args.batch, args.context, args.steps, args.ragged)
+            )
             print(table(results[-1:], baseline), flush=True)
     print(table(results, baseline))
     write_record(
@@ -189,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
         engine=str(Path(engine.__file__).parent), model=gguf.name,
         batch=args.batch, context=args.context, steps=args.steps,
+        contexts=context_lengths(args.batch, args.context, args.ragged),
         results=[dataclasses.asdict(r) for r in results],
         baseline={"ref": args.baseline, "commit": commit, "results": baseline} if tree else None,
     )  # fmt: skip

@@ -84,21 +84,24 @@ TORCH_OPS = OpSet(
 @functools.cache
 def cpu_ops() -> OpSet:
     """The CPU's op set: the torch references, with Numba kernels (imported on first use:
-    they load numba) for decode rows' attention, which reads float pages and a quantized
-    cache's codes in place (engine/cpu/decode_attention.py), and for a quantized cache's
+    they load numba) for decode rows' attention, which reads a quantized cache's codes in
+    place, and float pages too where the batch's contexts are ragged enough for that to pay
+    (engine/cpu/decode_attention.py ``float_kernel_pays``), and for a quantized cache's
     write, which makes its rows' codes and scales in one pass (engine/cpu/quant_write.py).
     Their first call compiles them (or loads them from Numba's cache), so runners warm them
     up."""
     from engine.cpu.decode_attention import (
         decode_attention_cpu,
+        float_kernel_pays,
         quant_decode_attention_cpu,
         supports,
     )
     from engine.cpu.quant_write import write_slots_cpu
 
-    def kernel_or(kernel: Callable, reference: Callable) -> Callable:
+    def kernel_or(kernel: Callable, reference: Callable, pays=lambda batch: True) -> Callable:
         def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
-            chosen = kernel if supports(q, k_pages, batch) else reference
+            takes = supports(q, k_pages, batch) and pays(batch)
+            chosen = kernel if takes else reference
             return chosen(q, k_pages, v_pages, batch, scale, sliding_window)
 
         return attention
@@ -113,7 +116,7 @@ def cpu_ops() -> OpSet:
         ),
         paged_attention=by_storage(
             decode_rows_on(
-                kernel_or(decode_attention_cpu, paged_attention_reference),
+                kernel_or(decode_attention_cpu, paged_attention_reference, float_kernel_pays),
                 paged_attention_reference,
             ),
             decode_rows_on(
@@ -124,6 +127,7 @@ def cpu_ops() -> OpSet:
         ),
         compiles=True,
         compiles_on_cpu=True,
+        warm_up_extra=_warm_up_cpu_decode,
     )
 
 
@@ -218,6 +222,15 @@ def _warm_up_split_merge(config, dtype: torch.dtype, device: torch.device, page_
     warm_up_split_merge(
         dtype, device, config.num_heads, config.num_kv_heads, config.head_dim, page_size
     )
+
+
+def _warm_up_cpu_decode(config, dtype: torch.dtype, device: torch.device, page_size: int):
+    """A warm-up forward's one decode row is not ragged, so it leaves float pages on the
+    reference: compile the CPU decode kernel here, or the first ragged batch would compile it
+    mid-request."""
+    from engine.cpu.decode_attention import warm_up_decode_attention_cpu
+
+    warm_up_decode_attention_cpu(dtype, config.num_heads, config.num_kv_heads, config.head_dim)
 
 
 def ops_choice() -> str:

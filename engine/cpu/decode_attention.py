@@ -37,7 +37,7 @@ import numba
 import numpy as np
 import torch
 
-from engine.batch import ForwardBatch
+from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.quant import QuantPages, rotate_groups
 from engine.cpu.bits import float16_bits, float_from_bits
 from engine.cuda.quant_reference import check_pair
@@ -230,6 +230,25 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: Forward
     return k_pages.dtype == torch.float32
 
 
+# Float pages go to the kernel when the reference's padded copy holds this many times the
+# batch's keys or more. The reference copies every sequence's keys into a [B, longest context]
+# tensor and runs SDPA on torch's threads; the kernel reads each sequence's own keys, but on
+# one thread in a decode step (torch's OpenMP workers spin on the other cores after each op)
+# at ~1.5x the reference's cost per key (SmolLM2 on 2 cores, 8 x 1k context: 2.3 against
+# 1.5 ms per layer). So equal lengths stay on the reference, and a batch mixing long and short
+# contexts, where the padding dominates, goes to the kernel (8 jobs from 4000 tokens halving
+# to 31: fp16 decode 29.5 -> 70.3 tok/s, bench/results/kv_cpu_decode_ragged.json).
+FLOAT_PADDING_RATIO = 1.5
+
+
+def float_kernel_pays(batch: ForwardBatch) -> bool:
+    """Whether a decode batch over float pages is ragged enough for the kernel to beat the
+    reference (``FLOAT_PADDING_RATIO``). Quantized pages always take the kernel: the
+    reference dequantizes the padded context."""
+    lens = batch.seq_lens_host
+    return bool(lens) and len(lens) * max(lens) >= FLOAT_PADDING_RATIO * sum(lens)
+
+
 def decode_attention_cpu(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -258,6 +277,17 @@ def decode_attention_cpu(
         _kernel_args(queries, codes, rows, batch, sliding_window, out), q.shape[0] * kv_heads
     )
     return out.to(q.dtype)
+
+
+def warm_up_decode_attention_cpu(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
+    """Compile (or load from Numba's cache) the kernel, on two pages of float rows; quantized
+    pages take the same compiled code. Nothing for a run dtype the kernel does not take."""
+    if dtype != torch.float32:
+        return
+    seqs = [SequenceInput([0], num_cached=0, pages=[0]), SequenceInput([0], 0, pages=[1])]
+    batch = build_forward_batch(seqs, 1)
+    k_pages = torch.zeros((2, 1, kv_heads, head_dim))
+    decode_attention_cpu(torch.zeros((2, heads, head_dim)), k_pages, k_pages, batch, 1.0)
 
 
 def quant_decode_attention_cpu(

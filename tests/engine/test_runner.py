@@ -10,7 +10,7 @@ from engine import Model
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cache.kv_cache import kv_format
 from engine.cuda import activation, attention, norm, rotary
-from engine.model.runner import ModelRunner, plan_rows
+from engine.model.runner import ModelRunner, plan_rows, warm_up
 from engine.ops import OPS_ENV, TORCH_OPS, cpu_ops, cuda_ops
 from engine.scheduler import SeqState, StepEntry, StepPlan
 from tests.engine.test_cuda_ops import small  # noqa: F401 - fixture
@@ -68,6 +68,22 @@ def test_cpu_runners_warm_up_the_cpu_kernels(tiny32, monkeypatch):
         ModelRunner(tiny32.model, kv, PAGE, max_batch_size=4, max_seq_len=32, ops=TORCH_OPS)
     assert [kv_format(runner.kv_pages)[0] for runner in warmed] == ["fp16", "q4"]
     assert all(runner.ops is cpu_ops() for runner in warmed)
+
+
+def test_cpu_warm_up_compiles_the_decode_kernel_over_float_pages(tiny32, monkeypatch):
+    """A warm-up forward's single decode row stays on the reference over float pages (no
+    padding to save), so the warm-up calls the kernel itself: the first ragged batch finds it
+    compiled."""
+    from engine.cpu import decode_attention
+
+    calls = []
+    run = decode_attention._run_items
+    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+    warm_up(tiny32.model, cpu_ops(), PAGE, "fp16")
+    assert calls  # the kernel ran (compiled or loaded) during the warm-up
+    calls.clear()
+    warm_up(tiny32.model, TORCH_OPS, PAGE, "fp16")
+    assert not calls
 
 
 def test_plan_rows_carry_the_entries_chunks_and_logits_rows():

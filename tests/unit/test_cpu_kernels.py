@@ -272,25 +272,47 @@ def test_float_decode_takes_float32_pages_only():
     assert torch.equal(out, paged_attention_reference(q, k16, v16, batch, 0.3))
 
 
-def test_cpu_ops_route_float_decode_rows_to_the_kernel(monkeypatch):
-    """Float pages: a mixed batch's decode rows go to the kernel, its prompt chunk to the
-    reference; a decode batch is one kernel call."""
+@pytest.mark.parametrize(
+    ("decode_contexts", "kernel_items"),
+    [
+        ((2, 13), [4]),  # ragged: padded to 2 x 13 = 26 >= 1.5 x 15 keys: the kernel
+        ((7, 10), []),  # nearly even: 20 < 1.5 x 17: the reference
+    ],
+)
+def test_cpu_ops_route_float_decode_rows_by_their_padding(
+    decode_contexts, kernel_items, monkeypatch
+):
+    """Float pages: a mixed batch's decode rows go to the kernel when their contexts are
+    ragged enough (``float_kernel_pays``), else with its prompt chunk to the reference; the
+    op's output is the reference's either way."""
     calls = []
     run = decode_attention._run_items
     monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
     gen = torch.Generator().manual_seed(9)
+    first, second = decode_contexts
     seqs = [
-        SequenceInput([1], num_cached=6, pages=[0, 1]),
+        SequenceInput([1], num_cached=first - 1, pages=[0, 1]),
         SequenceInput([1] * 3, num_cached=2, pages=[2, 3]),
-        SequenceInput([1], num_cached=9, pages=[4, 5, 6]),
+        SequenceInput([1], num_cached=second - 1, pages=[4, 5, 6, 7]),
     ]
     batch = build_forward_batch(seqs, PAGE)
     k_pages, v_pages = torch.randn(2, 8, PAGE, 2, 24, generator=gen)
     q = torch.randn(batch.num_tokens, 4, 24, generator=gen)
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
     ref = paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
-    assert calls == [4]  # one kernel call: the two decode rows' items, 2 KV heads each
+    assert calls == kernel_items  # the two decode rows' items, 2 KV heads each
     assert _rel_error(out, ref) <= TOL
+
+
+def test_float_kernel_pays_for_padding_only():
+    def batch_of(contexts):
+        seqs = [SequenceInput([1], num_cached=c - 1, pages=list(range(9))) for c in contexts]
+        return build_forward_batch(seqs, PAGE)
+
+    assert not decode_attention.float_kernel_pays(batch_of([30] * 8))
+    assert not decode_attention.float_kernel_pays(batch_of([30]))
+    assert decode_attention.float_kernel_pays(batch_of([30, 1]))
+    assert decode_attention.float_kernel_pays(batch_of([32, 16, 8, 4]))
 
 
 @pytest.mark.parametrize(
