@@ -29,7 +29,6 @@ promise that).
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -92,15 +91,13 @@ def _attend_items(
     window,  # keys within ``window`` positions of the query's (0: all)
     half,  # float32 [65536]: float16 bits -> value
     out,  # float32 [B, H, D]
-    order,  # int32 [B * KV]: the work items (b * KV + KV head), longest context first
     first,
-    last,  # order[first:last] are this call's
+    last,  # work items [first, last) of B * KV
 ):
     kv_heads = k_data.shape[2]
     heads = q.shape[1] // kv_heads
     block = np.empty((k_data.shape[1], q.shape[2]), np.float32)
-    for i in range(first, last):
-        item = order[i]
+    for item in range(first, last):
         b = item // kv_heads
         kvh = item - b * kv_heads
         end = seq_lens[b]
@@ -277,8 +274,7 @@ def decode_attention_cpu(
     codes = (no_codes, no_codes, no_scales, no_scales, 0, 0)
     rows = (_float_rows(k_pages), _float_rows(v_pages))
     _run_items(
-        _kernel_args(queries, codes, rows, batch, sliding_window, out),
-        _costs(batch, kv_heads, sliding_window),
+        _kernel_args(queries, codes, rows, batch, sliding_window, out), q.shape[0] * kv_heads
     )
     return out.to(q.dtype)
 
@@ -322,7 +318,7 @@ def quant_decode_attention_cpu(
     rows = (_rows(k_pages, head_dim), _rows(v_pages, head_dim))
     _run_items(
         _kernel_args(queries, codes, rows, batch, sliding_window, out),
-        _costs(batch, k_pages.shape[2], sliding_window),
+        q.shape[0] * k_pages.shape[2],
     )
     if k_pages.rotate:
         out = rotate_groups(out)
@@ -372,47 +368,30 @@ def _kernel_args(
     )
 
 
-def _run_items(args: tuple, costs: np.ndarray) -> None:
-    """The work items (``costs``: each one's keys) longest first, in chunks of about equal
-    cost that ``torch.get_num_threads()`` threads (this one and the pool's) take in turn until
-    none is left. In turn, not a fixed share each: torch's own worker threads keep spinning on
-    the other cores for milliseconds after each torch op, so a pool thread there gets a
-    fraction of a core (SmolLM2's decode attention, 8 x 1k, 2 cores: a fixed share took 2.1 ms
-    per call after a torch matmul, against 1.7 ms on this thread alone; chunks in turn, in a
-    real decode step, 2.0 against 1.95 ms). Longest first and by cost, not by count: in a
-    ragged batch a chunk of equal item counts held the longest sequence's every head, half
-    the call's work, and the call took twice as long whenever that slowed pool thread drew
-    it. Whether more cores add up is not measured (this project's CPU box has 2)."""
-    items = len(costs)
-    order = np.argsort(-costs, kind="stable").astype(np.int32)
+def _run_items(args: tuple, items: int) -> None:
+    """The work items in chunks that ``torch.get_num_threads()`` threads (this one and the
+    pool's) take in turn until none is left. In turn, not a fixed share each: torch's own
+    worker threads keep spinning on the other cores for milliseconds after each torch op, so
+    a pool thread there gets a fraction of a core (SmolLM2's decode attention, 8 x 1k, 2
+    cores: a fixed share took 2.1 ms per call after a torch matmul, against 1.7 ms on this
+    thread alone; chunks in turn, in a real decode step, 2.0 against 1.95 ms). Whether more
+    cores add up is not measured (this project's CPU box has 2)."""
     threads = max(1, min(torch.get_num_threads(), items))
     if threads == 1:
-        _attend_items(*args, order, 0, items)
+        _attend_items(*args, 0, items)
         return
-    ends = np.cumsum(costs[order])
-    target = ends[-1] / (_CHUNKS_PER_THREAD * threads)
-    # a chunk ends with the item whose running total first reaches the next multiple
-    cuts = 1 + np.searchsorted(ends, target * np.arange(1, _CHUNKS_PER_THREAD * threads))
-    bounds = [0, *sorted({int(c) for c in cuts if 0 < c < items}), items]
-    chunks = itertools.pairwise(bounds)  # (next() on it is atomic under the GIL)
+    size = max(1, items // (_CHUNKS_PER_THREAD * threads))
+    starts = iter(range(0, items, size))  # (next() on it is atomic under the GIL)
 
     def work() -> None:
-        for first, last in chunks:
-            _attend_items(*args, order, first, last)
+        for first in starts:
+            _attend_items(*args, first, min(first + size, items))
 
     futures = [_pool(threads - 1, os.getpid()).submit(work) for _ in range(threads - 1)]
     work()
     for future in futures:  # (one that never started finds nothing left: not waited for)
         if not future.cancel():
             future.result()
-
-
-def _costs(batch: ForwardBatch, kv_heads: int, sliding_window: int | None) -> np.ndarray:
-    """Each work item's keys: its sequence's context (within the window), per KV head."""
-    lens = np.asarray(batch.seq_lens_host or batch.seq_lens.tolist(), np.int64)
-    if sliding_window:
-        lens = np.minimum(lens, sliding_window)
-    return np.repeat(lens, kv_heads)
 
 
 def _bytes(pages: QuantPages) -> np.ndarray:

@@ -174,29 +174,6 @@ def test_decode_does_not_wait_for_a_pool_thread_that_never_starts(monkeypatch):
     assert torch.equal(got, want)
 
 
-def test_work_items_go_longest_first_in_chunks_of_equal_cost(monkeypatch):
-    """A ragged batch's items (sequence, KV head) are taken longest first, every item once,
-    in chunks of about equal keys: no chunk holds the longest sequence's every head."""
-    taken = []
-    monkeypatch.setattr(
-        decode_attention,
-        "_attend_items",
-        lambda *a: taken.append([int(i) for i in a[-3][a[-2] : a[-1]]]),
-    )
-    costs = np.repeat(np.array([4000, 2000, 1000, 500, 250, 125, 62, 31]), 3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        decode_attention._run_items((), costs)
-    finally:
-        torch.set_num_threads(threads)
-    flat = [item for chunk in taken for item in chunk]
-    assert sorted(flat) == list(range(len(costs)))
-    assert flat[:3] == [0, 1, 2] and all(len(chunk) == 1 for chunk in taken[:3])
-    target = costs.sum() / (decode_attention._CHUNKS_PER_THREAD * 2)
-    assert all(costs[chunk].sum() <= target + costs[chunk[-1]] for chunk in taken)
-
-
 def test_decode_refuses_what_it_does_not_take():
     q, k_pages, v_pages, batch = _case([6, 9], "q4", new=2)
     with pytest.raises(ValueError, match="max_query_len=2"):
@@ -213,9 +190,7 @@ def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     the chunk to the reference: the op's output is the reference's either way."""
     calls = []
     run = decode_attention._run_items
-    monkeypatch.setattr(
-        decode_attention, "_run_items", lambda a, c: (calls.append(len(c)), run(a, c))
-    )
+    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
     gen = torch.Generator().manual_seed(9)
     seqs = [
         SequenceInput([1], num_cached=6, pages=[0, 1]),
@@ -312,9 +287,7 @@ def test_cpu_ops_route_float_decode_rows_by_their_padding(
     op's output is the reference's either way."""
     calls = []
     run = decode_attention._run_items
-    monkeypatch.setattr(
-        decode_attention, "_run_items", lambda a, c: (calls.append(len(c)), run(a, c))
-    )
+    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
     gen = torch.Generator().manual_seed(9)
     first, second = decode_contexts
     seqs = [
