@@ -98,13 +98,8 @@ def cpu_ops() -> OpSet:
     )
     from engine.cpu.quant_write import write_slots_cpu
 
-    def kernel_or(kernel: Callable, reference: Callable, pays=lambda batch: True) -> Callable:
-        def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
-            takes = supports(q, k_pages, batch) and pays(batch)
-            chosen = kernel if takes else reference
-            return chosen(q, k_pages, v_pages, batch, scale, sliding_window)
-
-        return attention
+    def float_takes(q, k_pages, batch) -> bool:
+        return supports(q, k_pages, batch) and float_kernel_pays(batch)
 
     return dataclasses.replace(
         TORCH_OPS,
@@ -115,14 +110,8 @@ def cpu_ops() -> OpSet:
             pages_arg=5,
         ),
         paged_attention=by_storage(
-            decode_rows_on(
-                kernel_or(decode_attention_cpu, paged_attention_reference, float_kernel_pays),
-                paged_attention_reference,
-            ),
-            decode_rows_on(
-                kernel_or(quant_decode_attention_cpu, quant_paged_attention_reference),
-                quant_paged_attention_reference,
-            ),
+            decode_rows_on(decode_attention_cpu, paged_attention_reference, float_takes),
+            decode_rows_on(quant_decode_attention_cpu, quant_paged_attention_reference, supports),
             pages_arg=1,
         ),
         compiles=True,
@@ -184,15 +173,21 @@ def by_query_length(kernel: Callable, reference: Callable) -> Callable:
     return decode_rows_on(kernel, reference)
 
 
-def decode_rows_on(kernel: Callable, reference: Callable) -> Callable:
+def decode_rows_on(
+    kernel: Callable, reference: Callable, takes: Callable | None = None
+) -> Callable:
     """Attention whose one-token sequences go to ``kernel`` (a decode batch, or a mixed
-    batch's decode rows: ``decode_split``) and every other sequence to ``reference``."""
+    batch's decode rows: ``decode_split``) and every other sequence to ``reference``.
+    ``takes(q, k_pages, decode_batch)``: whether the kernel takes these decode rows (None:
+    always); where it does not, the whole batch goes to ``reference`` in one call."""
 
     def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
         if batch.max_query_len == 1:
-            return kernel(q, k_pages, v_pages, batch, scale, sliding_window)
+            on_kernel = takes is None or takes(q, k_pages, batch)
+            chosen = kernel if on_kernel else reference
+            return chosen(q, k_pages, v_pages, batch, scale, sliding_window)
         split = decode_split(batch)
-        if split is None:
+        if split is None or (takes is not None and not takes(q[split.rows], k_pages, split.decode)):
             return reference(q, k_pages, v_pages, batch, scale, sliding_window)
         out = reference(q, k_pages, v_pages, split.rest, scale, sliding_window)
         rows = split.rows

@@ -215,7 +215,7 @@ def _half_table() -> np.ndarray:
 @functools.cache
 def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     """One pool per size and process (a forked child has none of its parent's threads)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quant-decode")
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-decode")
 
 
 def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: ForwardBatch) -> bool:
@@ -237,7 +237,7 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: Forward
 # at ~1.5x the reference's cost per key (SmolLM2 on 2 cores, 8 x 1k context: 2.3 against
 # 1.5 ms per layer). So equal lengths stay on the reference, and a batch mixing long and short
 # contexts, where the padding dominates, goes to the kernel (8 jobs from 4000 tokens halving
-# to 31: fp16 decode 29.5 -> 70.3 tok/s, bench/results/kv_cpu_decode_ragged.json).
+# to 31: fp16 decode 22.5 -> 71.8 tok/s, bench/results/kv_cpu_decode_ragged.json).
 FLOAT_PADDING_RATIO = 1.5
 
 
