@@ -63,6 +63,9 @@ class DecodeResult:
     decode_steps: int
     ms_per_step: float  # median over the decode steps
     tokens_per_s: float  # batch / median step
+    # --repeats: each run's prefill_s and ms_per_step (the fields above: their medians)
+    prefill_runs: tuple[float, ...] = ()
+    step_runs: tuple[float, ...] = ()
 
 
 def parse_mode(mode: str) -> tuple[str, bool]:
@@ -127,6 +130,22 @@ def measure(
     )
 
 
+def median_of(runs: list[DecodeResult], batch: int) -> DecodeResult:
+    """One mode's repeated runs as one result: the median prefill and step times, each run's
+    kept beside them (this box's single runs vary by 10-20%)."""
+    prefill = tuple(r.prefill_s for r in runs)
+    steps = tuple(r.ms_per_step for r in runs)
+    ms = statistics.median(steps)
+    return dataclasses.replace(
+        runs[0],
+        prefill_s=statistics.median(prefill),
+        ms_per_step=ms,
+        tokens_per_s=batch / ms * 1e3,
+        prefill_runs=prefill,
+        step_runs=steps,
+    )
+
+
 def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> dict[str, Any]:
     """One mode with the engine of ``tree`` (this script in a subprocess), with the folder
     its ``engine`` was imported from."""
@@ -135,7 +154,7 @@ def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> dict[str, A
         command = [
             sys.executable, str(Path(__file__).resolve()), "--modes", mode,
             *("--batch", str(args.batch), "--context", str(args.context)),
-            *("--steps", str(args.steps), "--threads", str(args.threads)),
+            *("--steps", str(args.steps), "--threads", str(args.threads), "--repeats", "1"),
             "--output", str(output), *(["--ragged"] if args.ragged else []),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(tree))
@@ -150,7 +169,8 @@ def table(results: list[DecodeResult], baseline: dict[str, dict[str, Any]]) -> s
     fp16 = next((r for r in results if r.mode == "fp16"), None)
     head = f"{'mode':18} {'bytes/token':>11} {'prefill s':>9} {'ms/step':>8} {'tok/s':>7}"
     head += f" {'vs fp16':>7}"
-    lines = [head + (f" {'baseline tok/s':>14} {'speedup':>7}" if baseline else "")]
+    extra = f" {'baseline tok/s':>14} {'speedup':>7} {'baseline prefill s':>18}"
+    lines = [head + (extra if baseline else "")]
     for r in results:
         vs = f"{r.tokens_per_s / fp16.tokens_per_s:7.2f}" if fp16 else f"{'':7}"
         line = f"{r.mode:18} {r.bytes_per_token:11d} {r.prefill_s:9.2f} {r.ms_per_step:8.1f} "
@@ -158,6 +178,7 @@ def table(results: list[DecodeResult], baseline: dict[str, dict[str, Any]]) -> s
         if r.mode in baseline:
             old = baseline[r.mode]["tokens_per_s"]
             line += f" {old:14.1f} {r.tokens_per_s / old:7.2f}"
+            line += f" {baseline[r.mode]['prefill_s']:18.2f}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -172,6 +193,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ragged", action="store_true", help="prompt lengths halving from --context on"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs per mode (each beside the baseline's), reported as medians",
+    )  # fmt: skip
     parser.add_argument("--baseline", metavar="REF", help="also run the engine at git ref REF")
     parser.add_argument("--quick", action="store_true", help="batch 2, 64 tokens, 4 steps")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -180,6 +205,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.batch, args.context, args.steps = 2, 64, 4
     for mode in args.modes:
         parse_mode(mode)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     return args
 
 
@@ -193,18 +220,29 @@ def main(argv: list[str] | None = None) -> int:
     no_tree = contextlib.nullcontext((None, None))
     with baseline_tree(args.baseline) if args.baseline else no_tree as (tree, commit):
         for mode in args.modes:
-            if tree is not None:
-                baseline[mode] = run_baseline(args, mode, tree)
-            results.append(
-                measure(model, tokenizer, mode, args.batch, args.context, args.steps, args.ragged)
-            )
+            runs, baseline_runs = [], []
+            for _ in range(args.repeats):  # (interleaved: both see the same load)
+                if tree is not None:
+                    baseline_runs.append(run_baseline(args, mode, tree))
+                runs.append(
+                    measure(
+                        model, tokenizer, mode, args.batch, args.context, args.steps, args.ragged
+                    )
+                )
+            results.append(median_of(runs, args.batch))
+            if baseline_runs:
+                engine_dir = baseline_runs[0].pop("engine")
+                for run in baseline_runs[1:]:
+                    run.pop("engine")
+                merged = median_of([DecodeResult(**run) for run in baseline_runs], args.batch)
+                baseline[mode] = {**dataclasses.asdict(merged), "engine": engine_dir}
             print(table(results[-1:], baseline), flush=True)
     print(table(results, baseline))
     write_record(
         args.output, "kv_cpu_decode",
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
         engine=str(Path(engine.__file__).parent), model=gguf.name,
-        batch=args.batch, context=args.context, steps=args.steps,
+        batch=args.batch, context=args.context, steps=args.steps, repeats=args.repeats,
         contexts=context_lengths(args.batch, args.context, args.ragged),
         results=[dataclasses.asdict(r) for r in results],
         baseline={"ref": args.baseline, "commit": commit, "results": baseline} if tree else None,

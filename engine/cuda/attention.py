@@ -86,13 +86,23 @@ def padded_attention(
     layout = group.layout
     num_heads, head_dim = q.shape[1], q.shape[2]
     q_pad = q[layout.q_index]
-    mask = _mask(group, sliding_window, q.dtype)
+    max_q = q_pad.shape[1]
+    causal = layout.from_start and (sliding_window is None or sliding_window >= max_q)
+    if causal:
+        # Every query row's position is its padded row: SDPA's own causal rule (row i sees
+        # keys 0..i) is ours, a real row never reaching its sequence's padding keys, and
+        # its kernels skip the blocks above the diagonal, which a mask makes them compute
+        # (a fresh 8 x 1024-token prompt chunk on 2 CPU threads: 50 against 82 ms a layer).
+        k, v, mask = k[:, :max_q], v[:, :max_q], None
+    else:
+        mask = _mask(group, sliding_window, q.dtype)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # [B, H, max_q, D]
         k.transpose(1, 2).to(q.dtype),  # [B, KV, max_kv, D]
         v.transpose(1, 2).to(q.dtype),
         attn_mask=mask,
         scale=scale,
+        is_causal=causal,
         enable_gqa=num_heads != k.shape[2],
     )
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, H, D]
@@ -118,6 +128,9 @@ class PaddedLayout:
     q_pos: torch.Tensor  # [B, max_q] absolute position of each padded query row
     num_blocks: int  # pages gathered per sequence
     kv_pos: torch.Tensor  # [num_blocks * page_size] key positions
+    # every sequence's queries start at position 0 (a prompt's first chunk, no cached
+    # prefix): a query's padded row is its position
+    from_start: bool
 
 
 @dataclass(slots=True)
@@ -280,6 +293,7 @@ def _padded_layout(
         q_pos=(seq_lens_t - q_lens_t)[:, None] + col[None, :],
         num_blocks=num_blocks,
         kv_pos=torch.arange(num_blocks * batch.page_size, device=device),
+        from_start=tuple(q_lens) == tuple(seq_lens),
     )
 
 

@@ -95,3 +95,57 @@ def test_quantized_mixed_batch_matches_attention_per_sequence(bits, rotate):
         plain = [rotate_groups(x) for x in plain]
     want = per_sequence(q, *plain, seqs, 0.2, None)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+
+
+FRESH = [(0, 5), (0, 7), (0, 4), (6, 2), (0, 1)]  # the 4..7 bucket starts at position 0
+
+
+def causal_calls(monkeypatch) -> list[bool]:
+    """Records each SDPA call's is_causal (the reference's choice of SDPA's own causal rule
+    over a mask)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, is_causal=False, **kwargs):
+        calls.append(is_causal)
+        return sdpa(*args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "window,causal_groups",
+    [(None, 2), (7, 2), (6, 1), (3, 1)],  # 2: the 4..7 group and the lone 1-token prompt
+)
+def test_groups_of_fresh_prompts_take_sdpas_causal_rule(monkeypatch, window, causal_groups):
+    """A group whose every sequence starts at position 0 (ragged lengths padded to the
+    longest) runs SDPA's own causal rule instead of a mask, unless a window shorter than its
+    longest query cuts in; either way each row equals attention one sequence at a time."""
+    seqs, batch, pool, gen = make_batch(FRESH, seed=3)
+    q = torch.randn(batch.num_tokens, 4, 8, generator=gen)
+    k = torch.randn(pool, PAGE, 2, 8, generator=gen)
+    v = torch.randn(pool, PAGE, 2, 8, generator=gen)
+    calls = causal_calls(monkeypatch)
+    out = paged_attention_reference(q, k, v, batch, 0.3, window)
+    assert len(calls) == 3 and sum(calls) == causal_groups
+    want = per_sequence(q, k, v, seqs, 0.3, window)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_quantized_prompt_chunk_takes_sdpas_causal_rule(monkeypatch):
+    """The quantized reference pads the same way: a first chunk over q4 pages is causal."""
+    seqs, batch, pool, gen = make_batch([(0, 9), (0, 14)], seed=4)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=gen)
+    pages = []
+    for _ in range(2):
+        quant = allocate_quant_pages(pool, PAGE, 2, 32, 4, True, "cpu")
+        values = torch.randn(pool * PAGE, 2, 32, generator=gen)
+        write_slots(quant, values, torch.arange(pool * PAGE))
+        pages.append(quant)
+    calls = causal_calls(monkeypatch)
+    out = quant_paged_attention_reference(q, *pages, batch, 0.2)
+    assert calls == [True]
+    plain = [rotate_groups(dequantize_pages(p, torch.arange(pool), torch.float32)) for p in pages]
+    want = per_sequence(q, *plain, seqs, 0.2, None)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
