@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if loaded is None:
         return 2
     model, tokenizer, gguf = loaded
+    # An untimed run first: a process's first prefill is slower (each new matmul shape's
+    # kernels are made on first use), and the baseline runs in a fresh process each time
+    # (this box: 10-20% on the first prefill of 8 x 1024 tokens).
+    measure(model, tokenizer, args.modes[0], args.batch, args.context, 1, args.ragged)
     results, baseline = [], {}
     no_tree = contextlib.nullcontext((None, None))
     with baseline_tree(args.baseline) if args.baseline else no_tree as (tree, commit):

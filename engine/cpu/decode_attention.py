@@ -20,18 +20,13 @@ scale per group, read here through a 65536-entry table of their float32 values (
 float16 on the CPU; the table converts exactly). Float pages must be float32 (the CPU build's
 run dtype); others go to the reference.
 
-Work items are taken in turn by ``torch.get_num_threads()`` threads: the kernel releases the
-GIL (``nogil``), the calling thread and a small pool take chunks of items until none is
-left, so two engines in one process can call it at once (Numba's own parallel loops cannot
-promise that).
+Work items are taken in turn by ``torch.get_num_threads()`` threads (engine/cpu/turns.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -40,6 +35,7 @@ import torch
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.quant import QuantPages, rotate_groups
 from engine.cpu.bits import float16_bits, float_from_bits
+from engine.cpu.turns import in_turns
 from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
@@ -47,7 +43,6 @@ _FASTMATH = {"reassoc", "contract", "nsz"}
 # 4-bit codes: nibble mask, high-nibble shift and the +8 offset (int32: int64 arithmetic
 # converted more slowly)
 _LOW, _SHIFT, _OFFSET = np.int32(15), np.int32(4), np.int32(8)
-_CHUNKS_PER_THREAD = 4  # work-queue granularity (a kernel call's dispatch: ~1 us)
 
 
 # exp(x) for x <= 0 as 2^n * 2^f (n = round(x log2 e), |f| <= 1/2), 2^f by its Taylor
@@ -212,12 +207,6 @@ def _half_table() -> np.ndarray:
     return bits.view(torch.float16).float().numpy()
 
 
-@functools.cache
-def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
-    """One pool per size and process (a forked child has none of its parent's threads)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-decode")
-
-
 def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: ForwardBatch) -> bool:
     """Whether the kernel takes this call: a CPU decode batch (one query row per sequence)
     whose rows read unquantized are float32 (the CPU build's run dtype): float pages, or a
@@ -369,29 +358,8 @@ def _kernel_args(
 
 
 def _run_items(args: tuple, items: int) -> None:
-    """The work items in chunks that ``torch.get_num_threads()`` threads (this one and the
-    pool's) take in turn until none is left. In turn, not a fixed share each: torch's own
-    worker threads keep spinning on the other cores for milliseconds after each torch op, so
-    a pool thread there gets a fraction of a core (SmolLM2's decode attention, 8 x 1k, 2
-    cores: a fixed share took 2.1 ms per call after a torch matmul, against 1.7 ms on this
-    thread alone; chunks in turn, in a real decode step, 2.0 against 1.95 ms). Whether more
-    cores add up is not measured (this project's CPU box has 2)."""
-    threads = max(1, min(torch.get_num_threads(), items))
-    if threads == 1:
-        _attend_items(*args, 0, items)
-        return
-    size = max(1, items // (_CHUNKS_PER_THREAD * threads))
-    starts = iter(range(0, items, size))  # (next() on it is atomic under the GIL)
-
-    def work() -> None:
-        for first in starts:
-            _attend_items(*args, first, min(first + size, items))
-
-    futures = [_pool(threads - 1, os.getpid()).submit(work) for _ in range(threads - 1)]
-    work()
-    for future in futures:  # (one that never started finds nothing left: not waited for)
-        if not future.cancel():
-            future.result()
+    """The kernel over its work items, shared among torch's threads (engine/cpu/turns.py)."""
+    in_turns(lambda first, last: _attend_items(*args, first, last), items)
 
 
 def _bytes(pages: QuantPages) -> np.ndarray:

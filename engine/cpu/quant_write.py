@@ -32,6 +32,7 @@ from engine.cache.quant import (
     write_sink_rows,
 )
 from engine.cpu.bits import bits_from_float, float16_bits, float_from_bits
+from engine.cpu.turns import in_turns
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
 
@@ -156,20 +157,29 @@ def _write_rows(groups, bits, search, slots, data, scales, divisors):
                         data[slot, kvh, base + j] = (codes[j] + 8) | ((codes[j + half] + 8) << 4)
 
 
+# Writes of this many rows or more (prompt chunks) are shared among torch's threads; a decode
+# step's few rows take ~15 us on one (SmolLM2, 8 rows), less than a pool thread's wake-up.
+SHARED_ROWS = 64
+
+
 def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
     """``quant.write_slots`` on the CPU (same codes, scales and unquantized rows), the codes
-    and scales by ``_write_rows``."""
+    and scales by ``_write_rows``, over rows taken in turn by torch's threads when there are
+    ``SHARED_ROWS`` or more (each row its own slot, so no two threads write one byte)."""
     x = centered(pages, x)
-    groups = rotated_groups(x, pages.rotate)
-    flat_data = pages.data.view(-1, *pages.data.shape[2:]).view(torch.uint8)
-    _write_rows(
-        groups.contiguous().numpy(),
-        pages.bits,
-        searches(pages.bits, pages.rotate),
-        slots.long().numpy(),
-        flat_data.numpy(),
-        float16_bits(pages.scales.view(-1, *pages.scales.shape[2:])),
-        _DIVISORS,
-    )
+    groups = rotated_groups(x, pages.rotate).contiguous().numpy()
+    slot_ids = slots.long().numpy()
+    flat_data = pages.data.view(-1, *pages.data.shape[2:]).view(torch.uint8).numpy()
+    scales = float16_bits(pages.scales.view(-1, *pages.scales.shape[2:]))
+    search = searches(pages.bits, pages.rotate)
+
+    def write(first: int, last: int) -> None:
+        rows, ids = groups[first:last], slot_ids[first:last]
+        _write_rows(rows, pages.bits, search, ids, flat_data, scales, _DIVISORS)
+
+    if len(slot_ids) >= SHARED_ROWS:
+        in_turns(write, len(slot_ids))
+    else:
+        write(0, len(slot_ids))
     if pages.sinks is not None:
         write_sink_rows(pages, x, slots)

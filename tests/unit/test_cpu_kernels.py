@@ -23,7 +23,7 @@ from engine.cache.quant import (
     search_scales,
     write_slots,
 )
-from engine.cpu import decode_attention, quant_write
+from engine.cpu import decode_attention, quant_write, turns
 from engine.cpu.decode_attention import decode_attention_cpu, quant_decode_attention_cpu
 from engine.cpu.quant_write import write_slots_cpu
 from engine.cuda.attention import paged_attention_reference
@@ -157,7 +157,7 @@ def test_decode_does_not_wait_for_a_pool_thread_that_never_starts(monkeypatch):
     busy = ThreadPoolExecutor(max_workers=1)
     release = threading.Event()
     busy.submit(release.wait)
-    monkeypatch.setattr(decode_attention, "_pool", lambda workers, pid: busy)
+    monkeypatch.setattr(turns, "_pool", lambda workers, pid: busy)
     watchdog = threading.Timer(30, release.set)  # (a call that waits returns only after it)
     threads = torch.get_num_threads()
     try:
@@ -345,6 +345,40 @@ def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unqua
         assert (ref.scales.view(torch.int16) == -32768).any()
     if unquantized:
         assert torch.equal(got.sinks, ref.sinks)
+
+
+def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not(monkeypatch):
+    """A write of ``SHARED_ROWS`` rows or more goes to the kernel in chunks of rows that
+    torch's threads take in turn, fewer in one call; the codes are the reference's either
+    way."""
+    calls = []
+    kernel = quant_write._write_rows
+
+    def counted(groups, *args):
+        calls.append(len(groups))
+        kernel(groups, *args)
+
+    monkeypatch.setattr(quant_write, "_write_rows", counted)
+    gen = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (quant_write.SHARED_ROWS - 1, 300):
+            x = torch.randn(rows, 2, 2 * GROUP, generator=gen)
+            slots = torch.randperm(160 * PAGE, generator=gen)[:rows]
+            calls.clear()
+            pages = [allocate_quant_pages(160, PAGE, 2, 2 * GROUP, 4, True, "cpu") for _ in "ab"]
+            write_slots(pages[0], x, slots)
+            write_slots_cpu(pages[1], x, slots)
+            assert torch.equal(pages[1].data, pages[0].data)
+            assert torch.equal(pages[1].scales.view(torch.int16), pages[0].scales.view(torch.int16))
+            assert sum(calls) == rows
+            if rows < quant_write.SHARED_ROWS:
+                assert calls == [rows]
+            else:
+                assert len(calls) > 2 and max(calls) < rows
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("bits", "search"), [(4, True), (4, False), (8, False)])
