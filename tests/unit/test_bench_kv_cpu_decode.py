@@ -32,7 +32,7 @@ def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--modes", "fp16", "q4+sinks+recent",
-         "--baseline", "HEAD", "--output", str(output)],
+         "--repeats", "2", "--baseline", "HEAD", "--output", str(output)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -40,12 +40,16 @@ def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -
     assert report["benchmark"] == "kv_cpu_decode" and report["batch"] == 2
     results = {r["mode"]: r for r in report["results"]}
     assert set(results) == {"fp16", "q4+sinks+recent"}
+    assert report["repeats"] == 2
     for r in results.values():
         assert r["decode_steps"] == report["steps"]  # every step after the prefill is timed
         assert r["tokens_per_s"] == pytest.approx(report["batch"] / r["ms_per_step"] * 1e3)
+        assert len(r["prefill_runs"]) == len(r["step_runs"]) == 2  # the medians of these
+        assert r["prefill_s"] == pytest.approx(sum(r["prefill_runs"]) / 2)
     assert results["q4+sinks+recent"]["bytes_per_token"] * 3 < results["fp16"]["bytes_per_token"]
     baseline = report["baseline"]
     assert baseline["ref"] == "HEAD" and len(baseline["commit"]) == 40
     assert set(baseline["results"]) == set(results)
-    for r in baseline["results"].values():  # from the worktree's engine
+    for r in baseline["results"].values():  # from the worktree's engine, run as often
         assert r["decode_steps"] == report["steps"] and r["engine"] != report["engine"]
+        assert len(r["prefill_runs"]) == 2
