@@ -14,13 +14,33 @@ CPU box has 2).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 CHUNKS_PER_THREAD = 4  # work-queue granularity (a kernel call's dispatch: ~1 us)
+# What bounds the spinning (libgomp reads them once, when torch loads it)
+SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+@functools.cache
+def advise_spin_count() -> None:
+    """Once per process: with neither of ``SPIN_SETTINGS`` set, torch's workers spin long
+    enough after each op to take a core from the kernels' second thread (SmolLM2, 2 threads,
+    q4 decode at 8 x 1k: 64.2 tok/s unset, 77.4 with GOMP_SPINCOUNT=20000;
+    bench/results/kv_cpu_decode_gomp_spincount.json)."""
+    if not any(name in os.environ for name in SPIN_SETTINGS):
+        logger.info(
+            "the CPU kernels share work among torch's %d threads, whose OpenMP workers spin "
+            "between ops: start the process with GOMP_SPINCOUNT=20000 to give the kernels "
+            "their cores (README, 'KV cache')",
+            torch.get_num_threads(),
+        )
 
 
 @functools.cache
@@ -38,6 +58,7 @@ def in_turns(work: Callable[[int, int], None], items: int) -> None:
     if threads == 1:
         work(0, items)
         return
+    advise_spin_count()
     size = max(1, items // (CHUNKS_PER_THREAD * threads))
     starts = iter(range(0, items, size))  # (next() on it is atomic under the GIL)
 

@@ -436,3 +436,27 @@ def test_float16_rounding_is_torchs():
 def _round_all(x, values, bits):
     for i in range(x.shape[0]):
         values[i], bits[i] = quant_write._half(x[i])
+
+
+@pytest.mark.parametrize("setting", [None, "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
+def test_shared_work_advises_a_spin_count_once_unless_one_is_set(monkeypatch, caplog, setting):
+    """Work shared among threads logs, once per process, how to keep torch's OpenMP workers
+    from spinning on the kernels' cores, unless the environment already bounds them."""
+    for name in turns.SPIN_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    if setting is not None:
+        monkeypatch.setenv(setting, "20000" if setting == "GOMP_SPINCOUNT" else "PASSIVE")
+    turns.advise_spin_count.cache_clear()
+    done = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level("INFO", logger="engine.cpu.turns"):
+            for _ in range(2):
+                turns.in_turns(lambda first, last: done.extend(range(first, last)), 16)
+    finally:
+        torch.set_num_threads(threads)
+        turns.advise_spin_count.cache_clear()
+    assert sorted(done) == sorted(list(range(16)) * 2)  # every item, once per call
+    advice = [r for r in caplog.records if "GOMP_SPINCOUNT=20000" in r.getMessage()]
+    assert len(advice) == (1 if setting is None else 0)
