@@ -280,11 +280,12 @@ def test_float_decode_takes_float32_pages_only():
     ],
 )
 def test_cpu_ops_route_float_decode_rows_by_their_padding(
-    decode_contexts, kernel_items, monkeypatch
+    decode_contexts, kernel_items, monkeypatch, torch_threads
 ):
-    """Float pages: a mixed batch's decode rows go to the kernel when their contexts are
-    ragged enough (``float_kernel_pays``), else with its prompt chunk to the reference; the
-    op's output is the reference's either way."""
+    """Float pages, two torch threads: a mixed batch's decode rows go to the kernel when
+    their contexts are ragged enough (``float_kernel_pays``), else with its prompt chunk to
+    the reference; the op's output is the reference's either way."""
+    torch_threads(2)
     calls = []
     run = decode_attention._run_items
     monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
@@ -304,15 +305,26 @@ def test_cpu_ops_route_float_decode_rows_by_their_padding(
     assert _rel_error(out, ref) <= TOL
 
 
-def test_float_kernel_pays_for_padding_only():
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for the test (``float_kernel_pays`` reads it)."""
+    threads = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(threads)
+
+
+def test_float_kernel_pays_for_padding_only_on_several_threads(torch_threads):
     def batch_of(contexts):
         seqs = [SequenceInput([1], num_cached=c - 1, pages=list(range(9))) for c in contexts]
         return build_forward_batch(seqs, PAGE)
 
-    assert not decode_attention.float_kernel_pays(batch_of([30] * 8))
-    assert not decode_attention.float_kernel_pays(batch_of([30]))
-    assert decode_attention.float_kernel_pays(batch_of([30, 1]))
-    assert decode_attention.float_kernel_pays(batch_of([32, 16, 8, 4]))
+    even = ([30] * 8, [30])
+    ragged = ([30, 1], [32, 16, 8, 4])
+    torch_threads(2)
+    assert not any(decode_attention.float_kernel_pays(batch_of(c)) for c in even)
+    assert all(decode_attention.float_kernel_pays(batch_of(c)) for c in ragged)
+    torch_threads(1)  # no spinning OpenMP worker: the kernel takes every batch
+    assert all(decode_attention.float_kernel_pays(batch_of(c)) for c in even + ragged)
 
 
 @pytest.mark.parametrize(
