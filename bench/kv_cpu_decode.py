@@ -146,9 +146,9 @@ def median_of(runs: list[DecodeResult], batch: int) -> DecodeResult:
     )
 
 
-def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> dict[str, Any]:
-    """One mode with the engine of ``tree`` (this script in a subprocess), with the folder
-    its ``engine`` was imported from."""
+def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> tuple[DecodeResult, str]:
+    """One run of one mode with the engine of ``tree`` (this script in a subprocess), and
+    the folder its ``engine`` was imported from."""
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "baseline.json"
         command = [
@@ -162,7 +162,7 @@ def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> dict[str, A
         if done.returncode:
             raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
         record = json.loads(output.read_text())
-        return {**record["results"][0], "engine": record["engine"]}
+        return DecodeResult(**record["results"][0]), record["engine"]
 
 
 def table(results: list[DecodeResult], baseline: dict[str, dict[str, Any]]) -> str:
@@ -235,11 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             results.append(median_of(runs, args.batch))
             if baseline_runs:
-                engine_dir = baseline_runs[0].pop("engine")
-                for run in baseline_runs[1:]:
-                    run.pop("engine")
-                merged = median_of([DecodeResult(**run) for run in baseline_runs], args.batch)
-                baseline[mode] = {**dataclasses.asdict(merged), "engine": engine_dir}
+                merged = median_of([run for run, _ in baseline_runs], args.batch)
+                baseline[mode] = {**dataclasses.asdict(merged), "engine": baseline_runs[0][1]}
             print(table(results[-1:], baseline), flush=True)
     print(table(results, baseline))
     write_record(
