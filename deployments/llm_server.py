@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve import metrics
 
 from deployments.cpu_affinity import pin_engine
+from deployments.load_report import ActiveRequests
 from deployments.prefix_index import REPORTED_HASH_LIMIT
 from deployments.preset import Preset
 from engine import (
@@ -298,6 +299,7 @@ class LLMServer:
         self.metrics = ServerMetrics()
         self.requests_served = 0
         self.requests_active = 0
+        self.active = ActiveRequests()  # what the routing reports count, by request id
         logger.info(
             "LLMServer ready: %s, context %d, %s cache of %d tokens (%d pages of %d): "
             "%d bytes per token, %d bytes",
@@ -322,6 +324,7 @@ class LLMServer:
         streams = [ChoiceStream(i, start) for i in range(request.n)]
         jobs: list[DynamicJobAsync] = []
         self.requests_active += 1
+        self.active.start(request.request_id, request.n)
         try:
             for i in range(request.n):  # a choice refused at enqueue leaves none behind
                 jobs.append(
@@ -344,6 +347,7 @@ class LLMServer:
                 await batches.aclose()
         finally:
             self.requests_active -= 1
+            self.active.end(request.request_id, request.n)
             self.requests_served += 1
             for job in jobs:
                 if not job.finished:  # the caller went away: free the pages now
@@ -369,16 +373,18 @@ class LLMServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by the Serve controller for the prefix-aware router (with a 1 s deadline).
-        Answered from the step thread's published view, so a long step (a big prefill on a
-        CPU) never makes the router fall back to stale reports; ``load`` also counts the
-        requests this replica holds right now."""
+        Pages come from the step thread's published view, so a long step (a big prefill on a
+        CPU) never makes the router fall back to stale reports. ``load`` (the choices of the
+        ``generate`` calls held now) and ``active_requests`` (those calls by request id, so
+        the router can take off the ones it has seen end since) are read fresh here: the
+        view's job counts can be half a period old."""
         view = self.generator.published(ROUTING_VIEW)
         if view is None:  # before the step thread's first refresh
             view = await self.generator.call(_routing_view)
         stats, hashes = view
         self.metrics.engine_state(stats)
         return {
-            "load": max(stats["jobs_running"] + stats["jobs_waiting"], self.requests_active),
+            **self.active.report(),
             "pages_free": stats["pages_free"] + stats["pages_cached"],
             "pages_total": stats["pages_total"],
             "page_size": stats["page_size"],

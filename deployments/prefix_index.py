@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.load_report import ReportedLoad, parse_active_requests
 from deployments.router_settings import RouterSettings
 
 logger = logging.getLogger("ray.serve")
@@ -221,6 +222,8 @@ class _Placement:
     hashes: Sequence[int]
     pinned: bool
     at: float
+    key: Hashable | None = None  # the request's id in the replica's reports
+    choices: float = 1.0  # engine jobs it holds there (its ``n``)
     # Pages each ranked replica was believed to hold when the choice was made (a retry may
     # dispatch to a later rank): the prediction the routing audit compares with the outcome.
     matched: dict[Hashable, int] = field(default_factory=dict)
@@ -248,15 +251,13 @@ class PrefixPolicy:
     This router's count covers requests in flight (``routed`` .. ``completed``) and requests
     it has just chosen a replica for but Serve has not dispatched yet (``choose`` ..
     ``routed``): concurrent routing decisions would otherwise all see the same idle replica.
-    It is exact and fresh for this router's traffic; the report (up to ~1 s stale) also covers
-    other routers (other ingress replicas, job drivers). The max never counts our requests
-    twice and never ignores others'. A request of ours that ends after the replica's last
-    report was received, having been dispatched before it, was counted by that report: the
-    reported load drops by one then, so the replica that just served a short prompt does not
-    look busy to the follow-up turn until the next report (CI saw a second request on a
-    2-page prompt go to the other replica: load weighs 4 pages). The report could have been
-    taken just before the request arrived there, so the drop may undercount other routers'
-    requests by one until the next report; this router's own count still holds.
+    It is exact and fresh for this router's traffic; the report (up to ~1.5 s old when it
+    arrives) also covers other routers (other ingress replicas, job drivers). The max never
+    counts our requests twice and never ignores others'. A report lists the requests it
+    counted, so a request of ours that ends after the report was taken is taken off it by id,
+    whether its end comes before the report arrives or after (``load_report.ReportedLoad``):
+    the replica that just served a short prompt does not look busy to the follow-up turn
+    (CI saw a second request on a 2-page prompt go to the other replica: load weighs 4 pages).
     """
 
     def __init__(
@@ -276,14 +277,14 @@ class PrefixPolicy:
         # serving one HTTP request the same internal id (the ingress sends n choices as n calls).
         self._in_flight: dict[tuple[Hashable, Hashable], list[_Placement]] = {}
         self._local_load: Counter[Hashable] = Counter()
-        # each replica's last reported load and when that report came
-        self._reported: dict[Hashable, tuple[float, float]] = {}
+        # each replica's last reported load, less our requests it counted that have ended
+        self._reported: dict[Hashable, ReportedLoad] = {}
         self._recent: dict[Hashable, _Decayed] = {}
         self._next_expiry = clock() + EXPIRY_PERIOD_S
 
     def load(self, replica: Hashable) -> float:
         reported = self._reported.get(replica)
-        return max(float(self._local_load[replica]), reported[0] if reported else 0.0)
+        return max(float(self._local_load[replica]), reported.load if reported else 0.0)
 
     def candidate(self, replica: Hashable, hashes: Sequence[int], full: bool) -> Candidate:
         recent = self._recent.get(replica)
@@ -337,8 +338,11 @@ class PrefixPolicy:
         request_id: Hashable,
         hashes: Sequence[int],
         token: Hashable = None,
+        key: Hashable = None,
+        choices: float = 1.0,
     ) -> int:
-        """Serve dispatched the request there (``token`` as given to ``choose``, if any).
+        """Serve dispatched the request there (``token`` as given to ``choose``, if any;
+        ``key``: its id in the replica's reports, ``choices``: the jobs it holds there).
         Returns the pages of ``hashes`` the replica was believed to hold when it was chosen."""
         now = self._clock()
         tentative = self._tentative.pop(token, None) if token is not None else None
@@ -349,6 +353,7 @@ class PrefixPolicy:
         else:
             predicted = self.index.matched_pages(replica, hashes)
         placement = self._place(replica, hashes, now, count=tentative is None)
+        placement.key, placement.choices = key, choices
         self.index.record_routed(replica, hashes)
         self._in_flight.setdefault((replica, request_id), []).append(placement)
         self._maybe_expire(now)
@@ -375,14 +380,18 @@ class PrefixPolicy:
         if placement.pinned:
             self.index.unpin(placement.replica, placement.hashes)
 
-    def _finish(self, replica: Hashable, request_id: Hashable, placement: _Placement) -> None:
+    def _finish(
+        self, replica: Hashable, request_id: Hashable, placement: _Placement, ended: bool = True
+    ) -> None:
+        """Stop counting ``placement``; ``ended``: its completion came (so reports that
+        counted it stop counting it too), else it expired and the reports keep it."""
         if not self._in_flight.get((replica, request_id)):
             self._in_flight.pop((replica, request_id), None)
         self._unplace(placement)
         self.index.record_routed(replica, placement.hashes)  # fresh until the next reports
-        load, at = self._reported.get(replica, (0.0, 0.0))
-        if load and placement.at <= at:  # that report counted it
-            self._reported[replica] = (load - 1.0, at)
+        if ended:
+            reported = self._reported.setdefault(replica, ReportedLoad())
+            reported.finished(placement.key, placement.choices, placement.at, self._clock())
 
     def _maybe_expire(self, now: float) -> None:
         """Drop placements whose end never came: tentative ones whose request was cancelled
@@ -396,7 +405,7 @@ class PrefixPolicy:
         for (replica, request_id), placements in list(self._in_flight.items()):
             while placements and now - placements[0].at > FLIGHT_TTL_S:
                 logger.warning("PrefixAwareRouter: no completion for %s on %s", request_id, replica)
-                self._finish(replica, request_id, placements.pop(0))
+                self._finish(replica, request_id, placements.pop(0), ended=False)
 
     def report(self, replica: Hashable, stats: Mapping[str, Any]) -> None:
         """Ingest one ``record_routing_stats`` dict (unknown or bad keys are ignored)."""
@@ -406,7 +415,8 @@ class PrefixPolicy:
             self.index.update_reported(replica, hashes, truncated=bool(truncated))
         load = stats.get("load")
         if isinstance(load, int | float) and not isinstance(load, bool):
-            self._reported[replica] = (float(load), self._clock())
+            reported = self._reported.setdefault(replica, ReportedLoad())
+            reported.report(float(load), parse_active_requests(stats), self._clock())
 
     def forget(self, replica: Hashable) -> None:
         """The replica is gone: drop its pages and loads (placements end on completion)."""

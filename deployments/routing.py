@@ -9,6 +9,9 @@ replicas' page tables use. The router believes a replica holds a page when
   it, and its scheduler makes concurrent requests on a shared prefix wait for it), or
 * the replica said so in its last ``record_routing_stats`` report (exact, but up to ~1 s old).
 
+A report's load lists the requests it counts, so this router's requests that have ended since
+stop counting at once (``deployments.load_report``).
+
 It ranks replicas by ``uncached pages * prefix_weight + load * load_weight`` and spills a
 replica whose load exceeds ``max_load`` (or whose queue is full) to a later rank, so a hot
 prefix is replicated instead of piling onto one replica. A prompt new to every replica is
@@ -43,12 +46,18 @@ logger = logging.getLogger("ray.serve")
 # -- the Ray Serve adapter ---------------------------------------------------------------------
 
 
+def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | None:
+    """The request of an ``LLMServer.generate(request)`` call; None for any other call."""
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, GenerationRequest) else None
+
+
 def request_hashes(pending_request: PendingRequest | None) -> tuple[int, ...]:
     """``page_hashes`` of an ``LLMServer.generate(request)`` call; () for any other call."""
-    if pending_request is None or not pending_request.args:
-        return ()
-    request = pending_request.args[0]
-    return request.page_hashes if isinstance(request, GenerationRequest) else ()
+    request = generation_request(pending_request)
+    return request.page_hashes if request is not None else ()
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -120,9 +129,16 @@ class PrefixAwareRouter(RequestRouter):
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
         hashes = request_hashes(pending_request)
-        predicted = self.policy.routed(replica_id, request_id, hashes, token=id(pending_request))
+        request = generation_request(pending_request)
+        predicted = self.policy.routed(
+            replica_id,
+            request_id,
+            hashes,
+            token=id(pending_request),
+            key=request.request_id if request else None,  # as the replica's reports list it
+            choices=request.n if request else 1.0,
+        )
         if hashes:  # explain the decision: /v1/stats compares it with the replica's cache use
-            request = pending_request.args[0]
             routing_audit.predict(request.request_id, replica_id.unique_id, len(hashes), predicted)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

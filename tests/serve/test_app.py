@@ -5,6 +5,7 @@ into a tmp dir."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 import urllib.error
@@ -495,6 +496,23 @@ def test_prompt_embeds_give_the_librarys_greedy_tokens(
     assert served[1].choices[0].text == expected
     assert served[1].usage.prompt_tokens == 136
     assert served[1].usage.prompt_tokens_details.cached_tokens == 128  # 8 full pages of 16
+
+
+def test_follow_ups_on_a_short_prompt_stay_on_its_replica(
+    client: openai.OpenAI, base_url: str
+) -> None:
+    """A 2-page prompt sent again and again reuses its pages every time after the first. The
+    replica that just served it must not look busy to the router: a report taken while the
+    previous request ran, arriving after it ended, kept that replica loaded for up to a
+    second, and a request's load (4 pages) outweighs this prompt's 2 cached pages."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(4, 4096) for _ in range(40)]  # 2 full pages of 16, and 8 more
+    assert all(r["requests_active"] == 0 for r in _wait_idle(base_url))
+    cached = []
+    for _ in range(8):
+        served = client.completions.create(model="demo", prompt=prompt, max_tokens=4)
+        cached.append(served.usage.prompt_tokens_details.cached_tokens)
+    assert cached[1:] == [32] * 7, cached
 
 
 def test_chat_input_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI, library) -> None:

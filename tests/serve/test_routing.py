@@ -429,6 +429,28 @@ def test_router_adapter_ranks_by_reported_pages_and_tracks_requests() -> None:
     asyncio.run(_adapter_scenario())
 
 
+async def _finished_request_scenario() -> None:
+    router = _router()
+    prompt = pages(2, 2)
+    a = FakeReplica("a", {"load": 0, "page_hashes": []})
+    router.update_replicas([a])
+    await asyncio.sleep(0)
+    generate = GenerationRequest(prompt_ids=(1,), max_new_tokens=1, n=2, page_hashes=tuple(prompt))
+    request = FakeRequest([generate], FakeMetadata("internal"))
+    await router.choose_replicas([a], request)
+    router.on_request_routed(request, a.replica_id, None)
+    router.on_request_completed(a.replica_id, "internal")
+    # a report taken while it ran (its 2 choices) arrives after its completion
+    a.routing_stats = {"load": 2, "active_requests": {generate.request_id: 2}, "page_hashes": []}
+    await router.choose_replicas([a], None)  # reads the new report, places nothing
+    assert router.policy.load(a.replica_id) == 0
+
+
+def test_router_adapter_takes_its_finished_requests_off_late_reports() -> None:
+    """The adapter hands the policy each request's id and choices as the replica lists them."""
+    asyncio.run(_finished_request_scenario())
+
+
 def test_request_hashes_reads_the_first_argument() -> None:
     meta = FakeMetadata("x")
     assert request_hashes(None) == ()
