@@ -17,21 +17,7 @@ from deployments.load_report import (
     parse_active_requests,
 )
 from deployments.prefix_index import FLIGHT_TTL_S, PrefixPolicy
-from engine.cache.prefix_hash import prefix_hashes
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def pages(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return prefix_hashes([rng.randrange(4, 4096) for _ in range(n * 16)], 16)
-
+from tests.serve.test_routing import FakeClock, pages
 
 # -- the replica's ledger ----------------------------------------------------------------------
 
