@@ -509,10 +509,10 @@ def test_follow_ups_on_a_short_prompt_stay_on_its_replica(
     prompt = [rng.randrange(4, 4096) for _ in range(40)]  # 2 full pages of 16, and 8 more
     assert all(r["requests_active"] == 0 for r in _wait_idle(base_url))
     cached = []
-    for _ in range(8):
+    for _ in range(12):
         served = client.completions.create(model="demo", prompt=prompt, max_tokens=4)
         cached.append(served.usage.prompt_tokens_details.cached_tokens)
-    assert cached[1:] == [32] * 7, cached
+    assert cached[1:] == [32] * 11, cached
 
 
 def test_chat_input_embeds_give_the_librarys_greedy_tokens(client: openai.OpenAI, library) -> None:
