@@ -8,6 +8,10 @@ completion came before the report (ids it remembers ending) or after it (ids the
 Without the list, a finished request of one replica's traffic kept it looking busy until the
 next report, and a follow-up on a short shared prompt went to another replica.
 
+The list also tells this router's requests from other routers' (another ingress replica, a
+batch driver): a replica's load is this router's own count, which is fresh, plus the others'
+from the report, instead of the larger of the two, which undercounted whenever both had some.
+
 Pure (no Ray, no torch): ``deployments.llm_server`` and ``deployments.prefix_index`` use it.
 """
 
@@ -80,16 +84,23 @@ def _is_count(value: Any) -> bool:
 
 
 class ReportedLoad:
-    """One replica's last reported load, less this router's requests that report counted
-    and that have ended since it was taken."""
+    """One replica's last reported load, as this router accounts for it.
 
-    __slots__ = ("_counted", "_finished", "at", "load")
+    With the report's request list, the load splits exactly: this router's own requests
+    there (which it counts itself, fresh) and everyone else's, which is the list less this
+    router's requests in it, the ended ones included (``others``). Without one (a truncated
+    or an older replica's report), the report's load less the requests it is taken to have
+    counted that have ended since."""
+
+    __slots__ = ("_counted", "_finished", "_mine", "at", "load")
 
     def __init__(self) -> None:
-        self.load = 0.0
+        self.load = 0.0  # the last report's load, less this router's requests ended since
         self.at = 0.0  # when the last report arrived (router clock)
         # The last report's request list, less what has been taken off it; None: no list.
         self._counted: dict[Hashable, float] | None = None
+        # this router's requests there that have not ended, by id: choices
+        self._mine: Counter[Hashable] = Counter()
         # (when, request id, choices) of this router's requests there that ended
         self._finished: deque[tuple[float, Hashable, float]] = deque(maxlen=FINISHED_MEMORY_ENTRIES)
 
@@ -103,10 +114,35 @@ class ReportedLoad:
         for _, key, choices in self._finished:  # ended before this report arrived
             self._take_off(key, choices)
 
+    def others(self) -> float | None:
+        """The jobs of other routers' requests that the last report counted; None when it
+        had no request list."""
+        if self._counted is None:
+            return None
+        mine = sum(min(w, self._mine[k]) for k, w in self._counted.items() if k in self._mine)
+        return max(self.load - mine, 0.0)
+
+    def dispatched(self, key: Hashable | None, choices: float) -> None:
+        """This router sent a request there (``key``: its id in the replica's list)."""
+        if key is not None:
+            self._mine[key] += choices
+
     def finished(
-        self, key: Hashable | None, choices: float, dispatched_at: float, now: float
+        self,
+        key: Hashable | None,
+        choices: float,
+        dispatched_at: float,
+        now: float,
+        ended: bool = True,
     ) -> None:
-        """A request this router sent there ended (``key``: its id in the replica's list)."""
+        """A request this router sent there ended; ``ended`` False: it is no longer tracked
+        (its completion never came), so the reports count it as anyone's."""
+        if key is not None:
+            left = self._mine.pop(key, 0.0) - choices
+            if left > 0:
+                self._mine[key] = left
+        if not ended:
+            return
         if key is not None:
             self._finished.append((now, key, choices))
         if self._counted is not None:

@@ -247,17 +247,18 @@ class _Decayed:
 class PrefixPolicy:
     """Index + loads -> ranking. Replica ids, request ids and tokens are any hashables.
 
-    Load of a replica = max(this router's requests there, the replica's reported ``load``).
-    This router's count covers requests in flight (``routed`` .. ``completed``) and requests
-    it has just chosen a replica for but Serve has not dispatched yet (``choose`` ..
-    ``routed``): concurrent routing decisions would otherwise all see the same idle replica.
-    It is exact and fresh for this router's traffic; the report (up to ~1.5 s old when it
-    arrives) also covers other routers (other ingress replicas, job drivers). The max never
-    counts our requests twice and never ignores others'. A report lists the requests it
-    counted, so a request of ours that ends after the report was taken is taken off it by id,
-    whether its end comes before the report arrives or after (``load_report.ReportedLoad``):
-    the replica that just served a short prompt does not look busy to the follow-up turn
-    (CI saw a second request on a 2-page prompt go to the other replica: load weighs 4 pages).
+    Load of a replica = this router's requests there + other routers' requests in the
+    replica's last report. This router's count covers requests in flight (``routed`` ..
+    ``completed``) and requests it has just chosen a replica for but Serve has not dispatched
+    yet (``choose`` .. ``routed``): concurrent routing decisions would otherwise all see the
+    same idle replica. It is exact and fresh for this router's traffic; the report (up to
+    ~1.5 s old when it arrives) lists the requests it counted by id, so other routers' (other
+    ingress replicas, job drivers) are the list less this router's, and a request of ours
+    that ends after the report was taken stops counting at once, whether its end comes before
+    the report arrives or after (``load_report.ReportedLoad``): the replica that just served
+    a short prompt does not look busy to the follow-up turn (CI saw a second request on a
+    2-page prompt go to the other replica: load weighs 4 pages). A report without the list
+    (truncated) gives max(this router's count, its load less our requests ended since).
     """
 
     def __init__(
@@ -283,8 +284,12 @@ class PrefixPolicy:
         self._next_expiry = clock() + EXPIRY_PERIOD_S
 
     def load(self, replica: Hashable) -> float:
+        local = float(self._local_load[replica])
         reported = self._reported.get(replica)
-        return max(float(self._local_load[replica]), reported.load if reported else 0.0)
+        if reported is None:
+            return local
+        others = reported.others()
+        return local + others if others is not None else max(local, reported.load)
 
     def candidate(self, replica: Hashable, hashes: Sequence[int], full: bool) -> Candidate:
         recent = self._recent.get(replica)
@@ -354,6 +359,7 @@ class PrefixPolicy:
             predicted = self.index.matched_pages(replica, hashes)
         placement = self._place(replica, hashes, now, count=tentative is None)
         placement.key, placement.choices = key, choices
+        self._reported.setdefault(replica, ReportedLoad()).dispatched(key, choices)
         self.index.record_routed(replica, hashes)
         self._in_flight.setdefault((replica, request_id), []).append(placement)
         self._maybe_expire(now)
@@ -389,9 +395,8 @@ class PrefixPolicy:
             self._in_flight.pop((replica, request_id), None)
         self._unplace(placement)
         self.index.record_routed(replica, placement.hashes)  # fresh until the next reports
-        if ended:
-            reported = self._reported.setdefault(replica, ReportedLoad())
-            reported.finished(placement.key, placement.choices, placement.at, self._clock())
+        reported = self._reported.setdefault(replica, ReportedLoad())
+        reported.finished(placement.key, placement.choices, placement.at, self._clock(), ended)
 
     def _maybe_expire(self, now: float) -> None:
         """Drop placements whose end never came: tentative ones whose request was cancelled

@@ -161,6 +161,20 @@ def test_another_routers_requests_stay_counted() -> None:
     assert policy.load("a") == 2.0
 
 
+def test_this_routers_requests_and_anothers_add_up() -> None:
+    """Two ingress replicas (two routers) on one replica: the larger of the two counts
+    undercounted the replica whenever both had requests there."""
+    policy = PrefixPolicy(clock=FakeClock())
+    for i in range(3):
+        policy.routed("a", f"internal-{i}", [], key=f"mine-{i}")
+    report = {f"mine-{i}": 1 for i in range(3)} | {"theirs-0": 2, "theirs-1": 1}
+    policy.report("a", {"load": 6, "active_requests": report})
+    assert policy.load("a") == 6.0  # our three once, not twice
+    for i in range(3, 5):
+        policy.routed("a", f"internal-{i}", [], key=f"mine-{i}")
+    assert policy.load("a") == 8.0  # max(5, 6) said 6
+
+
 def test_an_expired_record_leaves_the_report_counting_its_request() -> None:
     """No completion within FLIGHT_TTL_S: the request may still run, and the replica's report
     keeps counting it (a completion would have taken it off)."""
@@ -173,45 +187,53 @@ def test_an_expired_record_leaves_the_report_counting_its_request() -> None:
     assert policy.load("a") == 1.0
 
 
-# -- a replica and a router, with reports delivered late, at random ----------------------------
+# -- a replica, this router and another, with reports delivered late, at random -------------
 
 
 @dataclass
 class Trace:
-    """One router's requests on one replica: dispatched, run, ended, completion seen."""
+    """This router's requests on one replica (dispatched, run, ended, completion seen) and
+    another router's, which this one never sees but in the replica's reports."""
 
     rng: random.Random
     ledger: ActiveRequests = field(default_factory=ActiveRequests)
     in_transit: list[tuple[str, int]] = field(default_factory=list)  # dispatched, not arrived
     running: list[tuple[str, int]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)  # ended there, completion not yet seen
+    theirs: list[tuple[str, int]] = field(default_factory=list)  # the other router's, running
     reports: list[dict] = field(default_factory=list)  # taken, not yet delivered
-    seen_complete: set[str] = field(default_factory=set)
+    in_flight: int = 0  # this router's: dispatched, completion not yet seen
 
 
 def _step(trace: Trace, policy: PrefixPolicy, clock: FakeClock, i: int) -> dict | None:
     """One random event; returns the report delivered, if that was the event."""
     clock.now += 0.02 * trace.rng.random()  # 400 events: reports stay within memory
-    event = trace.rng.randrange(6)
-    if event == 0:  # the router dispatches a request (1 to 3 choices)
-        key, n = f"req-{i}", trace.rng.randint(1, 3)
-        policy.routed("r", key, [], key=key, choices=n)
+    event, rng = trace.rng.randrange(8), trace.rng
+    if event == 0:  # this router dispatches a request (1 to 3 choices)
+        key, n = f"mine-{i}", rng.randint(1, 3)
+        policy.routed("r", f"internal-{i}", [], key=key, choices=n)
         trace.in_transit.append((key, n))
+        trace.in_flight += 1
     elif event == 1 and trace.in_transit:  # it arrives at the replica
         key, n = trace.in_transit.pop(0)
         trace.ledger.start(key, n)
         trace.running.append((key, n))
     elif event == 2 and trace.running:  # it ends there
-        key, n = trace.running.pop(trace.rng.randrange(len(trace.running)))
+        key, n = trace.running.pop(rng.randrange(len(trace.running)))
         trace.ledger.end(key, n)
         trace.ended.append(key)
-    elif event == 3 and trace.ended:  # the router sees the completion
-        key = trace.ended.pop(0)
-        policy.completed("r", key)
-        trace.seen_complete.add(key)
-    elif event == 4:  # the replica takes a report
+    elif event == 3 and trace.ended:  # this router sees the completion
+        policy.completed("r", trace.ended.pop(0).replace("mine", "internal"))
+        trace.in_flight -= 1
+    elif event == 4:  # the other router's request starts there
+        key, n = f"theirs-{i}", rng.randint(1, 3)
+        trace.ledger.start(key, n)
+        trace.theirs.append((key, n))
+    elif event == 5 and trace.theirs:  # and ends
+        trace.ledger.end(*trace.theirs.pop(rng.randrange(len(trace.theirs))))
+    elif event == 6:  # the replica takes a report
         trace.reports.append(trace.ledger.report())
-    elif event == 5 and trace.reports:  # the oldest report reaches the router
+    elif event == 7 and trace.reports:  # the oldest report reaches the router
         report = trace.reports.pop(0)
         policy.report("r", report)
         return report
@@ -219,17 +241,16 @@ def _step(trace: Trace, policy: PrefixPolicy, clock: FakeClock, i: int) -> dict 
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_reported_load_is_exactly_what_the_report_counts_and_is_still_running(seed: int) -> None:
-    """After every event, the account of the last delivered report equals the jobs it listed
-    whose completion this router has not seen: nothing stale, nothing taken twice."""
+def test_load_is_this_routers_requests_plus_the_others_in_the_last_report(seed: int) -> None:
+    """After every event: this router's requests whose completion it has not seen, plus the
+    other router's jobs that the last delivered report listed. Nothing stale, nothing
+    counted twice, nothing of the other router's lost while this one's come and go."""
     clock = FakeClock()
     policy = PrefixPolicy(clock=clock)
     trace = Trace(random.Random(seed))
     last: dict | None = None
     for i in range(400):
         last = _step(trace, policy, clock, i) or last
-        if last is None:
-            continue
-        listed = last["active_requests"]
-        expected = sum(n for key, n in listed.items() if key not in trace.seen_complete)
-        assert policy._reported["r"].load == expected, (seed, i)
+        listed = last["active_requests"] if last else {}
+        theirs = sum(n for key, n in listed.items() if key.startswith("theirs"))
+        assert policy.load("r") == trace.in_flight + theirs, (seed, i)
