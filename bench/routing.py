@@ -8,8 +8,12 @@ throughput (requests/s, output tokens/s) and p50/p99 time to first token. Writes
 bench/results/routing.json.
 
     python bench/routing.py [--groups 8] [--per-group 8] [--concurrency 4] [--repeats 3]
+    python bench/routing.py --routers prefix --baseline REF  # beside the router of a git ref
 
 Each router runs ``--repeats`` times, alternating; the table shows every run and the medians.
+``--baseline REF`` also runs the prefix router with the code of git ref REF (a temporary
+worktree; this script in a subprocess whose PYTHONPATH puts that tree first, so its Ray cluster
+and replicas import that tree's ``deployments`` and ``engine``), once after each repeat.
 
 The KV cache per replica (``--max-num-tokens``) is smaller than all prefixes together but
 larger than half of them: the case where placement decides what stays cached.
@@ -18,6 +22,7 @@ larger than half of them: the case where placement decides what stays cached.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +30,8 @@ import platform
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -38,6 +45,10 @@ import torch
 import yaml
 from ray import serve
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # (last: a baseline's tree first)
+
+import deployments
+from bench.host_overhead import baseline_tree
 from deployments.app import build_app
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
@@ -201,15 +212,54 @@ def median_row(router: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def results_of(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per router: the medians and every run."""
+    return {
+        router: {"median": {k: median_row(router, rs)[k] for k in NUMERIC}, "runs": rs}
+        for router, rs in runs.items()
+        if rs
+    }
+
+
+def table_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every run, then each router's medians (routers with no runs left out)."""
+    rows = [run for rs in runs.values() for run in rs]
+    return rows + [median_row(router, rs) for router, rs in runs.items() if rs]
+
+
+def run_baseline(args: argparse.Namespace, tree: Path, label: str) -> dict[str, Any]:
+    """One run of the prefix router with the code of ``tree``: this script in a subprocess
+    (its own Ray cluster) whose PYTHONPATH puts that tree first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "baseline.json"
+        command = [sys.executable, str(Path(__file__).resolve()), *workload_flags(args)]
+        command += ["--routers", "prefix", "--repeats", "1", "--output", str(output)]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
+        report = json.loads(output.read_text())
+    run = report["results"]["prefix"]["runs"][0]
+    return {**run, "router": label, "deployments": report.get("deployments")}
+
+
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    """The command-line flags that give another run this run's workload and cache."""
+    names = ("groups", "per_group", "shared_tokens", "tail_tokens", "max_tokens")
+    names += ("concurrency", "max_num_tokens", "seed")
+    return [part for n in names for part in (f"--{n.replace('_', '-')}", str(getattr(args, n)))]
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
+    width = max([11, *(len(r["router"]) for r in rows)])
     header = (
-        f"{'router':11s} {'hit rate':>9s} {'vs ideal':>9s} {'req/s':>7s} {'out tok/s':>10s} "
+        f"{'router':{width}s} {'hit rate':>9s} {'vs ideal':>9s} {'req/s':>7s} {'out tok/s':>10s} "
         f"{'TTFT p50':>9s} {'TTFT p99':>9s}  requests per replica (incl. warm-up)"
     )
     print(header)
     for r in rows:
         print(
-            f"{r['router']:11s} {r['hit_rate']:9.1%} {r['vs_ideal']:9.1%} "
+            f"{r['router']:{width}s} {r['hit_rate']:9.1%} {r['vs_ideal']:9.1%} "
             f"{r['requests_per_s']:7.2f} {r['output_tokens_per_s']:10.1f} "
             f"{r['ttft_p50_s'] * 1000:7.0f}ms {r['ttft_p99_s'] * 1000:7.0f}ms  "
             f"{r['replica_requests']}"
@@ -245,6 +295,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-tokens", type=int, default=6144, help="KV cache per replica")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per router, alternating")
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run the prefix router with the code of git ref REF (a temporary worktree)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     return parser.parse_args()
 
@@ -253,28 +309,38 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     folder = Path(tempfile.mkdtemp(prefix="pagedserve-routing-bench-"))
-    start_ray(num_cpus=2)
-    runs: dict[str, list[dict[str, Any]]] = {router: [] for router in ROUTERS}
-    try:
-        for _ in range(args.repeats):  # alternate, so slow phases of the machine hit both
-            for router in ROUTERS:
-                runs[router].append(run_router(router, args, folder))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    medians = {router: median_row(router, runs[router]) for router in ROUTERS}
-    print_table([run for router in ROUTERS for run in runs[router]] + list(medians.values()))
+    runs: dict[str, list[dict[str, Any]]] = {router: [] for router in args.routers}
+    label = f"prefix@{args.baseline}" if args.baseline else ""
+    baseline_runs: list[dict[str, Any]] = []
+    no_tree = contextlib.nullcontext((None, None))
+    with baseline_tree(args.baseline) if args.baseline else no_tree as (tree, commit):
+        for _ in range(args.repeats):  # alternate, so slow phases of the machine hit all
+            start_ray(num_cpus=2)
+            try:
+                for router in args.routers:
+                    runs[router].append(run_router(router, args, folder))
+            finally:
+                serve.shutdown()
+                ray.shutdown()
+            if tree is not None:  # (its own Ray cluster, after ours is down)
+                baseline_runs.append(run_baseline(args, tree, label))
+    print_table(table_rows({**runs, label: baseline_runs}))
     report = {
         "benchmark": "routing",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "setup": {"replicas": 2, "device": "cpu", "torch_threads": 1, "model": "demo"},
-        "workload": {k: v for k, v in vars(args).items() if k != "output"},
-        "results": {
-            router: {"median": {k: medians[router][k] for k in NUMERIC}, "runs": runs[router]}
-            for router in ROUTERS
-        },
+        "workload": {k: v for k, v in vars(args).items() if k not in ("output", "baseline")},
+        "deployments": str(Path(deployments.__file__).parent),
+        "results": results_of(runs),
     }
+    if args.baseline:
+        report["baseline"] = {
+            "ref": args.baseline,
+            "commit": commit,
+            "router": "prefix",
+            "results": results_of({"prefix": baseline_runs}),
+        }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output}")
