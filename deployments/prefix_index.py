@@ -247,8 +247,9 @@ class _Decayed:
 class PrefixPolicy:
     """Index + loads -> ranking. Replica ids, request ids and tokens are any hashables.
 
-    Load of a replica = this router's requests there + other routers' requests in the
-    replica's last report. This router's count covers requests in flight (``routed`` ..
+    Load of a replica, in jobs (a request's ``n`` choices are ``n`` jobs), = this router's
+    requests there + other routers' requests in the replica's last report. This router's
+    count covers requests in flight (``routed`` ..
     ``completed``) and requests it has just chosen a replica for but Serve has not dispatched
     yet (``choose`` .. ``routed``): concurrent routing decisions would otherwise all see the
     same idle replica. It is exact and fresh for this router's traffic; the report (up to
@@ -277,7 +278,7 @@ class PrefixPolicy:
         # In flight, keyed by (replica, request id): Serve gives every handle call made while
         # serving one HTTP request the same internal id (the ingress sends n choices as n calls).
         self._in_flight: dict[tuple[Hashable, Hashable], list[_Placement]] = {}
-        self._local_load: Counter[Hashable] = Counter()
+        self._local_load: Counter[Hashable] = Counter()  # jobs of this router's requests
         # each replica's last reported load, less our requests it counted that have ended
         self._reported: dict[Hashable, ReportedLoad] = {}
         self._recent: dict[Hashable, _Decayed] = {}
@@ -323,15 +324,18 @@ class PrefixPolicy:
         replicas: Sequence[Hashable],
         hashes: Sequence[int],
         full: Callable[[Hashable], bool] = lambda _: False,
+        choices: float = 1.0,
     ) -> list[Hashable]:
-        """``rank``, and count the request on the best replica until ``routed(token=...)``."""
+        """``rank``, and count the request (its ``choices`` jobs) on the best replica until
+        ``routed(token=...)``."""
         previous = self._tentative.pop(token, None)
         if previous is not None:  # a retry (the last choice was full): undo that one
             self._unplace(previous)
         ranked = self._ranked(replicas, hashes, full)
         if ranked:
             now = self._clock()
-            placement = self._place(ranked[0].replica, hashes, now, count=previous is None)
+            best = ranked[0].replica
+            placement = self._place(best, hashes, now, previous is None, choices)
             placement.matched = {c.replica: len(hashes) - c.uncached_pages for c in ranked}
             self._tentative[token] = placement
             self._maybe_expire(now)
@@ -357,8 +361,8 @@ class PrefixPolicy:
             predicted = tentative.matched[replica]
         else:
             predicted = self.index.matched_pages(replica, hashes)
-        placement = self._place(replica, hashes, now, count=tentative is None)
-        placement.key, placement.choices = key, choices
+        placement = self._place(replica, hashes, now, tentative is None, choices)
+        placement.key = key
         self._reported.setdefault(replica, ReportedLoad()).dispatched(key, choices)
         self.index.record_routed(replica, hashes)
         self._in_flight.setdefault((replica, request_id), []).append(placement)
@@ -373,14 +377,17 @@ class PrefixPolicy:
             return
         self._finish(replica, request_id, placements.pop(0))
 
-    def _place(self, replica: Hashable, hashes: Sequence[int], now: float, count: bool):
+    def _place(
+        self, replica: Hashable, hashes: Sequence[int], now: float, count: bool, choices: float
+    ) -> _Placement:
         if count:  # one decision, however many tries it takes
             self._recent.setdefault(replica, _Decayed()).add(now, self.settings.recent_half_life_s)
-        self._local_load[replica] += 1
-        return _Placement(replica, hashes, self.index.pin(replica, hashes), now)
+        self._local_load[replica] += choices  # jobs, as the replicas' reports count them
+        pinned = self.index.pin(replica, hashes)
+        return _Placement(replica, hashes, pinned, now, choices=choices)
 
     def _unplace(self, placement: _Placement) -> None:
-        self._local_load[placement.replica] -= 1
+        self._local_load[placement.replica] -= placement.choices
         if self._local_load[placement.replica] <= 0:
             del self._local_load[placement.replica]
         if placement.pinned:

@@ -17,8 +17,9 @@ class RouterSettings:
     """Tunables; every field is a ``request_router_kwargs`` key (``serving.router_kwargs``)."""
 
     prefix_weight: float = 1.0  # cost of one uncached prompt page
-    load_weight: float = 4.0  # cost of one in-flight request, in pages (16 tokens each)
-    max_load: float = 32.0  # above this many in-flight requests a replica spills to later ranks
+    # A replica's load counts jobs: a request's n choices are n jobs (one for most requests).
+    load_weight: float = 4.0  # cost of one in-flight job, in pages (16 tokens each)
+    max_load: float = 32.0  # above this many in-flight jobs a replica spills to later ranks
     max_index_entries: int = 50_000  # page hashes remembered per replica (each part)
     routed_grace_s: float = 3.0  # how long a routed page counts without a report confirming it
     recent_half_life_s: float = 10.0  # decay of the recent-requests tie-breaker

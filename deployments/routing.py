@@ -103,7 +103,10 @@ class PrefixAwareRouter(RequestRouter):
             order = self.policy.rank(list(by_id), hashes, self._queue_full)
         else:  # the same PendingRequest object comes back in on_request_routed
             token = id(pending_request)
-            order = self.policy.choose(token, list(by_id), hashes, self._queue_full)
+            request = generation_request(pending_request)
+            order = self.policy.choose(
+                token, list(by_id), hashes, self._queue_full, request.n if request else 1.0
+            )
         # One replica per rank: the order is the decision; Serve moves to the next rank only
         # when a replica rejects (its queue is full).
         return [[by_id[replica_id]] for replica_id in order]

@@ -438,7 +438,9 @@ async def _finished_request_scenario() -> None:
     generate = GenerationRequest(prompt_ids=(1,), max_new_tokens=1, n=2, page_hashes=tuple(prompt))
     request = FakeRequest([generate], FakeMetadata("internal"))
     await router.choose_replicas([a], request)
+    assert router.policy.load(a.replica_id) == 2  # its two choices, before dispatch
     router.on_request_routed(request, a.replica_id, None)
+    assert router.policy.load(a.replica_id) == 2
     router.on_request_completed(a.replica_id, "internal")
     # a report taken while it ran (its 2 choices) arrives after its completion
     a.routing_stats = {"load": 2, "active_requests": {generate.request_id: 2}, "page_hashes": []}

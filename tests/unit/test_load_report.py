@@ -175,6 +175,20 @@ def test_this_routers_requests_and_anothers_add_up() -> None:
     assert policy.load("a") == 8.0  # max(5, 6) said 6
 
 
+def test_a_requests_choices_count_as_jobs_from_choice_to_completion() -> None:
+    """The reports count a request's n choices as n jobs; this router does too, from the
+    moment it chooses a replica (before Serve dispatches) to the completion."""
+    policy = PrefixPolicy(clock=FakeClock())
+    assert policy.choose("token", ["a"], [], choices=3) == ["a"]
+    assert policy.load("a") == 3.0
+    policy.routed("a", "internal", [], token="token", key="req", choices=3)
+    assert policy.load("a") == 3.0
+    policy.report("a", {"load": 3, "active_requests": {"req": 3}})
+    assert policy.load("a") == 3.0  # ours, once
+    policy.completed("a", "internal")
+    assert policy.load("a") == 0.0
+
+
 def test_an_expired_record_leaves_the_report_counting_its_request() -> None:
     """No completion within FLIGHT_TTL_S: the request may still run, and the replica's report
     keeps counting it (a completion would have taken it off)."""
@@ -199,10 +213,10 @@ class Trace:
     ledger: ActiveRequests = field(default_factory=ActiveRequests)
     in_transit: list[tuple[str, int]] = field(default_factory=list)  # dispatched, not arrived
     running: list[tuple[str, int]] = field(default_factory=list)
-    ended: list[str] = field(default_factory=list)  # ended there, completion not yet seen
+    ended: list[tuple[str, int]] = field(default_factory=list)  # completion not yet seen
     theirs: list[tuple[str, int]] = field(default_factory=list)  # the other router's, running
     reports: list[dict] = field(default_factory=list)  # taken, not yet delivered
-    in_flight: int = 0  # this router's: dispatched, completion not yet seen
+    in_flight: int = 0  # this router's jobs: dispatched, completion not yet seen
 
 
 def _step(trace: Trace, policy: PrefixPolicy, clock: FakeClock, i: int) -> dict | None:
@@ -213,7 +227,7 @@ def _step(trace: Trace, policy: PrefixPolicy, clock: FakeClock, i: int) -> dict 
         key, n = f"mine-{i}", rng.randint(1, 3)
         policy.routed("r", f"internal-{i}", [], key=key, choices=n)
         trace.in_transit.append((key, n))
-        trace.in_flight += 1
+        trace.in_flight += n
     elif event == 1 and trace.in_transit:  # it arrives at the replica
         key, n = trace.in_transit.pop(0)
         trace.ledger.start(key, n)
@@ -221,10 +235,11 @@ def _step(trace: Trace, policy: PrefixPolicy, clock: FakeClock, i: int) -> dict 
     elif event == 2 and trace.running:  # it ends there
         key, n = trace.running.pop(rng.randrange(len(trace.running)))
         trace.ledger.end(key, n)
-        trace.ended.append(key)
+        trace.ended.append((key, n))
     elif event == 3 and trace.ended:  # this router sees the completion
-        policy.completed("r", trace.ended.pop(0).replace("mine", "internal"))
-        trace.in_flight -= 1
+        key, n = trace.ended.pop(0)
+        policy.completed("r", key.replace("mine", "internal"))
+        trace.in_flight -= n
     elif event == 4:  # the other router's request starts there
         key, n = f"theirs-{i}", rng.randint(1, 3)
         trace.ledger.start(key, n)
@@ -242,8 +257,8 @@ def _step(trace: Trace, policy: PrefixPolicy, clock: FakeClock, i: int) -> dict 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_load_is_this_routers_requests_plus_the_others_in_the_last_report(seed: int) -> None:
-    """After every event: this router's requests whose completion it has not seen, plus the
-    other router's jobs that the last delivered report listed. Nothing stale, nothing
+    """After every event: the jobs of this router's requests whose completion it has not
+    seen, plus the other router's jobs that the last delivered report listed. Nothing stale, nothing
     counted twice, nothing of the other router's lost while this one's come and go."""
     clock = FakeClock()
     policy = PrefixPolicy(clock=clock)
