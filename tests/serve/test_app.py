@@ -476,9 +476,9 @@ def test_prompt_embeds_give_the_librarys_greedy_tokens(
     from engine import MMEmbedding
 
     model = library[0]
-    # 136 rows: 8 full pages of 16, so the cached prefix outweighs a stale report of one
-    # request still in flight on that replica (the router's load_weight is 4 pages a request;
-    # with 2 pages such a report sent the second request to the other replica, CI twice)
+    # 136 rows: 8 full pages of 16. (With 2 pages, a stale load report sent the second
+    # request to the other replica, CI twice, until reports listed their requests; see
+    # test_follow_ups_on_a_short_prompt_stay_on_its_replica.)
     rows = _random_rows(model.config.hidden_size, 136, seed=3)
     embedding = MMEmbedding(rows.to(model.dtype), model=model)
     expected = _library_greedy(library, list(embedding.placeholder_ids), 8, [embedding])
