@@ -240,7 +240,7 @@ def run_baseline(args: argparse.Namespace, tree: Path, label: str) -> dict[str, 
             raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
         report = json.loads(output.read_text())
     run = report["results"]["prefix"]["runs"][0]
-    return {**run, "router": label, "deployments": report.get("deployments")}
+    return {**run, "router": label, "deployments": report.get("deployments")}  # (its tree's)
 
 
 def workload_flags(args: argparse.Namespace) -> list[str]:
@@ -264,6 +264,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['ttft_p50_s'] * 1000:7.0f}ms {r['ttft_p99_s'] * 1000:7.0f}ms  "
             f"{r['replica_requests']}"
         )
+
+
+def source_commit() -> str | None:
+    """The git commit of this checkout ("-dirty" when it has changes), or None outside git."""
+    repo = Path(deployments.__file__).resolve().parents[1]
+    found = subprocess.run(
+        ["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode:
+        return None
+    return found.stdout.strip() or None
 
 
 def machine_info() -> dict[str, Any]:
@@ -332,6 +346,7 @@ def main() -> None:
         "setup": {"replicas": 2, "device": "cpu", "torch_threads": 1, "model": "demo"},
         "workload": {k: v for k, v in vars(args).items() if k not in ("output", "baseline")},
         "deployments": str(Path(deployments.__file__).parent),
+        "commit": source_commit(),
         "results": results_of(runs),
     }
     if args.baseline:

@@ -276,7 +276,7 @@ class PrefixPolicy:
         )
         self._tentative: dict[Hashable, _Placement] = {}  # by token (one per pending request)
         # In flight, keyed by (replica, request id): Serve gives every handle call made while
-        # serving one HTTP request the same internal id (the ingress sends n choices as n calls).
+        # serving one HTTP request the same internal id, so one key may hold several calls.
         self._in_flight: dict[tuple[Hashable, Hashable], list[_Placement]] = {}
         self._local_load: Counter[Hashable] = Counter()  # jobs of this router's requests
         # each replica's last reported load, less our requests it counted that have ended

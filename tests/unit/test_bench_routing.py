@@ -4,7 +4,9 @@ tests/serve/test_routing_live.py; the bench's own run takes minutes.)"""
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +60,10 @@ def test_rows_and_results_take_every_run_and_the_medians() -> None:
     assert set(results) == {"prefix", "prefix@old"}
     assert results["prefix"]["median"]["hit_rate"] == 0.6
     assert results["prefix"]["runs"] == runs["prefix"]
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[2] / ".git").exists(), reason="needs a git checkout"
+)
+def test_the_record_names_the_commit_it_ran() -> None:
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", routing.source_commit() or "")
