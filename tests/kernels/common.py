@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,12 +23,14 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_without_simulator(script: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``python -c script`` in the repository with the CUDA simulator off (the GPU build of
-    the kernels: typing, lowering, compiling need no GPU)."""
+def run_without_simulator(
+    script: str, timeout: float = 300, args: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python -c script *args`` in the repository with the CUDA simulator off (the GPU
+    build of the kernels: typing, lowering, compiling need no GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     return subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -35,6 +38,19 @@ def run_without_simulator(script: str, timeout: float = 300) -> subprocess.Compl
         timeout=timeout,
         check=False,
     )
+
+
+def run_without_simulator_in_parts(
+    script: str, parts: int, timeout: float = 300
+) -> list[subprocess.CompletedProcess[str]]:
+    """``run_without_simulator`` of ``script PART PARTS`` for each part at once: a script
+    that takes every PARTS-th case from PART keeps more than one core busy."""
+    with ThreadPoolExecutor(parts) as pool:
+        runs = [
+            pool.submit(run_without_simulator, script, timeout, (str(i), str(parts)))
+            for i in range(parts)
+        ]
+        return [run.result() for run in runs]
 
 
 def assert_warmed_up(specialisations: list[tuple[Callable, tuple]], *launches: Callable) -> None:
