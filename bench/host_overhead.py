@@ -498,28 +498,34 @@ def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_baseline(args, mode: str, tree: Path) -> dict[str, Any]:
-    """This script's cases of one mode with the engine of ``tree``: a subprocess whose
-    PYTHONPATH puts that tree's ``engine`` package first (the harness stays this one)."""
+def run_in_tree(script: str, flags: list[str], tree: Path) -> dict[str, Any]:
+    """``script flags --output FILE`` in a subprocess whose PYTHONPATH puts ``tree`` (a
+    ``baseline_tree``) first, so the code it imports is that tree's while the harness stays
+    ``script``; returns the JSON it wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "baseline.json"
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            *(["--quick"] if args.quick else []),
-            *("--modes", mode, "--batches", *map(str, args.batches)),
-            *("--text-stages", *args.text_stages, "--prompt-len", str(args.prompt_len)),
-            *("--batch-paths", *(args.baseline_batch_paths or args.batch_paths)),
-            *("--step-budget", str(args.step_budget), "--min-steps", str(args.min_steps)),
-            *("--max-steps", str(args.max_steps), "--threads", str(args.threads)),
-            *("--tokenizer-vocab", str(args.tokenizer_vocab), "--cache-dir", str(args.cache_dir)),
-            *("--output", str(output), "--label", f"baseline {args.baseline}"),
-        ]
+        command = [sys.executable, script, *flags, "--output", str(output)]
         env = dict(os.environ, PYTHONPATH=str(tree))
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
         return json.loads(output.read_text())
+
+
+def run_baseline(args, mode: str, tree: Path) -> dict[str, Any]:
+    """This script's cases of one mode with the engine of ``tree``: a subprocess whose
+    PYTHONPATH puts that tree's ``engine`` package first (the harness stays this one)."""
+    flags = [
+        *(["--quick"] if args.quick else []),
+        *("--modes", mode, "--batches", *map(str, args.batches)),
+        *("--text-stages", *args.text_stages, "--prompt-len", str(args.prompt_len)),
+        *("--batch-paths", *(args.baseline_batch_paths or args.batch_paths)),
+        *("--step-budget", str(args.step_budget), "--min-steps", str(args.min_steps)),
+        *("--max-steps", str(args.max_steps), "--threads", str(args.threads)),
+        *("--tokenizer-vocab", str(args.tokenizer_vocab), "--cache-dir", str(args.cache_dir)),
+        *("--label", f"baseline {args.baseline}"),
+    ]
+    return run_in_tree(str(Path(__file__).resolve()), flags, tree)
 
 
 def comparison(before: list[dict], after: list[CaseResult]) -> list[dict[str, Any]]:

@@ -28,13 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -149,20 +146,17 @@ def median_of(runs: list[DecodeResult], batch: int) -> DecodeResult:
 def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> tuple[DecodeResult, str]:
     """One run of one mode with the engine of ``tree`` (this script in a subprocess), and
     the folder its ``engine`` was imported from."""
-    with tempfile.TemporaryDirectory() as tmp:
-        output = Path(tmp) / "baseline.json"
-        command = [
-            sys.executable, str(Path(__file__).resolve()), "--modes", mode,
-            *("--batch", str(args.batch), "--context", str(args.context)),
-            *("--steps", str(args.steps), "--threads", str(args.threads), "--repeats", "1"),
-            "--output", str(output), *(["--ragged"] if args.ragged else []),
-        ]  # fmt: skip
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if done.returncode:
-            raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
-        record = json.loads(output.read_text())
-        return DecodeResult(**record["results"][0]), record["engine"]
+    flags = [
+        "--modes", mode, "--batch", str(args.batch), "--context", str(args.context),
+        *("--steps", str(args.steps), "--threads", str(args.threads), "--repeats", "1"),
+        *(["--ragged"] if args.ragged else []),
+    ]  # fmt: skip
+    # (imported here: the baseline's own process runs this script with the tree's ``bench``
+    # first on its path, and an older tree has no ``run_in_tree``)
+    from bench.host_overhead import run_in_tree
+
+    record = run_in_tree(str(Path(__file__).resolve()), flags, tree)
+    return DecodeResult(**record["results"][0]), record["engine"]
 
 
 def table(results: list[DecodeResult], baseline: dict[str, dict[str, Any]]) -> str:

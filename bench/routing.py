@@ -230,15 +230,12 @@ def table_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def run_baseline(args: argparse.Namespace, tree: Path, label: str) -> dict[str, Any]:
     """One run of the prefix router with the code of ``tree``: this script in a subprocess
     (its own Ray cluster) whose PYTHONPATH puts that tree first."""
-    with tempfile.TemporaryDirectory() as tmp:
-        output = Path(tmp) / "baseline.json"
-        command = [sys.executable, str(Path(__file__).resolve()), *workload_flags(args)]
-        command += ["--routers", "prefix", "--repeats", "1", "--output", str(output)]
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if done.returncode:
-            raise RuntimeError(f"the baseline run failed:\n{done.stdout}\n{done.stderr}")
-        report = json.loads(output.read_text())
+    flags = [*workload_flags(args), "--routers", "prefix", "--repeats", "1"]
+    # (imported here: the baseline's own process runs this script with the tree's ``bench``
+    # first on its path, and an older tree has no ``run_in_tree``)
+    from bench.host_overhead import run_in_tree
+
+    report = run_in_tree(str(Path(__file__).resolve()), flags, tree)
     run = report["results"]["prefix"]["runs"][0]
     return {**run, "router": label, "deployments": report.get("deployments")}  # (its tree's)
 
