@@ -35,6 +35,11 @@ if SIMULATOR:
     # speculative-decoding test 4x faster (67 s -> 17 s). Process-wide, but the simulator
     # runs only in tests and CPU dry runs.
     sys.setswitchinterval(1e-4)
+    # ... which makes the simulator's unlocked shared-array allocation race likely: repaired
+    # here, for every simulated process (engine/cuda/simulator.py)
+    from engine.cuda import simulator
+
+    simulator.lock_shared_arrays()
 
 # fp16 and fp32 are the dtypes every kernel supports; bf16 runs are converted at load (see
 # engine.model.model) because the simulator has no bf16 and bit-twiddled bf16 loads are a
