@@ -152,3 +152,47 @@ def test_quality_goals_on_the_full_text(model, tokenizer):
     assert q4_rot.perplexity < q4_rot_uncentered.perplexity
     # the issue's goal, met with exact chunks (the default; chunks of 1024): measured +0.87%
     assert q4_exact_chunks.perplexity / fp32.perplexity < 1.02
+
+
+def test_layer_sensitivity_quantizes_only_the_layers_and_kinds_of_a_case(model, tokenizer):
+    """bench/kv_layer_sensitivity.py: a case with no layers leaves the forward as it was; a
+    chosen layer or kind adds error, and 4 bits far more than 8."""
+    from bench import kv_layer_sensitivity as sens
+
+    ids = text_ids(tokenizer, 96)
+    centers = model.key_centers()
+    reference = sens.log_probs(model, ids, model.ops, 32)
+
+    def kl(case, bits=8):
+        ops = sens.quantized_ops(model.ops, case, centers, bits)
+        return sens.compare(reference, sens.log_probs(model, ids, ops, 32))[0]
+
+    nothing = sens.Case("none", frozenset(), True, True)
+    assert torch.equal(sens.log_probs(model, ids, model.ops, 32), reference)
+    assert kl(nothing) == 0.0
+    every = frozenset(range(len(centers)))
+    all_q8 = kl(sens.Case("all", every, True, True))
+    # (no order among these: on a short text their errors can partly cancel in "all")
+    assert kl(sens.Case("layer 1", frozenset({1}), True, True)) > 0
+    assert kl(sens.Case("keys", every, True, False)) > 0
+    assert kl(sens.Case("values", every, False, True)) > 0
+    assert kl(sens.Case("all", every, True, True), bits=4) > 10 * all_q8 > 0
+
+
+def test_layer_sensitivity_run_writes_every_case(model, tokenizer, tmp_path, monkeypatch):
+    import json
+
+    import bench.kv_quant_quality as quality
+    from bench import kv_layer_sensitivity as sens
+
+    monkeypatch.setattr(quality, "load_smollm2", lambda threads: (model, tokenizer, GGUF_FILE))
+    output = tmp_path / "sens.json"
+    argv = ["--tokens", "64", "--chunk", "32", "--layers", "0,2", "--output", str(output)]
+    assert sens.main([*argv, "--threads", str(torch.get_num_threads())]) == 0
+    record = json.loads(output.read_text())
+    assert record["benchmark"] == "kv_layer_sensitivity" and record["bits"] == 8
+    names = [r["name"] for r in record["results"]]
+    assert names == ["all", "keys", "values", "layer 0", "layer 2"]
+    layers = [r for r in record["results"] if r["name"].startswith("layer")]
+    assert record["sum_of_layers_kl"] == pytest.approx(sum(r["kl"] for r in layers))
+    assert all(r["kl"] > 0 and r["margin_rms"] > 0 for r in record["results"])
