@@ -4,11 +4,11 @@ On a CPU a decode row's attention reads the pages in place, float rows or codes
 (engine/cpu/decode_attention.py), a prompt chunk's copies (dequantizes) the pages it names
 (the torch reference), and every quantized cache write quantizes the step's rows
 (engine/cpu/quant_write.py, the 4-bit scale search included), so a quantized cache may trade
-tokens per byte for time per step. This runs
-the real generator on the installed SmolLM2-135M (float32, ``--threads`` torch threads):
-``--batch`` jobs with prompts of ``--context`` tokens of the fixed text (different windows
-of it, so no prefix is shared), prefilled in one step, then ``--steps`` greedy decode steps
-of the whole batch, each timed (prefill, scheduling, forward, sampling, text). The fp16
+tokens per byte for time per step. This runs the real generator on the installed
+SmolLM2-135M (float32, ``--threads`` torch threads): ``--batch`` jobs with prompts of
+``--context`` tokens of the fixed text (different windows of it, so no prefix is shared),
+prefilled in one step (or in forwards of ``--chunk`` tokens), then ``--steps`` greedy decode
+steps of the whole batch, each timed (prefill, scheduling, forward, sampling, text). The fp16
 cache (the model's dtype here, float32) is the baseline of the same run.
 
 Modes: fp16, q8, q6, q4, and any of them with ``+sinks+recent`` (a sink page per sequence
@@ -92,13 +92,21 @@ def prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def measure(
-    model, tokenizer, mode: str, batch: int, context: int, steps: int, ragged: bool = False
+    model,
+    tokenizer,
+    mode: str,
+    batch: int,
+    context: int,
+    steps: int,
+    ragged: bool = False,
+    chunk: int = 0,
 ) -> DecodeResult:
-    """One mode: the batch's prompts prefilled, then ``steps`` timed decode steps."""
+    """One mode: the batch's prompts prefilled (in forwards of ``chunk`` tokens; 0: all in
+    one), then ``steps`` timed decode steps."""
     quant, exact = parse_mode(mode)
     extra = {"sink_pages": batch, "recent_pages": recent_pages_for(batch)} if exact else {}
     cache = PagedCache(model, max_num_tokens=batch * (context + steps + 64), quant=quant, **extra)
-    chunk = batch * context  # the whole prefill in one step
+    chunk = chunk or batch * context  # (0: the whole prefill in one step)
     gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk)
     greedy = SamplerSettings.greedy()
     for ids in prompts(
@@ -149,7 +157,7 @@ def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> tuple[Decod
     flags = [
         "--modes", mode, "--batch", str(args.batch), "--context", str(args.context),
         *("--steps", str(args.steps), "--threads", str(args.threads), "--repeats", "1"),
-        *(["--ragged"] if args.ragged else []),
+        *(["--ragged"] if args.ragged else []), "--chunk", str(args.chunk),
     ]  # fmt: skip
     # (imported here: the baseline's own process runs this script with the tree's ``bench``
     # first on its path, and an older tree has no ``run_in_tree``)
@@ -188,6 +196,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--chunk", type=int, default=0,
+        help="token budget of a forward (the serving preset's: 512); 0: each prefill in one",
+    )  # fmt: skip
+    parser.add_argument(
         "--repeats", type=int, default=1,
         help="runs per mode (each beside the baseline's), reported as medians",
     )  # fmt: skip
@@ -199,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.batch, args.context, args.steps = 2, 64, 4
     for mode in args.modes:
         parse_mode(mode)
+    if args.chunk < 0:
+        parser.error(f"--chunk {args.chunk}: 0 (one forward) or more")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
     return args
@@ -213,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # An untimed run first: a process's first prefill is slower (each new matmul shape's
     # kernels are made on first use), and the baseline runs in a fresh process each time
     # (this box: 10-20% on the first prefill of 8 x 1024 tokens).
-    measure(model, tokenizer, args.modes[0], args.batch, args.context, 1, args.ragged)
+    measure(model, tokenizer, args.modes[0], args.batch, args.context, 1, args.ragged, args.chunk)
     results, baseline = [], {}
     no_tree = contextlib.nullcontext((None, None))
     with baseline_tree(args.baseline) if args.baseline else no_tree as (tree, commit):
@@ -222,11 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):  # (interleaved: both see the same load)
                 if tree is not None:
                     baseline_runs.append(run_baseline(args, mode, tree))
-                runs.append(
-                    measure(
-                        model, tokenizer, mode, args.batch, args.context, args.steps, args.ragged
-                    )
-                )
+                shape = (args.batch, args.context, args.steps, args.ragged, args.chunk)
+                runs.append(measure(model, tokenizer, mode, *shape))
             results.append(median_of(runs, args.batch))
             if baseline_runs:
                 merged = median_of([run for run, _ in baseline_runs], args.batch)
@@ -238,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
         engine=str(Path(engine.__file__).parent), model=gguf.name,
         batch=args.batch, context=args.context, steps=args.steps, repeats=args.repeats,
+        chunk=args.chunk or None,
         contexts=context_lengths(args.batch, args.context, args.ragged),
         results=[dataclasses.asdict(r) for r in results],
         baseline={"ref": args.baseline, "commit": commit, "results": baseline} if tree else None,

@@ -88,6 +88,8 @@ def padded_attention(
     q_pad = q[layout.q_index]
     max_q = q_pad.shape[1]
     causal = layout.from_start and (sliding_window is None or sliding_window >= max_q)
+    if not causal and _splits_at_prefix(layout, max_q, sliding_window, q):
+        return prefix_then_chunk(q_pad, k, v, layout, scale)
     if causal:
         # Every query row's position is its padded row: SDPA's own causal rule (row i sees
         # keys 0..i) is ours, a real row never reaching its sequence's padding keys, and
@@ -107,6 +109,71 @@ def padded_attention(
     )
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, H, D]
     return out[layout.out_rows]
+
+
+def _flash_attention_cpu() -> Callable | None:
+    """torch's CPU flash-attention op, which returns the log-sum-exp SDPA's public call
+    keeps to itself (private: None where this torch has no such op)."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+# Where the split beats the mask (``bench/chunk_mask_cpu.py --grid``, 2 CPU threads, SmolLM2's
+# heads, batches of 1 to 8): masked / split time 1.04-1.30x from 1024 cached tokens on with
+# chunks of 64 or more; 0.76-1.02x at 512 cached tokens and 0.47-0.76x at 64, where its extra
+# ops (the merge, the chunk's repeated K/V) outweigh what the mask cost.
+SPLIT_MIN_PREFIX = 1024
+SPLIT_MIN_CHUNK = 64
+
+
+def _splits_at_prefix(
+    layout: PaddedLayout, chunk: int, sliding_window: int | None, q: torch.Tensor
+) -> bool:
+    """Whether ``prefix_then_chunk`` takes the group: on the CPU, every sequence brings the
+    same number of queries (``chunk``) after the same cached prefix, both long enough for the
+    split to pay, and no window hides a key."""
+    return (
+        layout.chunk_after_prefix
+        and q.device.type == "cpu"
+        and chunk >= SPLIT_MIN_CHUNK
+        and layout.seq_len - chunk >= SPLIT_MIN_PREFIX
+        and (sliding_window is None or sliding_window >= layout.seq_len)
+        and _flash_attention_cpu() is not None
+    )
+
+
+def prefix_then_chunk(
+    q_pad: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PaddedLayout,
+    scale: float,
+) -> torch.Tensor:
+    """``padded_attention`` of a later prompt chunk (or a draft) without a mask: queries
+    q_pad [B, C, H, D] at positions [P, P + C) of every sequence over its context k, v
+    [B, >= P + C, KV, D], as two attentions merged by their log-sum-exps: over the prefix
+    [0, P), which every query sees (no mask; a KV head's query heads folded into one row
+    range), and over the chunk's own keys by the causal rule. An additive mask makes SDPA
+    read and add a mask value per score, and score the keys above the diagonal too: on 2 CPU
+    threads a 512-token chunk after 3072 cached tokens, SmolLM2's heads, took 28.3 ms masked
+    and 21.7 split (``bench/chunk_mask_cpu.py``). Returns [T, H, D] flat rows."""
+    flash = _flash_attention_cpu()
+    b, chunk, heads, dim = q_pad.shape
+    prefix, kv = layout.seq_len - chunk, k.shape[2]
+    group_size = heads // kv
+    k = k[:, : prefix + chunk].transpose(1, 2).to(q_pad.dtype)  # [B, KV, P + C, D]
+    v = v[:, : prefix + chunk].transpose(1, 2).to(q_pad.dtype)
+    q = q_pad.transpose(1, 2)  # [B, H, C, D]
+    folded = q.reshape(b, kv, group_size * chunk, dim)  # head h -> KV head h // group_size
+    out_p, lse_p = flash(folded, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    out_p, lse_p = out_p.reshape(b, heads, chunk, dim), lse_p.reshape(b, heads, chunk, 1)
+    k_chunk = k[:, :, prefix:].repeat_interleave(group_size, 1)
+    v_chunk = v[:, :, prefix:].repeat_interleave(group_size, 1)
+    out_c, lse_c = flash(q, k_chunk, v_chunk, is_causal=True, scale=scale)[:2]
+    lse_c = lse_c.unsqueeze(-1)
+    lse = torch.logaddexp(lse_p, lse_c)  # (float32, as the op gives them)
+    out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c - lse).exp()
+    out = out.to(q_pad.dtype).transpose(1, 2)  # [B, C, H, D]
+    return out.reshape(-1, heads, dim)  # every padded row is a real one
 
 
 def _gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -131,6 +198,10 @@ class PaddedLayout:
     # every sequence's queries start at position 0 (a prompt's first chunk, no cached
     # prefix): a query's padded row is its position
     from_start: bool
+    # every sequence brings the same number (> 1) of queries after the same cached prefix
+    # (a long prompt's later chunk, a draft to verify): no padded row, no padding key
+    chunk_after_prefix: bool = False
+    seq_len: int = 0  # the sequences' context length when they all share one
 
 
 @dataclass(slots=True)
@@ -294,6 +365,8 @@ def _padded_layout(
         num_blocks=num_blocks,
         kv_pos=torch.arange(num_blocks * batch.page_size, device=device),
         from_start=tuple(q_lens) == tuple(seq_lens),
+        chunk_after_prefix=len(set(q_lens)) == len(set(seq_lens)) == 1 and 1 < max_q < seq_lens[0],
+        seq_len=seq_lens[0] if len(set(seq_lens)) == 1 else 0,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cache.quant import allocate_quant_pages, dequantize_pages, rotate_groups, write_slots
+from engine.cuda import attention
 from engine.cuda.attention import attention_groups, paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
 
@@ -146,6 +147,78 @@ def test_fresh_quantized_prompt_chunk_takes_sdpas_causal_rule(monkeypatch):
     calls = causal_calls(monkeypatch)
     out = quant_paged_attention_reference(q, *pages, batch, 0.2)
     assert calls == [True]
+    plain = [rotate_groups(dequantize_pages(p, torch.arange(pool), torch.float32)) for p in pages]
+    want = per_sequence(q, *plain, seqs, 0.2, None)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def split_from_small_prefixes(monkeypatch):
+    """The prefix/chunk split's thresholds lowered, so tiny shapes exercise it."""
+    monkeypatch.setattr(attention, "SPLIT_MIN_PREFIX", 8)
+    monkeypatch.setattr(attention, "SPLIT_MIN_CHUNK", 4)
+
+
+@pytest.mark.parametrize(
+    "specs,window,split",
+    [
+        ([(13, 6), (13, 6), (13, 6)], None, True),  # one prefix length, one chunk length
+        ([(13, 6), (13, 6)], 19, True),  # a window that hides no key
+        ([(13, 6), (13, 6)], 5, False),  # a window that does: the mask
+        ([(13, 6), (12, 6)], None, False),  # prefixes differ: padding keys, the mask
+        ([(13, 6), (13, 5)], None, False),  # chunks differ: padding rows, the mask
+        ([(7, 6)], None, False),  # a prefix under the threshold
+        ([(13, 3)], None, False),  # a chunk under it
+    ],
+)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_later_chunks_after_one_prefix_split_instead_of_masking(
+    monkeypatch, split_from_small_prefixes, specs, window, split, heads, kv_heads
+):
+    """A group whose sequences bring the same chunk after the same cached prefix attends
+    prefix and chunk apart and merges them (no SDPA call, no mask); each row still equals
+    attention one sequence at a time."""
+    seqs, batch, pool, gen = make_batch(specs, seed=5)
+    q = torch.randn(batch.num_tokens, heads, 8, generator=gen)
+    k = torch.randn(pool, PAGE, kv_heads, 8, generator=gen)
+    v = torch.randn(pool, PAGE, kv_heads, 8, generator=gen)
+    calls = causal_calls(monkeypatch)
+    out = paged_attention_reference(q, k, v, batch, 0.3, window)
+    assert (calls == []) is split
+    assert all(not group.masks for group in attention_groups(batch)) is split
+    want = per_sequence(q, k, v, seqs, 0.3, window)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_chunk_after_the_default_threshold_splits(monkeypatch, dtype, tol):
+    """At the engine's own thresholds (1024 cached tokens, 64-token chunks) the split is
+    taken, in float32 and bfloat16 (merged in float32)."""
+    prefix, chunk = attention.SPLIT_MIN_PREFIX, attention.SPLIT_MIN_CHUNK
+    seqs, batch, pool, gen = make_batch([(prefix, chunk)], seed=6)
+    q = torch.randn(batch.num_tokens, 6, 8, generator=gen)
+    k = torch.randn(pool, PAGE, 2, 8, generator=gen)
+    v = torch.randn(pool, PAGE, 2, 8, generator=gen)
+    calls = causal_calls(monkeypatch)
+    out = paged_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), batch, 0.3)
+    assert calls == [] and out.dtype == dtype
+    want = per_sequence(q.to(dtype), k.to(dtype), v.to(dtype), seqs, 0.3, None)
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_quantized_later_chunk_splits(monkeypatch, split_from_small_prefixes):
+    """The quantized reference takes the split too, over the gathered (dequantized) context."""
+    seqs, batch, pool, gen = make_batch([(21, 7), (21, 7)], seed=7)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=gen)
+    pages = []
+    for _ in range(2):
+        quant = allocate_quant_pages(pool, PAGE, 2, 32, 4, True, "cpu")
+        values = torch.randn(pool * PAGE, 2, 32, generator=gen)
+        write_slots(quant, values, torch.arange(pool * PAGE))
+        pages.append(quant)
+    calls = causal_calls(monkeypatch)
+    out = quant_paged_attention_reference(q, *pages, batch, 0.2)
+    assert calls == []
     plain = [rotate_groups(dequantize_pages(p, torch.arange(pool), torch.float32)) for p in pages]
     want = per_sequence(q, *plain, seqs, 0.2, None)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
