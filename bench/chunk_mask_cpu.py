@@ -6,9 +6,9 @@ start after a cached prefix, ran SDPA with an additive mask, which makes SDPA re
 mask value per score and score the chunk's keys above the diagonal too. The split attends
 twice and merges by log-sum-exp: every query over the prefix with no mask, and over the chunk's
 own keys with the causal rule. The engine takes it for a group whose sequences share one prefix
-length and one chunk length (every single long prompt) from 1024 cached tokens and 64-token
-chunks on (``SPLIT_MIN_PREFIX``, ``SPLIT_MIN_CHUNK``: where ``--grid`` finds it faster); other
-groups keep the mask.
+length and one chunk length (every single long prompt) from 1024 cached tokens, 64-token
+chunks and 256 query rows on (``SPLIT_MIN_PREFIX``, ``SPLIT_MIN_CHUNK``, ``SPLIT_MIN_ROWS``:
+where ``--grid`` finds it faster); other groups keep the mask.
 
 Schedules: 1 prompt of 4000 tokens and 8 of 1024, prefilled in chunks of ``--chunk`` (the
 serving preset's token budget is 512). Each later chunk is timed both ways through the torch
@@ -114,12 +114,15 @@ def masked_batch(batch):
 @contextlib.contextmanager
 def split_everywhere():
     """The engine's split without its thresholds, to time it where the engine keeps the mask."""
-    saved = attention.SPLIT_MIN_PREFIX, attention.SPLIT_MIN_CHUNK
-    attention.SPLIT_MIN_PREFIX, attention.SPLIT_MIN_CHUNK = 1, 2
+    names = ("SPLIT_MIN_PREFIX", "SPLIT_MIN_CHUNK", "SPLIT_MIN_ROWS")
+    saved = [getattr(attention, name) for name in names]
+    for name, lowest in zip(names, (1, 2, 2), strict=True):
+        setattr(attention, name, lowest)
     try:
         yield
     finally:
-        attention.SPLIT_MIN_PREFIX, attention.SPLIT_MIN_CHUNK = saved
+        for name, value in zip(names, saved, strict=True):
+            setattr(attention, name, value)
 
 
 def best_ms(call, repeats: int) -> float:
@@ -238,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         shape=SMOLLM2,
         page_size=PAGE_SIZE,
-        thresholds={"prefix": attention.SPLIT_MIN_PREFIX, "chunk": attention.SPLIT_MIN_CHUNK},
+        thresholds={
+            "prefix": attention.SPLIT_MIN_PREFIX,
+            "chunk": attention.SPLIT_MIN_CHUNK,
+            "rows": attention.SPLIT_MIN_ROWS,
+        },
         how="best of --repeats per later chunk, gather from pages included; totals x layers",
         schedules=[asdict(r) for r in results],
         grid=[asdict(t) for t in grid],

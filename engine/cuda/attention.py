@@ -118,23 +118,26 @@ def _flash_attention_cpu() -> Callable | None:
 
 
 # Where the split beats the mask (``bench/chunk_mask_cpu.py --grid``, 2 CPU threads, SmolLM2's
-# heads, batches of 1 to 8): masked / split time 1.04-1.30x from 1024 cached tokens on with
-# chunks of 64 or more; 0.76-1.02x at 512 cached tokens and 0.47-0.76x at 64, where its extra
-# ops (the merge, the chunk's repeated K/V) outweigh what the mask cost.
+# heads, batches of 1 to 8, masked / split time, two runs): 1.00-1.33x from 1024 cached
+# tokens on with chunks of 64 or more and 256 or more query rows in all; 0.73-1.02x at 512
+# cached tokens, 0.40-0.92x at 64, and 0.90-0.97x for one 64-token chunk after 1024: there its
+# extra ops (the merge, the chunk's K/V repeated per head) outweigh what the mask cost.
 SPLIT_MIN_PREFIX = 1024
 SPLIT_MIN_CHUNK = 64
+SPLIT_MIN_ROWS = 256
 
 
 def _splits_at_prefix(
     layout: PaddedLayout, chunk: int, sliding_window: int | None, q: torch.Tensor
 ) -> bool:
     """Whether ``prefix_then_chunk`` takes the group: on the CPU, every sequence brings the
-    same number of queries (``chunk``) after the same cached prefix, both long enough for the
+    same number of queries (``chunk``) after the same cached prefix, all long enough for the
     split to pay, and no window hides a key."""
     return (
         layout.chunk_after_prefix
         and q.device.type == "cpu"
         and chunk >= SPLIT_MIN_CHUNK
+        and layout.q_index.shape[0] * chunk >= SPLIT_MIN_ROWS
         and layout.seq_len - chunk >= SPLIT_MIN_PREFIX
         and (sliding_window is None or sliding_window >= layout.seq_len)
         and _flash_attention_cpu() is not None

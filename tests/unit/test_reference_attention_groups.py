@@ -157,6 +157,7 @@ def split_from_small_prefixes(monkeypatch):
     """The prefix/chunk split's thresholds lowered, so tiny shapes exercise it."""
     monkeypatch.setattr(attention, "SPLIT_MIN_PREFIX", 8)
     monkeypatch.setattr(attention, "SPLIT_MIN_CHUNK", 4)
+    monkeypatch.setattr(attention, "SPLIT_MIN_ROWS", 6)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +169,9 @@ def split_from_small_prefixes(monkeypatch):
         ([(13, 6), (12, 6)], None, False),  # prefixes differ: padding keys, the mask
         ([(13, 6), (13, 5)], None, False),  # chunks differ: padding rows, the mask
         ([(7, 6)], None, False),  # a prefix under the threshold
-        ([(13, 3)], None, False),  # a chunk under it
+        ([(13, 3), (13, 3)], None, False),  # a chunk under it
+        ([(13, 5)], None, False),  # fewer query rows than the threshold
+        ([(13, 6)], None, True),  # as many
     ],
 )
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -192,10 +195,11 @@ def test_later_chunks_after_one_prefix_split_instead_of_masking(
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_chunk_after_the_default_threshold_splits(monkeypatch, dtype, tol):
-    """At the engine's own thresholds (1024 cached tokens, 64-token chunks) the split is
-    taken, in float32 and bfloat16 (merged in float32)."""
+    """At the engine's own thresholds (1024 cached tokens, 64-token chunks, 256 rows) the
+    split is taken, in float32 and bfloat16 (merged in float32)."""
     prefix, chunk = attention.SPLIT_MIN_PREFIX, attention.SPLIT_MIN_CHUNK
-    seqs, batch, pool, gen = make_batch([(prefix, chunk)], seed=6)
+    sequences = attention.SPLIT_MIN_ROWS // chunk
+    seqs, batch, pool, gen = make_batch([(prefix, chunk)] * sequences, seed=6)
     q = torch.randn(batch.num_tokens, 6, 8, generator=gen)
     k = torch.randn(pool, PAGE, 2, 8, generator=gen)
     v = torch.randn(pool, PAGE, 2, 8, generator=gen)
