@@ -49,8 +49,8 @@ from engine.cuda.attention import attention_groups, paged_attention_reference  #
 RESULTS = REPO / "bench" / "results" / "chunk_mask_cpu.json"
 PAGE_SIZE = 16
 SMOLLM2 = {"heads": 9, "kv_heads": 3, "head_dim": 64, "layers": 30}
-GRID = {"batch": (1, 4, 8), "chunk": (8, 64, 256, 512), "prefix": (64, 512, 1024, 3072)}
-GRID_MAX_TOKENS = 20_000  # batch x context: the grid leaves out what would take minutes
+GRID = {"batch": (1, 2, 8), "chunk": (16, 64, 128, 512), "prefix": (512, 1024, 2048, 3072)}
+GRID_MAX_TOKENS = 24_000  # batch x context: the grid leaves out what would take minutes
 
 
 @dataclass(frozen=True)

@@ -118,13 +118,13 @@ def _flash_attention_cpu() -> Callable | None:
 
 
 # Where the split beats the mask (``bench/chunk_mask_cpu.py --grid``, 2 CPU threads, SmolLM2's
-# heads, batches of 1 to 8, masked / split time, two runs): 1.00-1.33x from 1024 cached
-# tokens on with chunks of 64 or more and 256 or more query rows in all; 0.73-1.02x at 512
-# cached tokens, 0.40-0.92x at 64, and 0.90-0.97x for one 64-token chunk after 1024: there its
-# extra ops (the merge, the chunk's K/V repeated per head) outweigh what the mask cost.
+# heads, batches of 1 to 8, masked / split time, two runs): 1.03-1.35x from 1024 cached tokens
+# on with chunks of 64 or more and 128 or more query rows in all; 0.63-1.06x at 512 cached
+# tokens, 0.62-0.99x with 16-token chunks under 2048, 0.93-0.97x for one 64-token chunk after
+# 1024: there its extra ops (the merge, the chunk's K/V repeated per head) outweigh the mask's.
 SPLIT_MIN_PREFIX = 1024
 SPLIT_MIN_CHUNK = 64
-SPLIT_MIN_ROWS = 256
+SPLIT_MIN_ROWS = 128
 
 
 def _splits_at_prefix(

@@ -39,7 +39,7 @@ def test_quick_run_writes_totals_and_the_grid(tmp_path, capsys, monkeypatch):
     assert bench.main(argv) == 0
     record = json.loads(output.read_text())
     assert record["benchmark"] == "chunk_mask_cpu"
-    assert record["thresholds"] == {"prefix": 1024, "chunk": 64, "rows": 256}
+    assert record["thresholds"] == {"prefix": 1024, "chunk": 64, "rows": 128}
     first = record["schedules"][0]
     assert [(c["prefix"], c["chunk"]) for c in first["chunks"]] == [(32, 32), (64, 32)]
     masked_ms = sum(c["masked_ms"] for c in first["chunks"])
