@@ -111,6 +111,7 @@ def padded_attention(
     return out[layout.out_rows]
 
 
+@functools.cache
 def _flash_attention_cpu() -> Callable | None:
     """torch's CPU flash-attention op, which returns the log-sum-exp SDPA's public call
     keeps to itself (private: None where this torch has no such op)."""
@@ -157,8 +158,8 @@ def prefix_then_chunk(
     [0, P), which every query sees (no mask; a KV head's query heads folded into one row
     range), and over the chunk's own keys by the causal rule. An additive mask makes SDPA
     read and add a mask value per score, and score the keys above the diagonal too: on 2 CPU
-    threads a 512-token chunk after 3072 cached tokens, SmolLM2's heads, took 28.3 ms masked
-    and 21.7 split (``bench/chunk_mask_cpu.py``). Returns [T, H, D] flat rows."""
+    threads a 512-token chunk after 3072 cached tokens, SmolLM2's heads, takes 1.2-1.3x as
+    long masked (``bench/chunk_mask_cpu.py``). Returns [T, H, D] flat rows."""
     flash = _flash_attention_cpu()
     b, chunk, heads, dim = q_pad.shape
     prefix, kv = layout.seq_len - chunk, k.shape[2]
