@@ -134,9 +134,19 @@ def test_groups_of_fresh_prompts_take_sdpas_causal_rule(monkeypatch, window, cau
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_fresh_quantized_prompt_chunk_takes_sdpas_causal_rule(monkeypatch):
-    """The quantized reference pads the same way: a first chunk over q4 pages is causal."""
-    seqs, batch, pool, gen = make_batch([(0, 9), (0, 14)], seed=4)
+@pytest.mark.parametrize(
+    "specs,sdpa_calls",
+    [
+        ([(0, 9), (0, 14)], [True]),  # a first chunk: SDPA's causal rule
+        ([(21, 7), (21, 7)], []),  # a later chunk after one prefix: the split (thresholds lowered)
+    ],
+)
+def test_quantized_prompt_chunks_attend_as_plain_ones(
+    monkeypatch, split_from_small_prefixes, specs, sdpa_calls
+):
+    """The quantized reference pads the same way: over q4 pages a first chunk is causal and
+    a later chunk after one cached prefix splits, over the gathered (dequantized) context."""
+    seqs, batch, pool, gen = make_batch(specs, seed=4)
     q = torch.randn(batch.num_tokens, 4, 32, generator=gen)
     pages = []
     for _ in range(2):
@@ -146,7 +156,7 @@ def test_fresh_quantized_prompt_chunk_takes_sdpas_causal_rule(monkeypatch):
         pages.append(quant)
     calls = causal_calls(monkeypatch)
     out = quant_paged_attention_reference(q, *pages, batch, 0.2)
-    assert calls == [True]
+    assert calls == sdpa_calls
     plain = [rotate_groups(dequantize_pages(p, torch.arange(pool), torch.float32)) for p in pages]
     want = per_sequence(q, *plain, seqs, 0.2, None)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
@@ -208,21 +218,3 @@ def test_chunk_after_the_default_threshold_splits(monkeypatch, dtype, tol):
     assert calls == [] and out.dtype == dtype
     want = per_sequence(q.to(dtype), k.to(dtype), v.to(dtype), seqs, 0.3, None)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-
-
-def test_quantized_later_chunk_splits(monkeypatch, split_from_small_prefixes):
-    """The quantized reference takes the split too, over the gathered (dequantized) context."""
-    seqs, batch, pool, gen = make_batch([(21, 7), (21, 7)], seed=7)
-    q = torch.randn(batch.num_tokens, 4, 32, generator=gen)
-    pages = []
-    for _ in range(2):
-        quant = allocate_quant_pages(pool, PAGE, 2, 32, 4, True, "cpu")
-        values = torch.randn(pool * PAGE, 2, 32, generator=gen)
-        write_slots(quant, values, torch.arange(pool * PAGE))
-        pages.append(quant)
-    calls = causal_calls(monkeypatch)
-    out = quant_paged_attention_reference(q, *pages, batch, 0.2)
-    assert calls == []
-    plain = [rotate_groups(dequantize_pages(p, torch.arange(pool), torch.float32)) for p in pages]
-    want = per_sequence(q, *plain, seqs, 0.2, None)
-    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
