@@ -5,18 +5,19 @@ Since stop 46 a prompt's first chunk runs SDPA's own causal rule; a later chunk,
 start after a cached prefix, ran SDPA with an additive mask, which makes SDPA read and add a
 mask value per score and score the chunk's keys above the diagonal too. The split attends
 twice and merges by log-sum-exp: every query over the prefix with no mask, and over the chunk's
-own keys with the causal rule. The engine takes it for a group whose sequences share one prefix
-length and one chunk length (every single long prompt) from 1024 cached tokens, 64-token
-chunks and 256 query rows on (``SPLIT_MIN_PREFIX``, ``SPLIT_MIN_CHUNK``, ``SPLIT_MIN_ROWS``:
-where ``--grid`` finds it faster); other groups keep the mask.
+own keys with the causal rule. The engine takes it for a group whose every sequence brings a
+chunk of 64 tokens or more after 1024 cached tokens or more, 128 query rows in all
+(``SPLIT_MIN_PREFIX``, ``SPLIT_MIN_CHUNK``, ``SPLIT_MIN_ROWS``: where ``--grid`` finds it
+faster): in one batch when the sequences share their lengths, else one sequence at a time (the
+mask pads every sequence to the group's longest context and chunk). Other groups keep the mask.
 
-Schedules: 1 prompt of 4000 tokens and 8 of 1024, prefilled in chunks of ``--chunk`` (the
-serving preset's token budget is 512). Each later chunk is timed both ways through the torch
-reference (``paged_attention_reference``, its gather from pages included; "masked" is the same
-group with the split turned off, "split" the split without the thresholds, "engine" what the
-engine runs) over SmolLM2's head shape (9 query heads, 3 KV heads, 64 dims), and the totals
-are scaled by the model's 30 layers. ``--grid`` times masked / split over batches, chunk
-lengths and cached prefixes:
+Each case is one forward's attention through the torch reference (``paged_attention_reference``,
+its gather from pages included) over SmolLM2's head shape (9 query heads, 3 KV heads, 64
+dims): "masked" with the split turned off, "split" with its thresholds lifted, "engine" what
+the engine runs. Schedules: 1 prompt of 4000 tokens and 8 of 1024, prefilled in chunks of
+``--chunk`` (the serving preset's token budget is 512), every later chunk timed and the totals
+scaled by the model's 30 layers. Ragged cases: prompts of other lengths prefilled together.
+``--grid`` times masked / split over batches, chunk lengths and cached prefixes:
 
     python bench/chunk_mask_cpu.py --grid                # 1 x 4000, 8 x 1024 (chunks of 512), grid
     python bench/chunk_mask_cpu.py --quick               # tiny shapes (the test's)
@@ -32,7 +33,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.record import write_record  # noqa: E402
-from engine.batch import AttentionPlan, SequenceInput, build_forward_batch  # noqa: E402
+from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
 from engine.cuda import attention  # noqa: E402
 from engine.cuda.attention import attention_groups, paged_attention_reference  # noqa: E402
 
@@ -51,6 +52,19 @@ PAGE_SIZE = 16
 SMOLLM2 = {"heads": 9, "kv_heads": 3, "head_dim": 64, "layers": 30}
 GRID = {"batch": (1, 2, 8), "chunk": (16, 64, 128, 512), "prefix": (512, 1024, 2048, 3072)}
 GRID_MAX_TOKENS = 24_000  # batch x context: the grid leaves out what would take minutes
+
+
+# Groups of sequences of different lengths prefilled together, (cached prefix, chunk) each:
+# one attention group (chunk lengths in one power-of-two bucket), split one by one
+RAGGED_CASES = (
+    ((1500, 300), (2600, 260)),
+    ((1100, 300), (3000, 300), (2000, 256)),
+    ((1024, 128), (1200, 130), (1500, 128), (4000, 128)),
+    ((2000, 300), (3000, 500)),
+    ((1024, 200), (1100, 200)),
+    ((3000, 150), (3100, 150)),
+)
+QUICK_RAGGED_CASES = (((32, 16), (40, 20)),)
 
 
 @dataclass(frozen=True)
@@ -66,10 +80,9 @@ class Schedule:
 
 
 @dataclass
-class ChunkTiming:
-    batch: int
-    prefix: int
-    chunk: int
+class GroupTiming:
+    prefixes: list[int]  # each sequence's cached tokens
+    chunks: list[int]  # each sequence's new tokens
     masked_ms: float
     split_ms: float
     max_abs_diff: float
@@ -85,44 +98,41 @@ class ScheduleResult:
     batch: int
     prompt: int
     chunk: int
-    chunks: list[ChunkTiming]
+    groups: list[GroupTiming]  # one per later chunk
     # every later chunk, every layer, in seconds
     masked_total_s: float
     split_total_s: float  # the split on every later chunk
     engine_total_s: float  # as the engine runs them (the split where its thresholds allow)
 
 
-def chunk_batch(schedule: Schedule, prefix: int, chunk: int):
-    """A forward batch of ``schedule.batch`` sequences, each bringing ``chunk`` tokens after
-    ``prefix`` cached ones, on pages of their own; and the number of pages."""
-    pages_each = -(-(prefix + chunk) // PAGE_SIZE)
-    seqs = [
-        SequenceInput([0] * chunk, prefix, range(i * pages_each, (i + 1) * pages_each))
-        for i in range(schedule.batch)
-    ]
-    return build_forward_batch(seqs, PAGE_SIZE), schedule.batch * pages_each
-
-
-def masked_batch(batch):
-    """The same batch with the split turned off: its one group keeps the mask."""
-    (group,) = attention_groups(batch)
-    layout = dataclasses.replace(group.layout, chunk_after_prefix=False)
-    masked = dataclasses.replace(group, layout=layout, masks={})
-    return dataclasses.replace(batch, attention=AttentionPlan(groups=[masked]))
+def group_batch(sequences: Sequence[tuple[int, int]]):
+    """A forward batch of sequences, (cached prefix, chunk) each, on pages of their own; and
+    the number of pages."""
+    seqs, first = [], 0
+    for prefix, chunk in sequences:
+        pages = -(-(prefix + chunk) // PAGE_SIZE)
+        seqs.append(SequenceInput([0] * chunk, prefix, range(first, first + pages)))
+        first += pages
+    return build_forward_batch(seqs, PAGE_SIZE), first
 
 
 @contextlib.contextmanager
-def split_everywhere():
-    """The engine's split without its thresholds, to time it where the engine keeps the mask."""
+def split_thresholds(prefix: int, chunk: int, rows: int):
+    """The engine's split thresholds set to these for a while: the least values time the
+    split everywhere, ``MASK_ONLY`` the mask everywhere."""
     names = ("SPLIT_MIN_PREFIX", "SPLIT_MIN_CHUNK", "SPLIT_MIN_ROWS")
     saved = [getattr(attention, name) for name in names]
-    for name, lowest in zip(names, (1, 2, 2), strict=True):
-        setattr(attention, name, lowest)
+    for name, value in zip(names, (prefix, chunk, rows), strict=True):
+        setattr(attention, name, value)
     try:
         yield
     finally:
         for name, value in zip(names, saved, strict=True):
             setattr(attention, name, value)
+
+
+SPLIT_EVERYWHERE = (1, 2, 2)
+MASK_ONLY = (sys.maxsize, sys.maxsize, sys.maxsize)
 
 
 def best_ms(call, repeats: int) -> float:
@@ -135,55 +145,54 @@ def best_ms(call, repeats: int) -> float:
     return min(times)
 
 
-def time_chunk(schedule: Schedule, prefix: int, chunk: int, repeats: int) -> ChunkTiming:
+def time_group(sequences: Sequence[tuple[int, int]], repeats: int) -> GroupTiming:
+    """One forward's attention of these sequences through the torch reference, masked and
+    split (thresholds lifted), and whether the engine splits it."""
     heads, kv, dim = SMOLLM2["heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"]
-    batch, num_pages = chunk_batch(schedule, prefix, chunk)
-    gen = torch.Generator().manual_seed(prefix + chunk)
-    q = torch.randn(schedule.batch * chunk, heads, dim, generator=gen)
+    batch, num_pages = group_batch(sequences)
+    if len(attention_groups(batch)) != 1:
+        raise ValueError(f"{sequences}: chunk lengths in more than one attention group")
+    gen = torch.Generator().manual_seed(batch.num_tokens)
+    q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
     k_pages = torch.randn(num_pages, PAGE_SIZE, kv, dim, generator=gen)
     v_pages = torch.randn(num_pages, PAGE_SIZE, kv, dim, generator=gen)
     scale = dim**-0.5
-    with_mask = masked_batch(batch)
 
-    def masked() -> torch.Tensor:
-        return paged_attention_reference(q, k_pages, v_pages, with_mask, scale)
-
-    def split() -> torch.Tensor:
+    def attend() -> torch.Tensor:
         return paged_attention_reference(q, k_pages, v_pages, batch, scale)
 
-    engine_splits = attention._splits_at_prefix(attention_groups(batch)[0].layout, chunk, None, q)
-    with split_everywhere():
-        diff = (masked() - split()).abs().max().item()
-        split_ms = best_ms(split, repeats)
-    return ChunkTiming(
-        schedule.batch, prefix, chunk, best_ms(masked, repeats), split_ms, diff, engine_splits
-    )
+    engine_splits = attention._splits_at_prefix(attention_groups(batch)[0].layout, None, q)
+    with split_thresholds(*MASK_ONLY):
+        masked, masked_ms = attend(), best_ms(attend, repeats)
+    with split_thresholds(*SPLIT_EVERYWHERE):
+        split, split_ms = attend(), best_ms(attend, repeats)
+    diff = (masked - split).abs().max().item()
+    prefixes, chunks = (list(column) for column in zip(*sequences, strict=True))
+    return GroupTiming(prefixes, chunks, masked_ms, split_ms, diff, engine_splits)
 
 
 def run_schedule(schedule: Schedule, repeats: int) -> ScheduleResult:
-    chunks = [time_chunk(schedule, p, c, repeats) for p, c in schedule.later_chunks()]
+    groups = [time_group([c] * schedule.batch, repeats) for c in schedule.later_chunks()]
     layers = SMOLLM2["layers"] / 1e3
 
-    def total(ms: Callable[[ChunkTiming], float]) -> float:
-        return sum(ms(c) for c in chunks) * layers
+    def total(ms: Callable[[GroupTiming], float]) -> float:
+        return sum(ms(g) for g in groups) * layers
 
     return ScheduleResult(
         *dataclasses.astuple(schedule),
-        chunks,
-        total(lambda c: c.masked_ms),
-        total(lambda c: c.split_ms),
-        total(lambda c: c.engine_ms),
+        groups,
+        total(lambda g: g.masked_ms),
+        total(lambda g: g.split_ms),
+        total(lambda g: g.engine_ms),
     )
 
 
-def run_grid(repeats: int) -> list[ChunkTiming]:
+def run_grid(repeats: int) -> list[GroupTiming]:
     """masked / split over GRID's batches, chunks and cached prefixes (the thresholds' data)."""
     timings = []
     for batch, chunk, prefix in itertools.product(*GRID.values()):
         if batch * (prefix + chunk) <= GRID_MAX_TOKENS:
-            timings.append(
-                time_chunk(Schedule(batch, prefix + chunk, chunk), prefix, chunk, repeats)
-            )
+            timings.append(time_group([(prefix, chunk)] * batch, repeats))
     return timings
 
 
@@ -192,18 +201,18 @@ def print_schedules(results: list[ScheduleResult]) -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r.batch} x {r.prompt} | {r.chunk} | {len(r.chunks)} | {r.masked_total_s:.3f} "
+            f"| {r.batch} x {r.prompt} | {r.chunk} | {len(r.groups)} | {r.masked_total_s:.3f} "
             f"| {r.split_total_s:.3f} | {r.engine_total_s:.3f} "
             f"| {r.masked_total_s / r.engine_total_s:.2f}x |"
         )
 
 
-def print_grid(timings: list[ChunkTiming]) -> None:
+def print_grid(timings: list[GroupTiming]) -> None:
     prefixes = GRID["prefix"]
     print("masked / split time (> 1: the split is faster); * where the engine splits")
     print("| batch | chunk | " + " | ".join(f"{p} cached" for p in prefixes) + " |")
     print("|---|---|" + "---|" * len(prefixes))
-    cells = {(t.batch, t.chunk, t.prefix): t for t in timings}
+    cells = {(len(t.chunks), t.chunks[0], t.prefixes[0]): t for t in timings}
     for batch, chunk in itertools.product(GRID["batch"], GRID["chunk"]):
         row = []
         for prefix in prefixes:
@@ -211,6 +220,18 @@ def print_grid(timings: list[ChunkTiming]) -> None:
             mark = "*" if t is not None and t.engine_splits else ""
             row.append("-" if t is None else f"{t.masked_ms / t.split_ms:.2f}{mark}")
         print(f"| {batch} | {chunk} | " + " | ".join(row) + " |")
+
+
+def print_ragged(timings: list[GroupTiming]) -> None:
+    print("| (cached, chunk) per sequence | masked ms | split ms | masked / split |")
+    print("|---|---|---|---|")
+    for t in timings:
+        sequences = ", ".join(f"({p}, {c})" for p, c in zip(t.prefixes, t.chunks, strict=True))
+        mark = "*" if t.engine_splits else ""
+        print(
+            f"| {sequences} | {t.masked_ms:.1f} | {t.split_ms:.1f} "
+            f"| {t.masked_ms / t.split_ms:.2f}{mark} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,11 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.quick:
         schedules = [Schedule(1, 96, 32), Schedule(2, 64, 32)]
+        ragged_cases = QUICK_RAGGED_CASES
         args.repeats = 1
     else:
         schedules = [Schedule(1, 4000, args.chunk), Schedule(8, 1024, args.chunk)]
+        ragged_cases = RAGGED_CASES
     results = [run_schedule(s, args.repeats) for s in schedules]
     print_schedules(results)
+    ragged = [time_group(case, args.repeats) for case in ragged_cases]
+    print_ragged(ragged)
     grid = run_grid(args.repeats) if args.grid else []
     if grid:
         print_grid(grid)
@@ -248,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         how="best of --repeats per later chunk, gather from pages included; totals x layers",
         schedules=[asdict(r) for r in results],
+        ragged=[asdict(t) for t in ragged],
         grid=[asdict(t) for t in grid],
     )
     return 0

@@ -84,12 +84,12 @@ def padded_attention(
     """The reference's attention of one group's queries q [T_g, H, D] over its gathered
     context k, v [B_g, num_blocks * S, KV, D]; returns [T_g, H, D]."""
     layout = group.layout
+    if _splits_at_prefix(layout, sliding_window, q):
+        return prefix_then_chunk(q, k, v, layout, scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     q_pad = q[layout.q_index]
     max_q = q_pad.shape[1]
     causal = layout.from_start and (sliding_window is None or sliding_window >= max_q)
-    if not causal and _splits_at_prefix(layout, max_q, sliding_window, q):
-        return prefix_then_chunk(q_pad, k, v, layout, scale)
     if causal:
         # Every query row's position is its padded row: SDPA's own causal rule (row i sees
         # keys 0..i) is ours, a real row never reaching its sequence's padding keys, and
@@ -123,50 +123,70 @@ def _flash_attention_cpu() -> Callable | None:
 # on with chunks of 64 or more and 128 or more query rows in all; 0.63-1.06x at 512 cached
 # tokens, 0.62-0.99x with 16-token chunks under 2048, 0.93-0.97x for one 64-token chunk after
 # 1024: there its extra ops (the merge, the chunk's K/V repeated per head) outweigh the mask's.
-SPLIT_MIN_PREFIX = 1024
-SPLIT_MIN_CHUNK = 64
-SPLIT_MIN_ROWS = 128
+# Sequences of other lengths in one group, split one by one, gain more (the mask pads each to
+# the longest context and chunk): 1.3-2.6x in the bench's ragged cases.
+SPLIT_MIN_PREFIX = 1024  # cached tokens before every sequence's chunk
+SPLIT_MIN_CHUNK = 64  # every sequence's chunk
+SPLIT_MIN_ROWS = 128  # the group's query rows
 
 
-def _splits_at_prefix(
-    layout: PaddedLayout, chunk: int, sliding_window: int | None, q: torch.Tensor
-) -> bool:
-    """Whether ``prefix_then_chunk`` takes the group: on the CPU, every sequence brings the
-    same number of queries (``chunk``) after the same cached prefix, all long enough for the
-    split to pay, and no window hides a key."""
+def _splits_at_prefix(layout: PaddedLayout, sliding_window: int | None, q: torch.Tensor) -> bool:
+    """Whether ``prefix_then_chunk`` takes the group: on the CPU, every sequence's chunk and
+    cached prefix long enough for the split to pay, and no window hiding a key."""
+    if q.device.type != "cpu" or not layout.q_lens:
+        return False
+    prefixes = [s - c for s, c in zip(layout.seq_lens, layout.q_lens, strict=True)]
     return (
-        layout.chunk_after_prefix
-        and q.device.type == "cpu"
-        and chunk >= SPLIT_MIN_CHUNK
-        and layout.q_index.shape[0] * chunk >= SPLIT_MIN_ROWS
-        and layout.seq_len - chunk >= SPLIT_MIN_PREFIX
-        and (sliding_window is None or sliding_window >= layout.seq_len)
+        min(layout.q_lens) >= SPLIT_MIN_CHUNK
+        and sum(layout.q_lens) >= SPLIT_MIN_ROWS
+        and min(prefixes) >= SPLIT_MIN_PREFIX
+        and (sliding_window is None or sliding_window >= max(layout.seq_lens))
         and _flash_attention_cpu() is not None
     )
 
 
 def prefix_then_chunk(
-    q_pad: torch.Tensor,
+    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     layout: PaddedLayout,
     scale: float,
 ) -> torch.Tensor:
-    """``padded_attention`` of a later prompt chunk (or a draft) without a mask: queries
-    q_pad [B, C, H, D] at positions [P, P + C) of every sequence over its context k, v
-    [B, >= P + C, KV, D], as two attentions merged by their log-sum-exps: over the prefix
-    [0, P), which every query sees (no mask; a KV head's query heads folded into one row
-    range), and over the chunk's own keys by the causal rule. An additive mask makes SDPA
-    read and add a mask value per score, and score the keys above the diagonal too: on 2 CPU
-    threads a 512-token chunk after 3072 cached tokens, SmolLM2's heads, takes 1.2-1.3x as
-    long masked (``bench/chunk_mask_cpu.py``). Returns [T, H, D] flat rows."""
+    """``padded_attention`` of later prompt chunks without a mask: the group's query rows q
+    [T_g, H, D] (each sequence's chunk in turn, at the positions after its cached prefix)
+    over the gathered context k, v [B, num_blocks * S, KV, D]; returns [T_g, H, D]. One
+    batched ``split_attention`` when every sequence brings the same chunk after the same
+    prefix, else one per sequence, on its own context (no padding)."""
+    heads, dim = q.shape[1], q.shape[2]
+    if len(set(layout.q_lens)) == 1 and len(set(layout.seq_lens)) == 1:
+        b, chunk = len(layout.q_lens), layout.q_lens[0]
+        q_seq = q.reshape(b, chunk, heads, dim)
+        return split_attention(q_seq, k, v, layout.seq_lens[0] - chunk, scale)
+    out, row = [], 0
+    for i, (chunk, seq_len) in enumerate(zip(layout.q_lens, layout.seq_lens, strict=True)):
+        q_seq = q[row : row + chunk].unsqueeze(0)
+        out.append(split_attention(q_seq, k[i : i + 1], v[i : i + 1], seq_len - chunk, scale))
+        row += chunk
+    return torch.cat(out)
+
+
+def split_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of queries q [B, C, H, D] at positions [prefix, prefix + C) over
+    keys k, v [B, >= prefix + C, KV, D], as two attentions merged by their log-sum-exps:
+    over the prefix, which every query sees (no mask; a KV head's query heads folded into
+    one row range), and over the chunk's own keys by the causal rule. An additive mask
+    makes SDPA read and add a mask value per score, and score the keys above the diagonal
+    too: on 2 CPU threads a 512-token chunk after 3072 cached tokens, SmolLM2's heads, takes
+    1.2-1.3x as long masked (``bench/chunk_mask_cpu.py``). Returns [B * C, H, D]."""
     flash = _flash_attention_cpu()
-    b, chunk, heads, dim = q_pad.shape
-    prefix, kv = layout.seq_len - chunk, k.shape[2]
+    b, chunk, heads, dim = q.shape
+    kv = k.shape[2]
     group_size = heads // kv
-    k = k[:, : prefix + chunk].transpose(1, 2).to(q_pad.dtype)  # [B, KV, P + C, D]
-    v = v[:, : prefix + chunk].transpose(1, 2).to(q_pad.dtype)
-    q = q_pad.transpose(1, 2)  # [B, H, C, D]
+    k = k[:, : prefix + chunk].transpose(1, 2).to(q.dtype)  # [B, KV, P + C, D]
+    v = v[:, : prefix + chunk].transpose(1, 2).to(q.dtype)
+    q = q.transpose(1, 2)  # [B, H, C, D]
     folded = q.reshape(b, kv, group_size * chunk, dim)  # head h -> KV head h // group_size
     out_p, lse_p = flash(folded, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
     out_p, lse_p = out_p.reshape(b, heads, chunk, dim), lse_p.reshape(b, heads, chunk, 1)
@@ -176,8 +196,7 @@ def prefix_then_chunk(
     lse_c = lse_c.unsqueeze(-1)
     lse = torch.logaddexp(lse_p, lse_c)  # (float32, as the op gives them)
     out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c - lse).exp()
-    out = out.to(q_pad.dtype).transpose(1, 2)  # [B, C, H, D]
-    return out.reshape(-1, heads, dim)  # every padded row is a real one
+    return out.to(q.dtype).transpose(1, 2).reshape(-1, heads, dim)
 
 
 def _gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -202,10 +221,8 @@ class PaddedLayout:
     # every sequence's queries start at position 0 (a prompt's first chunk, no cached
     # prefix): a query's padded row is its position
     from_start: bool
-    # every sequence brings the same number (> 1) of queries after the same cached prefix
-    # (a long prompt's later chunk, a draft to verify): no padded row, no padding key
-    chunk_after_prefix: bool = False
-    seq_len: int = 0  # the sequences' context length when they all share one
+    q_lens: tuple[int, ...] = ()  # host: each sequence's queries
+    seq_lens: tuple[int, ...] = ()  # host: each sequence's context after this pass
 
 
 @dataclass(slots=True)
@@ -369,8 +386,8 @@ def _padded_layout(
         num_blocks=num_blocks,
         kv_pos=torch.arange(num_blocks * batch.page_size, device=device),
         from_start=tuple(q_lens) == tuple(seq_lens),
-        chunk_after_prefix=len(set(q_lens)) == len(set(seq_lens)) == 1 and 1 < max_q < seq_lens[0],
-        seq_len=seq_lens[0] if len(set(seq_lens)) == 1 else 0,
+        q_lens=tuple(q_lens),
+        seq_lens=tuple(seq_lens),
     )
 
 

@@ -174,13 +174,13 @@ def split_from_small_prefixes(monkeypatch):
     "specs,window,split",
     [
         ([(13, 6), (13, 6), (13, 6)], None, True),  # one prefix length, one chunk length
+        ([(13, 6), (12, 6)], None, True),  # prefixes differ: one sequence at a time
+        ([(13, 6), (17, 7), (9, 4)], None, True),  # chunks differ too
         ([(13, 6), (13, 6)], 19, True),  # a window that hides no key
-        ([(13, 6), (13, 6)], 5, False),  # a window that does: the mask
-        ([(13, 6), (12, 6)], None, False),  # prefixes differ: padding keys, the mask
-        ([(13, 6), (13, 5)], None, False),  # chunks differ: padding rows, the mask
-        ([(7, 6)], None, False),  # a prefix under the threshold
-        ([(13, 3), (13, 3)], None, False),  # a chunk under it
-        ([(13, 5)], None, False),  # fewer query rows than the threshold
+        ([(13, 6), (16, 6)], 21, False),  # one that does (for the longer sequence)
+        ([(13, 6), (7, 6)], None, False),  # a prefix under the threshold
+        ([(13, 6), (13, 3)], None, False),  # a chunk under it
+        ([(13, 5)], None, False),  # fewer query rows in the group than the threshold
         ([(13, 6)], None, True),  # as many
     ],
 )
@@ -188,9 +188,9 @@ def split_from_small_prefixes(monkeypatch):
 def test_later_chunks_after_one_prefix_split_instead_of_masking(
     monkeypatch, split_from_small_prefixes, specs, window, split, heads, kv_heads
 ):
-    """A group whose sequences bring the same chunk after the same cached prefix attends
-    prefix and chunk apart and merges them (no SDPA call, no mask); each row still equals
-    attention one sequence at a time."""
+    """A group whose sequences bring long enough chunks after long enough cached prefixes
+    attends prefix and chunk apart and merges them (no SDPA call, no mask), in one batch or
+    one sequence at a time; each row still equals attention one sequence at a time."""
     seqs, batch, pool, gen = make_batch(specs, seed=5)
     q = torch.randn(batch.num_tokens, heads, 8, generator=gen)
     k = torch.randn(pool, PAGE, kv_heads, 8, generator=gen)
