@@ -123,8 +123,9 @@ def _flash_attention_cpu() -> Callable | None:
 # on with chunks of 64 or more and 128 or more query rows in all; 0.63-1.06x at 512 cached
 # tokens, 0.62-0.99x with 16-token chunks under 2048, 0.93-0.97x for one 64-token chunk after
 # 1024: there its extra ops (the merge, the chunk's K/V repeated per head) outweigh the mask's.
-# Sequences of other lengths in one group, split one by one, gain more (the mask pads each to
-# the longest context and chunk): 1.3-2.6x in the bench's ragged cases.
+# Sequences of other lengths in one group, split one by one, mostly gain more (the mask pads
+# each to the longest context and chunk): 1.31-2.51x in 5 of the bench's 6 ragged cases, 0.94x
+# for two 200-token chunks after 1024 and 1100 cached tokens.
 SPLIT_MIN_PREFIX = 1024  # cached tokens before every sequence's chunk
 SPLIT_MIN_CHUNK = 64  # every sequence's chunk
 SPLIT_MIN_ROWS = 128  # the group's query rows
