@@ -6,10 +6,11 @@ start after a cached prefix, ran SDPA with an additive mask, which makes SDPA re
 mask value per score and score the chunk's keys above the diagonal too. The split attends
 twice and merges by log-sum-exp: every query over the prefix with no mask, and over the chunk's
 own keys with the causal rule. The engine takes it for a group whose every sequence brings a
-chunk of 64 tokens or more after 1024 cached tokens or more, 128 query rows in all
-(``SPLIT_MIN_PREFIX``, ``SPLIT_MIN_CHUNK``, ``SPLIT_MIN_ROWS``: where ``--grid`` finds it
-faster): in one batch when the sequences share their lengths, else one sequence at a time (the
-mask pads every sequence to the group's longest context and chunk). Other groups keep the mask.
+chunk of 64 tokens or more after 1024 cached tokens or more (``SPLIT_MIN_PREFIX``,
+``SPLIT_MIN_CHUNK``: where ``--grid`` finds it faster): in one batch when the sequences share
+their lengths, else one sequence at a time (the mask pads every sequence to the group's
+longest context and chunk), each call with 128 query rows or more (``SPLIT_MIN_ROWS``). Other
+groups keep the mask.
 
 Each case is one forward's attention through the torch reference (``paged_attention_reference``,
 its gather from pages included) over SmolLM2's head shape (9 query heads, 3 KV heads, 64

@@ -175,7 +175,9 @@ def split_from_small_prefixes(monkeypatch):
     [
         ([(13, 6), (13, 6), (13, 6)], None, True),  # one prefix length, one chunk length
         ([(13, 6), (12, 6)], None, True),  # prefixes differ: one sequence at a time
-        ([(13, 6), (17, 7), (9, 4)], None, True),  # chunks differ too
+        ([(13, 6), (17, 7), (9, 6)], None, True),  # chunks differ too
+        ([(13, 4), (12, 4)], None, False),  # one at a time: too few rows per call
+        ([(13, 4), (13, 4)], None, True),  # in one call: enough
         ([(13, 6), (13, 6)], 19, True),  # a window that hides no key
         ([(13, 6), (16, 6)], 21, False),  # one that does (for the longer sequence)
         ([(13, 6), (7, 6)], None, False),  # a prefix under the threshold
