@@ -133,22 +133,19 @@ SPLIT_MIN_CHUNK = 64  # every sequence's chunk
 SPLIT_MIN_ROWS = 128  # query rows of each split call: the group's, or each sequence's
 
 
-def _same_lengths(layout: PaddedLayout) -> bool:
-    """Every sequence of the group brings the same chunk after the same prefix (one call)."""
-    return len(set(layout.q_lens)) == 1 and len(set(layout.seq_lens)) == 1
-
-
 def _splits_at_prefix(layout: PaddedLayout, sliding_window: int | None, q: torch.Tensor) -> bool:
     """Whether ``prefix_then_chunk`` takes the group: on the CPU, every sequence's chunk and
-    cached prefix long enough for the split to pay, and no window hiding a key."""
-    if q.device.type != "cpu" or not layout.q_lens:
+    cached prefix long enough for the split to pay, and no window hiding a key. (Asked by
+    every layer, decode groups included: the layout's host facts, made once per forward,
+    answer it in a few comparisons.)"""
+    if q.device.type != "cpu" or not layout.q_lens or layout.min_chunk < SPLIT_MIN_CHUNK:
         return False
-    prefixes = [s - c for s, c in zip(layout.seq_lens, layout.q_lens, strict=True)]
-    rows_per_call = sum(layout.q_lens) if _same_lengths(layout) else min(layout.q_lens)
+    rows_per_call = (
+        len(layout.q_lens) * layout.min_chunk if layout.same_lengths else layout.min_chunk
+    )
     return (
-        min(layout.q_lens) >= SPLIT_MIN_CHUNK
-        and rows_per_call >= SPLIT_MIN_ROWS
-        and min(prefixes) >= SPLIT_MIN_PREFIX
+        rows_per_call >= SPLIT_MIN_ROWS
+        and layout.min_prefix >= SPLIT_MIN_PREFIX
         and (sliding_window is None or sliding_window >= max(layout.seq_lens))
         and _flash_attention_cpu() is not None
     )
@@ -167,7 +164,7 @@ def prefix_then_chunk(
     batched ``split_attention`` when every sequence brings the same chunk after the same
     prefix, else one per sequence, on its own context (no padding)."""
     heads, dim = q.shape[1], q.shape[2]
-    if _same_lengths(layout):
+    if layout.same_lengths:
         b, chunk = len(layout.q_lens), layout.q_lens[0]
         q_seq = q.reshape(b, chunk, heads, dim)
         return split_attention(q_seq, k, v, layout.seq_lens[0] - chunk, scale)
@@ -232,6 +229,11 @@ class PaddedLayout:
     from_start: bool
     q_lens: tuple[int, ...] = ()  # host: each sequence's queries
     seq_lens: tuple[int, ...] = ()  # host: each sequence's context after this pass
+    # host facts for the later-chunk split, from the two above: one chunk after one prefix
+    # for every sequence; the shortest chunk; the shortest cached prefix
+    same_lengths: bool = False
+    min_chunk: int = 0
+    min_prefix: int = 0
 
 
 @dataclass(slots=True)
@@ -397,6 +399,9 @@ def _padded_layout(
         from_start=tuple(q_lens) == tuple(seq_lens),
         q_lens=tuple(q_lens),
         seq_lens=tuple(seq_lens),
+        same_lengths=len(set(q_lens)) == 1 and len(set(seq_lens)) == 1,
+        min_chunk=min(q_lens),
+        min_prefix=min(s - c for s, c in zip(seq_lens, q_lens, strict=True)),
     )
 
 
