@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.cpu.spin import bound_spinning
+
+bound_spinning()  # (before anything imports torch: libgomp reads it when torch loads)
+
 _EXPORTS = {
     "DynamicGenerator": "engine.generator",
     "DynamicGeneratorAsync": "engine.generator_async",

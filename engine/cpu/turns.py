@@ -21,24 +21,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from engine.cpu.spin import SPIN_SETTINGS
+
 logger = logging.getLogger(__name__)
 
 CHUNKS_PER_THREAD = 4  # work-queue granularity (a kernel call's dispatch: ~1 us)
-# What bounds the spinning (libgomp reads them once, when torch loads it)
-SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
 @functools.cache
 def advise_spin_count() -> None:
-    """Once per process: with neither of ``SPIN_SETTINGS`` set, torch's workers spin long
-    enough after each op to take a core from the kernels' second thread (SmolLM2, 2 threads,
-    q4 decode at 8 x 1k: 64.2 tok/s unset, 77.4 with GOMP_SPINCOUNT=20000;
+    """Once per process: with neither of ``SPIN_SETTINGS`` set (torch was loaded before the
+    engine could set one: engine/cpu/spin.py), torch's workers spin long enough after each op
+    to take a core from the kernels' second thread (SmolLM2, 2 threads, q4 decode at 8 x 1k:
+    64.2 tok/s unset, 77.4 with GOMP_SPINCOUNT=20000;
     bench/results/kv_cpu_decode_gomp_spincount.json)."""
     if not any(name in os.environ for name in SPIN_SETTINGS):
         logger.info(
             "the CPU kernels share work among torch's %d threads, whose OpenMP workers spin "
-            "between ops: start the process with GOMP_SPINCOUNT=20000 to give the kernels "
-            "their cores (README, 'KV cache')",
+            "between ops: import the engine before torch, or start the process with "
+            "GOMP_SPINCOUNT=20000, to give the kernels their cores (README, 'KV cache')",
             torch.get_num_threads(),
         )
 

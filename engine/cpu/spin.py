@@ -1,0 +1,35 @@
+"""How long torch's OpenMP workers spin between ops, bounded before torch loads (torch-free).
+
+On a CPU the engine's Numba kernels share their work among torch's threads
+(engine/cpu/turns.py), and torch's OpenMP workers keep spinning on their cores for a while
+after every torch op, so a kernel's second thread gets a fraction of a core. libgomp's
+``GOMP_SPINCOUNT`` bounds that spinning, but libgomp reads it once, when torch is first
+imported. So ``import engine`` sets it, to ``SPIN_COUNT``, while it still can: when torch is
+not loaded yet and neither it nor ``OMP_WAIT_POLICY`` is set already (what a user sets wins).
+Measured on a 2-core box, SmolLM2, 2 torch threads, decode tok/s, unset against 20000
+(bench/results/kv_cpu_decode_gomp_spincount.json): q4 at 8 x 1k 64.2 -> 77.4, fp16 at 8
+contexts from 4000 tokens halving 54.2 -> 71.7, fp16 at 8 x 1k on torch's own ops 68.5 -> 68.9;
+50000 gained less, and 2000 cost torch's ops.
+
+Child processes inherit it like any other variable. A process that imported torch before the
+engine keeps libgomp's default, and the first shared kernel call logs the advice
+(``turns.advise_spin_count``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SPIN_COUNT = "20000"
+# What bounds the spinning (libgomp reads them once, when torch loads it)
+SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def bound_spinning(environ=os.environ, modules=sys.modules) -> bool:
+    """Sets ``GOMP_SPINCOUNT`` in ``environ`` where that still takes effect and nobody chose
+    a setting; returns whether it did."""
+    if "torch" in modules or any(name in environ for name in SPIN_SETTINGS):
+        return False
+    environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return True
