@@ -21,6 +21,8 @@ scaled by the model's 30 layers. Ragged cases: prompts of other lengths prefille
 ``--grid`` times masked / split over batches, chunk lengths and cached prefixes:
 
     python bench/chunk_mask_cpu.py --grid                # 1 x 4000, 8 x 1024 (chunks of 512), grid
+    python bench/chunk_mask_cpu.py --ragged-grid \
+        --output bench/results/chunk_mask_cpu_ragged_grid.json  # RAGGED_GRID's groups too
     python bench/chunk_mask_cpu.py --quick               # tiny shapes (the test's)
 """
 
@@ -66,6 +68,25 @@ RAGGED_CASES = (
     ((3000, 150), (3100, 150)),
 )
 QUICK_RAGGED_CASES = (((32, 16), (40, 20)),)
+# --ragged-grid: 2 or 4 sequences whose cached prefixes spread upwards from a base by up to
+# this fraction (chunks one token apart, so the group is ragged even at the least spread)
+RAGGED_GRID = {
+    "prefix": (1024, 1536, 2048, 3072),
+    "sequences": (2, 4),
+    "spread": (0.02, 0.1, 0.3),
+    "chunk": (128, 200),
+}
+
+
+def ragged_grid_cases() -> list[tuple[tuple[int, int], ...]]:
+    """RAGGED_GRID's groups: (cached prefix, chunk) per sequence, prefixes evenly spread."""
+    cases = []
+    for prefix, n, spread, chunk in itertools.product(*RAGGED_GRID.values()):
+        steps = [i / (n - 1) for i in range(n)]
+        cases.append(
+            tuple((round(prefix * (1 + spread * f)), chunk + i) for i, f in enumerate(steps))
+        )
+    return cases
 
 
 @dataclass(frozen=True)
@@ -241,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="best of this many per chunk")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--grid", action="store_true", help="also time the thresholds' grid")
+    parser.add_argument(
+        "--ragged-grid", action="store_true", help="also time RAGGED_GRID's ragged groups"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (the test's)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -254,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         ragged_cases = RAGGED_CASES
     results = [run_schedule(s, args.repeats) for s in schedules]
     print_schedules(results)
+    if args.ragged_grid:
+        ragged_cases = (*ragged_cases, *ragged_grid_cases())
     ragged = [time_group(case, args.repeats) for case in ragged_cases]
     print_ragged(ragged)
     grid = run_grid(args.repeats) if args.grid else []

@@ -127,7 +127,9 @@ def _flash_attention_cpu() -> Callable | None:
 # each to the longest context and chunk): 1.31-2.51x in 5 of the bench's 6 ragged cases, 0.94x
 # for two 200-token chunks after 1024 and 1100 cached tokens.
 # (Near-equal lengths around 1024 cached tokens, split one by one, measured 0.89-1.04x: four
-# 64-token chunks 0.89, hence rows per call rather than per group.)
+# 64-token chunks 0.89, hence rows per call rather than per group. ``--ragged-grid``: 48
+# ragged groups of 2 or 4, 0.92-1.18x at 1024 cached tokens, 1.00-1.48x from 1536 on; a rule
+# on the mask's padding would gain under 1% there, within the noise, so none is made.)
 SPLIT_MIN_PREFIX = 1024  # cached tokens before every sequence's chunk
 SPLIT_MIN_CHUNK = 64  # every sequence's chunk
 SPLIT_MIN_ROWS = 128  # query rows of each split call: the group's, or each sequence's

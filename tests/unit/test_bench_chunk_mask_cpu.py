@@ -4,12 +4,14 @@ grid."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from bench import chunk_mask_cpu as bench
 from engine.cuda import attention
+from engine.cuda.attention import attention_groups
 
 
 def test_schedule_lists_every_later_chunk():
@@ -63,3 +65,21 @@ def test_quick_run_writes_totals_ragged_cases_and_the_grid(tmp_path, capsys, mon
     out = capsys.readouterr().out
     assert "| 1 x 96 | 32 | 2 |" in out and "| (32, 16), (40, 20) |" in out
     assert "| 2 | 8 | " in out and " | - |" in out
+
+
+def test_ragged_grid_cases_are_ragged_single_groups_spreading_from_their_base(monkeypatch):
+    """Every ``--ragged-grid`` case is one attention group whose sequences differ in length
+    (so the engine splits it one by one), its prefixes spreading upwards from the grid's base
+    by the grid's fraction; tiny bases keep the check fast."""
+    grid = {"prefix": (40, 80), "sequences": (2, 4), "spread": (0.1, 0.5), "chunk": (8,)}
+    monkeypatch.setattr(bench, "RAGGED_GRID", grid)
+    cases = bench.ragged_grid_cases()
+    assert len(cases) == 2 * 2 * 2
+    cells = itertools.product(*grid.values())
+    for case, (base, n, spread, chunk) in zip(cases, cells, strict=True):
+        prefixes, chunks = zip(*case, strict=True)
+        assert len(case) == n and prefixes[0] == base and chunks[0] == chunk
+        assert prefixes[-1] == round(base * (1 + spread)) and list(prefixes) == sorted(prefixes)
+        batch, _ = bench.group_batch(case)
+        (group,) = attention_groups(batch)
+        assert not group.layout.same_lengths
