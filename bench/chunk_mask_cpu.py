@@ -24,6 +24,10 @@ scaled by the model's 30 layers. Ragged cases: prompts of other lengths prefille
     python bench/chunk_mask_cpu.py --ragged-grid \
         --output bench/results/chunk_mask_cpu_ragged_grid.json  # RAGGED_GRID's groups too
     python bench/chunk_mask_cpu.py --quick               # tiny shapes (the test's)
+
+``--device cuda`` runs the same on a GPU (float16 unless ``--dtype``; ``--shape llama3-8b``
+for the 8B model's heads), with ``ENGINE_CHUNK_SPLIT=on``: a GPU splits only when asked to,
+untimed until this runs there (bench/gpu_session.sh, step ``chunk-split``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,37 @@ from engine.cuda.attention import attention_groups, paged_attention_reference  #
 RESULTS = REPO / "bench" / "results" / "chunk_mask_cpu.json"
 PAGE_SIZE = 16
 SMOLLM2 = {"heads": 9, "kv_heads": 3, "head_dim": 64, "layers": 30}
+SHAPES = {
+    "smollm2": SMOLLM2,
+    "llama3-8b": {"heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 32},
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the attention runs: the device, the dtype of q and the pages, the head shape."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    shape: str = "smollm2"
+
+    @property
+    def heads(self) -> dict[str, int]:
+        return SHAPES[self.shape]
+
+
+CPU = Target()
+DEFAULT_DTYPES = {"cpu": "float32", "cuda": "float16"}
+
+
+def machine(device: str) -> dict[str, object]:
+    found: dict[str, object] = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    if device == "cuda":
+        found["gpu"] = torch.cuda.get_device_name()
+    return found
+
+
 GRID = {"batch": (1, 2, 8), "chunk": (16, 64, 128, 512), "prefix": (512, 1024, 2048, 3072)}
 GRID_MAX_TOKENS = 24_000  # batch x context: the grid leaves out what would take minutes
 
@@ -127,7 +162,7 @@ class ScheduleResult:
     engine_total_s: float  # as the engine runs them (the split where its thresholds allow)
 
 
-def group_batch(sequences: Sequence[tuple[int, int]]):
+def group_batch(sequences: Sequence[tuple[int, int]], device: str = "cpu"):
     """A forward batch of sequences, (cached prefix, chunk) each, on pages of their own; and
     the number of pages."""
     seqs, first = [], 0
@@ -135,7 +170,7 @@ def group_batch(sequences: Sequence[tuple[int, int]]):
         pages = -(-(prefix + chunk) // PAGE_SIZE)
         seqs.append(SequenceInput([0] * chunk, prefix, range(first, first + pages)))
         first += pages
-    return build_forward_batch(seqs, PAGE_SIZE), first
+    return build_forward_batch(seqs, PAGE_SIZE, device), first
 
 
 @contextlib.contextmanager
@@ -157,27 +192,40 @@ SPLIT_EVERYWHERE = (1, 2, 2)
 MASK_ONLY = (sys.maxsize, sys.maxsize, sys.maxsize)
 
 
-def best_ms(call, repeats: int) -> float:
+def best_ms(call, repeats: int, device: str = "cpu") -> float:
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     call()  # warm
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         call()
+        synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return min(times)
 
 
-def time_group(sequences: Sequence[tuple[int, int]], repeats: int) -> GroupTiming:
+def time_group(
+    sequences: Sequence[tuple[int, int]], repeats: int, target: Target = CPU
+) -> GroupTiming:
     """One forward's attention of these sequences through the torch reference, masked and
     split (thresholds lifted), and whether the engine splits it."""
-    heads, kv, dim = SMOLLM2["heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"]
-    batch, num_pages = group_batch(sequences)
+    heads, kv, dim = (target.heads[name] for name in ("heads", "kv_heads", "head_dim"))
+    batch, num_pages = group_batch(sequences, target.device)
     if len(attention_groups(batch)) != 1:
         raise ValueError(f"{sequences}: chunk lengths in more than one attention group")
-    gen = torch.Generator().manual_seed(batch.num_tokens)
-    q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
-    k_pages = torch.randn(num_pages, PAGE_SIZE, kv, dim, generator=gen)
-    v_pages = torch.randn(num_pages, PAGE_SIZE, kv, dim, generator=gen)
+    gen = torch.Generator(target.device).manual_seed(batch.num_tokens)
+    dtype = DTYPES[target.dtype]
+
+    def tensor(*shape: int) -> torch.Tensor:  # (made where they are used: 8B pages are big)
+        return torch.randn(*shape, generator=gen, device=target.device).to(dtype)
+
+    q = tensor(batch.num_tokens, heads, dim)
+    k_pages = tensor(num_pages, PAGE_SIZE, kv, dim)
+    v_pages = tensor(num_pages, PAGE_SIZE, kv, dim)
     scale = dim**-0.5
 
     def attend() -> torch.Tensor:
@@ -185,17 +233,18 @@ def time_group(sequences: Sequence[tuple[int, int]], repeats: int) -> GroupTimin
 
     engine_splits = attention._splits_at_prefix(attention_groups(batch)[0].layout, None, q)
     with split_thresholds(*MASK_ONLY):
-        masked, masked_ms = attend(), best_ms(attend, repeats)
+        masked, masked_ms = attend(), best_ms(attend, repeats, target.device)
     with split_thresholds(*SPLIT_EVERYWHERE):
-        split, split_ms = attend(), best_ms(attend, repeats)
-    diff = (masked - split).abs().max().item()
+        split, split_ms = attend(), best_ms(attend, repeats, target.device)
+    diff = (masked.float() - split.float()).abs().max().item()
     prefixes, chunks = (list(column) for column in zip(*sequences, strict=True))
     return GroupTiming(prefixes, chunks, masked_ms, split_ms, diff, engine_splits)
 
 
-def run_schedule(schedule: Schedule, repeats: int) -> ScheduleResult:
-    groups = [time_group([c] * schedule.batch, repeats) for c in schedule.later_chunks()]
-    layers = SMOLLM2["layers"] / 1e3
+def run_schedule(schedule: Schedule, repeats: int, target: Target = CPU) -> ScheduleResult:
+    chunks = schedule.later_chunks()
+    groups = [time_group([c] * schedule.batch, repeats, target) for c in chunks]
+    layers = target.heads["layers"] / 1e3
 
     def total(ms: Callable[[GroupTiming], float]) -> float:
         return sum(ms(g) for g in groups) * layers
@@ -209,17 +258,17 @@ def run_schedule(schedule: Schedule, repeats: int) -> ScheduleResult:
     )
 
 
-def run_grid(repeats: int) -> list[GroupTiming]:
+def run_grid(repeats: int, target: Target = CPU) -> list[GroupTiming]:
     """masked / split over GRID's batches, chunks and cached prefixes (the thresholds' data)."""
     timings = []
     for batch, chunk, prefix in itertools.product(*GRID.values()):
         if batch * (prefix + chunk) <= GRID_MAX_TOKENS:
-            timings.append(time_group([(prefix, chunk)] * batch, repeats))
+            timings.append(time_group([(prefix, chunk)] * batch, repeats, target))
     return timings
 
 
 def print_schedules(results: list[ScheduleResult]) -> None:
-    print("| prompts | chunk | later chunks | masked (s, 30 layers) | split | engine | gain |")
+    print("| prompts | chunk | later chunks | masked (s, all layers) | split | engine | gain |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(
@@ -261,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5, help="best of this many per chunk")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None, help="float32 on the CPU, float16 on a GPU"
+    )
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="smollm2", help="head shape")
     parser.add_argument("--grid", action="store_true", help="also time the thresholds' grid")
     parser.add_argument(
         "--ragged-grid", action="store_true", help="also time RAGGED_GRID's ragged groups"
@@ -269,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    target = Target(args.device, args.dtype or DEFAULT_DTYPES[args.device], args.shape)
+    if args.device == "cuda":  # (a GPU splits only when asked to: engine/cuda/attention.py)
+        os.environ[attention.CHUNK_SPLIT_ENV] = "on"
+        attention.chunk_split_devices.cache_clear()
     if args.quick:
         schedules = [Schedule(1, 96, 32), Schedule(2, 64, 32)]
         ragged_cases = QUICK_RAGGED_CASES
@@ -276,22 +334,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         schedules = [Schedule(1, 4000, args.chunk), Schedule(8, 1024, args.chunk)]
         ragged_cases = RAGGED_CASES
-    results = [run_schedule(s, args.repeats) for s in schedules]
+    results = [run_schedule(s, args.repeats, target) for s in schedules]
     print_schedules(results)
     if args.ragged_grid:
         ragged_cases = (*ragged_cases, *ragged_grid_cases())
-    ragged = [time_group(case, args.repeats) for case in ragged_cases]
+    ragged = [time_group(case, args.repeats, target) for case in ragged_cases]
     print_ragged(ragged)
-    grid = run_grid(args.repeats) if args.grid else []
+    grid = run_grid(args.repeats, target) if args.grid else []
     if grid:
         print_grid(grid)
     write_record(
         args.output,
         "chunk_mask_cpu",
-        machine={"platform": platform.platform(), "cpus": os.cpu_count()},
+        machine=machine(args.device),
         torch=torch.__version__,
         threads=args.threads,
-        shape=SMOLLM2,
+        device=args.device,
+        dtype=target.dtype,
+        chunk_split=attention.chunk_split_devices(),
+        shape=target.heads,
         page_size=PAGE_SIZE,
         thresholds={
             "prefix": attention.SPLIT_MIN_PREFIX,

@@ -30,8 +30,9 @@
 #   STEPS="kernel-tests step-gap" ... bash bench/gpu_session.sh   # only the steps named
 # The caps add up to more than one device call may run (10 minutes): split the steps over two
 # calls, e.g. STEPS="machine kernel-tests keys-per-step kv-gather" then
-# STEPS="cache-write mixed-profile gpu-decode-8b" (issue "Quantized KV cache": stops 39-42's
-# kernels are untimed: the pipelined sink variant, the context gather, the cache write).
+# STEPS="cache-write mixed-profile chunk-split gpu-decode-8b" (issue "Quantized KV cache":
+# stops 39-42's kernels are untimed: the pipelined sink variant, the context gather, the cache
+# write; stop 50's later-chunk split on a GPU too).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -101,6 +102,13 @@ if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per
   # kernel and through the torch gather it replaced (stop 41: the host time)
   step mixed-profile "${PROFILE_CAP:-120}" $PY bench/kv_forward_profile.py --mixed \
     --modes fp16,q4 --output "$OUT/mixed_step_profile.txt"
+  # later prompt chunks through CUDA's flash op, prefix and chunk apart (ENGINE_CHUNK_SPLIT=on,
+  # stop 50), against the mask a GPU keeps by default: its tests, then the 8B heads' chunked
+  # prompts, ragged groups and grid in float16
+  step chunk-split "${SPLIT_CAP:-120}" bash -c "$PY -m pytest -q -p no:cacheprovider \
+    tests/unit/test_reference_attention_groups.py -k cuda 2>&1 | tail -n 5; \
+    $PY bench/chunk_mask_cpu.py --device cuda --shape llama3-8b --grid --ragged-grid \
+    --output $OUT/chunk_mask_cuda.json"
 fi
 
 # prefill through SDPA (as shipped) and through the kernel, side by side, prefill rows only

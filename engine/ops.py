@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from engine.cuda.activation import silu_mul_reference
-from engine.cuda.attention import decode_split, paged_attention_reference
+from engine.cuda.attention import chunk_split_devices, decode_split, paged_attention_reference
 from engine.cuda.norm import add_rms_norm_reference, rms_norm_reference
 from engine.cuda.quant_reference import (
     by_storage,
@@ -238,7 +238,10 @@ def ops_choice() -> str:
 def select_ops(device: torch.device | str) -> OpSet:
     """The op set for ``device``: the Numba kernels on CUDA devices, ``cpu_ops`` elsewhere.
     ``ENGINE_OPS=torch`` forces the references (to bisect a drift);
-    ``ENGINE_OPS=cuda`` forces the kernels, on CPU too when ``NUMBA_ENABLE_CUDASIM=1``."""
+    ``ENGINE_OPS=cuda`` forces the kernels, on CPU too when ``NUMBA_ENABLE_CUDASIM=1``.
+    (``ENGINE_CHUNK_SPLIT``, read by the attention reference, is checked here too, so a bad
+    value stops the model's load rather than its first prompt chunk.)"""
+    chunk_split_devices()
     choice = ops_choice()
     device = torch.device(device)
     if choice == "torch":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,11 +112,42 @@ def padded_attention(
     return out[layout.out_rows]
 
 
+# torch's flash-attention op per device: it returns the log-sum-exp that SDPA's public call
+# keeps to itself (private ops: where this torch lacks one, the mask stays)
+_FLASH_OPS = {
+    "cpu": "_scaled_dot_product_flash_attention_for_cpu",
+    "cuda": "_scaled_dot_product_flash_attention",
+}
+CHUNK_SPLIT_ENV = "ENGINE_CHUNK_SPLIT"
+# auto: on the CPU, where its thresholds say (measured); a GPU keeps the mask (untimed there).
+# on: a GPU too, with the same thresholds (fp16/bf16, head_dim a multiple of 8 up to 256:
+# what CUDA's flash op takes), to time it (bench/chunk_mask_cpu.py --device cuda). off: the
+# mask everywhere.
+CHUNK_SPLIT_DEVICES = {"auto": ("cpu",), "on": ("cpu", "cuda"), "off": ()}
+
+
 @functools.cache
-def _flash_attention_cpu() -> Callable | None:
-    """torch's CPU flash-attention op, which returns the log-sum-exp SDPA's public call
-    keeps to itself (private: None where this torch has no such op)."""
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+def chunk_split_devices() -> tuple[str, ...]:
+    """The device types whose later prompt chunks may split (``ENGINE_CHUNK_SPLIT``; a
+    ValueError names a bad value). Read once per process (the op sets ask when built)."""
+    choice = os.environ.get(CHUNK_SPLIT_ENV, "auto").strip().lower() or "auto"
+    if choice not in CHUNK_SPLIT_DEVICES:
+        raise ValueError(
+            f"{CHUNK_SPLIT_ENV}={choice!r} is not one of {', '.join(CHUNK_SPLIT_DEVICES)}"
+        )
+    return CHUNK_SPLIT_DEVICES[choice]
+
+
+def flash_attention_op(device_type: str, dtype: torch.dtype, head_dim: int) -> Callable | None:
+    """The flash op the split runs on for queries of this device, dtype and head size, or
+    None where it may not split (``chunk_split_devices``) or the op would refuse them."""
+    if device_type not in chunk_split_devices():
+        return None
+    if device_type == "cuda" and (
+        dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256
+    ):
+        return None
+    return getattr(torch.ops.aten, _FLASH_OPS[device_type], None)
 
 
 # Where the split beats the mask (``bench/chunk_mask_cpu.py --grid``, 2 CPU threads, SmolLM2's
@@ -136,11 +168,11 @@ SPLIT_MIN_ROWS = 128  # query rows of each split call: the group's, or each sequ
 
 
 def _splits_at_prefix(layout: PaddedLayout, sliding_window: int | None, q: torch.Tensor) -> bool:
-    """Whether ``prefix_then_chunk`` takes the group: on the CPU, every sequence's chunk and
-    cached prefix long enough for the split to pay, and no window hiding a key. (Asked by
-    every layer, decode groups included: the layout's host facts, made once per forward,
-    answer it in a few comparisons.)"""
-    if q.device.type != "cpu" or not layout.q_lens or layout.min_chunk < SPLIT_MIN_CHUNK:
+    """Whether ``prefix_then_chunk`` takes the group: on a device that splits
+    (``flash_attention_op``), every sequence's chunk and cached prefix long enough for the
+    split to pay, and no window hiding a key. (Asked by every layer, decode groups included:
+    the layout's host facts, made once per forward, answer it in a few comparisons.)"""
+    if not layout.q_lens or layout.min_chunk < SPLIT_MIN_CHUNK:
         return False
     rows_per_call = (
         len(layout.q_lens) * layout.min_chunk if layout.same_lengths else layout.min_chunk
@@ -149,7 +181,7 @@ def _splits_at_prefix(layout: PaddedLayout, sliding_window: int | None, q: torch
         rows_per_call >= SPLIT_MIN_ROWS
         and layout.min_prefix >= SPLIT_MIN_PREFIX
         and (sliding_window is None or sliding_window >= max(layout.seq_lens))
-        and _flash_attention_cpu() is not None
+        and flash_attention_op(q.device.type, q.dtype, q.shape[-1]) is not None
     )
 
 
@@ -188,8 +220,8 @@ def split_attention(
     makes SDPA read and add a mask value per score, and score the keys above the diagonal
     too: on 2 CPU threads a 512-token chunk after 3072 cached tokens, SmolLM2's heads, takes
     1.2-1.3x as long masked (``bench/chunk_mask_cpu.py``). Returns [B * C, H, D]."""
-    flash = _flash_attention_cpu()
     b, chunk, heads, dim = q.shape
+    flash = flash_attention_op(q.device.type, q.dtype, dim)
     kv = k.shape[2]
     group_size = heads // kv
     k = k[:, : prefix + chunk].transpose(1, 2).to(q.dtype)  # [B, KV, P + C, D]
@@ -197,11 +229,13 @@ def split_attention(
     q = q.transpose(1, 2)  # [B, H, C, D]
     folded = q.reshape(b, kv, group_size * chunk, dim)  # head h -> KV head h // group_size
     out_p, lse_p = flash(folded, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    # (a log-sum-exp per query row; sliced in case an op pads its row count)
+    lse_p = lse_p[..., : group_size * chunk]
     out_p, lse_p = out_p.reshape(b, heads, chunk, dim), lse_p.reshape(b, heads, chunk, 1)
     k_chunk = k[:, :, prefix:].repeat_interleave(group_size, 1)
     v_chunk = v[:, :, prefix:].repeat_interleave(group_size, 1)
     out_c, lse_c = flash(q, k_chunk, v_chunk, is_causal=True, scale=scale)[:2]
-    lse_c = lse_c.unsqueeze(-1)
+    lse_c = lse_c[..., :chunk].unsqueeze(-1)
     lse = torch.logaddexp(lse_p, lse_c)  # (float32, as the op gives them)
     out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c - lse).exp()
     return out.to(q.dtype).transpose(1, 2).reshape(-1, heads, dim)

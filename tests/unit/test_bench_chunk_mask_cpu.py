@@ -83,3 +83,20 @@ def test_ragged_grid_cases_are_ragged_single_groups_spreading_from_their_base(mo
         batch, _ = bench.group_batch(case)
         (group,) = attention_groups(batch)
         assert not group.layout.same_lengths
+
+
+def test_dtype_and_head_shape_are_recorded_and_used(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "QUICK_RAGGED_CASES", ())
+    output = tmp_path / "chunk_mask.json"
+    argv = ["--quick", "--threads", "1", "--shape", "llama3-8b", "--dtype", "bfloat16"]
+    assert bench.main([*argv, "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    assert (record["device"], record["dtype"], record["chunk_split"]) == (
+        "cpu",
+        "bfloat16",
+        ["cpu"],
+    )
+    assert record["shape"] == bench.SHAPES["llama3-8b"]
+    first = record["schedules"][0]
+    masked_ms = sum(g["masked_ms"] for g in first["groups"])
+    assert first["masked_total_s"] == pytest.approx(masked_ms * 32 / 1e3)  # the 8B's layers

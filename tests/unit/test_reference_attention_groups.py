@@ -220,3 +220,116 @@ def test_chunk_after_the_default_threshold_splits(monkeypatch, dtype, tol):
     assert calls == [] and out.dtype == dtype
     want = per_sequence(q.to(dtype), k.to(dtype), v.to(dtype), seqs, 0.3, None)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def chunk_split(monkeypatch):
+    """Sets ``ENGINE_CHUNK_SPLIT`` for the test (its reading is cached per process)."""
+
+    def set_to(choice: str) -> None:
+        monkeypatch.setenv(attention.CHUNK_SPLIT_ENV, choice)
+        attention.chunk_split_devices.cache_clear()
+
+    yield set_to
+    attention.chunk_split_devices.cache_clear()  # (before monkeypatch restores the variable)
+
+
+def test_chunk_split_choice_names_the_devices_that_split(chunk_split):
+    for choice, devices in [("auto", ("cpu",)), ("", ("cpu",)), ("ON", ("cpu", "cuda"))]:
+        chunk_split(choice)
+        assert attention.chunk_split_devices() == devices
+    chunk_split("off")
+    assert attention.chunk_split_devices() == ()
+
+
+def test_a_bad_chunk_split_value_stops_the_op_sets_selection(chunk_split):
+    from engine.ops import select_ops
+
+    chunk_split("sometimes")
+    with pytest.raises(ValueError, match="ENGINE_CHUNK_SPLIT='sometimes' is not one of auto"):
+        select_ops("cpu")
+
+
+def test_flash_op_per_device_dtype_and_head_size(chunk_split):
+    """A GPU splits only when asked to (``on``: untimed there), and only where CUDA's flash
+    op takes the queries: float16 or bfloat16, a head size a multiple of 8 up to 256."""
+    cpu_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cuda_op = torch.ops.aten._scaled_dot_product_flash_attention
+    chunk_split("auto")
+    assert attention.flash_attention_op("cpu", torch.float32, 64) is cpu_op
+    assert attention.flash_attention_op("cuda", torch.float16, 64) is None
+    chunk_split("on")
+    assert attention.flash_attention_op("cpu", torch.bfloat16, 60) is cpu_op
+    assert attention.flash_attention_op("cuda", torch.float16, 128) is cuda_op
+    assert attention.flash_attention_op("cuda", torch.bfloat16, 256) is cuda_op
+    for dtype, head_dim in [(torch.float32, 64), (torch.float16, 60), (torch.float16, 264)]:
+        assert attention.flash_attention_op("cuda", dtype, head_dim) is None
+    assert attention.flash_attention_op("meta", torch.float16, 64) is None
+    chunk_split("off")
+    assert attention.flash_attention_op("cpu", torch.float32, 64) is None
+
+
+def test_off_keeps_the_mask_for_later_chunks(monkeypatch, split_from_small_prefixes, chunk_split):
+    chunk_split("off")
+    seqs, batch, pool, gen = make_batch([(13, 6)] * 3, seed=5)
+    q = torch.randn(batch.num_tokens, 6, 8, generator=gen)
+    k, v = (torch.randn(pool, PAGE, 2, 8, generator=gen) for _ in range(2))
+    calls = causal_calls(monkeypatch)
+    out = paged_attention_reference(q, k, v, batch, 0.3)
+    assert calls == [False] and attention_groups(batch)[0].masks  # the masked SDPA call
+    want = per_sequence(q, k, v, seqs, 0.3, None)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(40, 24)] * 3,  # one batched split
+        [(40, 24), (57, 24), (33, 30)],  # one sequence at a time
+        [(1030, 96), (1030, 96)],  # past the engine's own thresholds
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_later_chunks_split_through_the_flash_op(
+    monkeypatch, split_from_small_prefixes, chunk_split, specs, dtype
+):
+    """``ENGINE_CHUNK_SPLIT=on``: on a GPU a later chunk attends prefix and chunk apart
+    through CUDA's flash op and merges them (no SDPA call, no mask), matching attention one
+    sequence at a time as closely as the masked call does. (Run by bench/gpu_session.sh.)"""
+    chunk_split("on")
+    seqs, batch, pool, gen = make_batch(specs, seed=7)
+    q = torch.randn(batch.num_tokens, 8, 64, generator=gen)
+    k, v = (torch.randn(pool, PAGE, 2, 64, generator=gen) for _ in range(2))
+    want = per_sequence(q.to(dtype), k.to(dtype), v.to(dtype), seqs, 0.125, None)
+    q, k, v = (x.to("cuda", dtype) for x in (q, k, v))
+    batch = build_forward_batch(seqs, PAGE, device="cuda")
+    calls = causal_calls(monkeypatch)
+    out = paged_attention_reference(q, k, v, batch, 0.125)
+    assert calls == [] and out.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), want, rtol=2e-2, atol=2e-2)
+    chunk_split("off")
+    masked = paged_attention_reference(
+        q, k, v, build_forward_batch(seqs, PAGE, device="cuda"), 0.125
+    )
+    assert calls == [False]
+    error = (out.cpu().double() - want).abs().max()
+    assert error <= 2 * (masked.cpu().double() - want).abs().max() + 1e-3
+
+
+def test_split_reads_one_log_sum_exp_per_query_row(monkeypatch, split_from_small_prefixes):
+    """An op that pads its log-sum-exps' row count (as some attention ops round rows up)
+    changes nothing: the split reads the first row of each."""
+    cpu_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def padding_op(*args, **kwargs):
+        out, lse = cpu_op(*args, **kwargs)[:2]
+        return out, torch.cat((lse, torch.full((*lse.shape[:-1], 5), 1e9)), dim=-1)
+
+    monkeypatch.setattr(attention, "flash_attention_op", lambda *_: padding_op)
+    seqs, batch, pool, gen = make_batch([(13, 6), (13, 6), (17, 7)], seed=8)
+    q = torch.randn(batch.num_tokens, 6, 8, generator=gen)
+    k, v = (torch.randn(pool, PAGE, 2, 8, generator=gen) for _ in range(2))
+    out = paged_attention_reference(q, k, v, batch, 0.3)
+    want = per_sequence(q, k, v, seqs, 0.3, None)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
