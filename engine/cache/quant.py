@@ -336,11 +336,34 @@ def quantize(
 
 def rotated_groups(x: torch.Tensor, rotate: bool) -> torch.Tensor:
     """x [..., D] -> the groups ``quantize`` quantizes: float32 [..., D // 32, 32], each times
-    H when ``rotate``."""
+    H when ``rotate`` (by ``hadamard_butterflies``: the write kernels' arithmetic)."""
     head_dim = x.shape[-1]
     check_head_dim(head_dim)
     groups = x.float().reshape(*x.shape[:-1], head_dim // GROUP, GROUP)
-    return groups @ hadamard(x.device) if rotate else groups
+    return hadamard_butterflies(groups) if rotate else groups
+
+
+# The last butterfly stage's factor, 1 / sqrt(32) rounded to float32 (the kernels' constant)
+BUTTERFLY_NORM = 1.0 / GROUP**0.5
+
+
+def hadamard_butterflies(groups: torch.Tensor) -> torch.Tensor:
+    """float32 groups [..., 32] times H (``hadamard``'s matrix) in five butterfly stages,
+    (x_i, x_i+h) -> (x_i + x_i+h, x_i - x_i+h) for h = 1, 2, 4, 8, 16, the last one times
+    1 / sqrt(32): the same float32 operations in the same order as the cache-write kernels
+    (engine/cuda/quant_kernels.py, engine/cpu/quant_write.py), so the codes they write are
+    this reference's bit for bit. (A matmul by H gives the same transform, rounded in an
+    order of the BLAS's choosing.)"""
+    h = 1
+    while h < GROUP:
+        pairs = groups.unflatten(-1, (GROUP // (2 * h), 2, h))  # i with bit h clear, i + h
+        a, b = pairs.select(-2, 0), pairs.select(-2, 1)
+        plus, minus = a + b, a - b
+        if 2 * h == GROUP:  # (a float32 tensor times a Python float: the float32 product)
+            plus, minus = plus * BUTTERFLY_NORM, minus * BUTTERFLY_NORM
+        groups = torch.stack((plus, minus), dim=-2).flatten(-3)
+        h *= 2
+    return groups
 
 
 def searches(bits: int, rotate: bool) -> bool:

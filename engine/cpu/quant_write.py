@@ -4,11 +4,14 @@ slots, instead of the torch reference's ~50 small tensor ops per call, which mad
 decode write cost 5x fp16's (SmolLM2, a decode step of 8 rows: 0.85 against 0.16 ms per
 layer; 0.26 ms with this kernel, the rest being rotary, centering, the rotation's matmul).
 
-Same codes and scales as the reference, bit for bit: the rows are centered and rotated by the
-reference's own torch code (``quant.rotated_groups``), then per group the kernel takes the
-same float32 steps (the scale's division, its rounding to float16 to nearest even, the codes'
-``floor(x / scale + 0.5)``) and sums each candidate's squared error in float64 from float32
-residuals, keeping the first least. Numba has no float16 on the CPU: a scale is rounded to
+Same codes and scales as the reference, bit for bit: per row and KV head the kernel takes the
+reference's float32 steps, the center taken off (``quant.centered``), the Hadamard rotation by
+the same five butterfly stages (``quant.hadamard_butterflies``), then per group the scale's
+division, its rounding to float16 to nearest even and the codes' ``floor(x / scale + 0.5)``,
+summing each candidate's squared error in float64 from float32 residuals and keeping the first
+least. (Until stop 50 the centering and a matmul rotation ran as torch ops before the kernel:
+four ops and a copy per call, ~0.1 ms of a decode step's 0.16 ms write per layer, K or V.)
+Numba has no float16 on the CPU: a scale is rounded to
 float16 on its float32 bits (engine/cpu/bits.py; libm's frexp took a fifth of the search)
 and stored as its bits. Rows of sink and recent pages are kept unquantized by the
 reference's own code too.
@@ -16,6 +19,7 @@ reference's own code too.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -23,11 +27,13 @@ import numpy as np
 import torch
 
 from engine.cache.quant import (
+    BUTTERFLY_NORM,
     FP16_MAX,
+    GROUP,
     SEARCH_DIVISORS,
     QuantPages,
     centered,
-    rotated_groups,
+    check_head_dim,
     searches,
     write_sink_rows,
 )
@@ -127,17 +133,46 @@ def _absmax_scale(group, high):
     return _half(min(np.float32(top / np.float32(high)), np.float32(FP16_MAX)))
 
 
+_NORM = np.float32(BUTTERFLY_NORM)
+
+
+@numba.njit(cache=True)
+def _centered_rotated(row, center, use_center, rotate, out):
+    """out [D] = row [D] less center [D] (when ``use_center``), each group of 32 then times H
+    by five butterfly stages, in float32 steps: ``quant.centered`` and
+    ``quant.hadamard_butterflies``'s arithmetic, in their order (no fastmath: no operation
+    may be fused or reordered)."""
+    for e in range(row.shape[0]):
+        out[e] = row[e] - center[e] if use_center else row[e]
+    if not rotate:
+        return
+    for base in range(0, out.shape[0], GROUP):
+        h = 1
+        while h < GROUP:
+            for r in range(GROUP // 2):
+                i = base + (r // h) * 2 * h + r % h  # r with a zero bit inserted at h
+                a, b = out[i], out[i + h]
+                if 2 * h == GROUP:
+                    out[i], out[i + h] = (a + b) * _NORM, (a - b) * _NORM
+                else:
+                    out[i], out[i + h] = a + b, a - b
+            h *= 2
+
+
 @numba.njit(nogil=True, cache=True)
-def _write_rows(groups, bits, search, slots, data, scales, divisors):
-    """groups float32 [T, KV, G, 32] (centered, rotated) -> codes into data [N, KV, W] (uint8
-    view) and float16 bits into scales [N, KV, G] (uint16 view) at rows ``slots`` [T]."""
+def _write_rows(rows, center, use_center, rotate, bits, search, slots, data, scales, divisors):
+    """rows float32 [T, KV, D] -> centered (less center [KV, D] when ``use_center``) and
+    rotated (``rotate``) groups of 32 -> codes into data [N, KV, W] (uint8 view) and float16
+    bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]."""
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    codes = np.empty(groups.shape[3], np.int64)
-    for t in range(groups.shape[0]):
+    codes = np.empty(GROUP, np.int64)
+    values = np.empty(rows.shape[2], np.float32)
+    for t in range(rows.shape[0]):
         slot = slots[t]
-        for kvh in range(groups.shape[1]):
-            for g in range(groups.shape[2]):
-                group = groups[t, kvh, g]
+        for kvh in range(rows.shape[1]):
+            _centered_rotated(rows[t, kvh], center[kvh], use_center, rotate, values)
+            for g in range(rows.shape[2] // GROUP):
+                group = values[g * GROUP : (g + 1) * GROUP]
                 if search:
                     value, bits16 = _searched_scale(group, low, high, divisors)
                 else:
@@ -166,20 +201,31 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     """``quant.write_slots`` on the CPU (same codes, scales and unquantized rows), the codes
     and scales by ``_write_rows``, over rows taken in turn by torch's threads when there are
     ``SHARED_ROWS`` or more (each row its own slot, so no two threads write one byte)."""
-    x = centered(pages, x)
-    groups = rotated_groups(x, pages.rotate).contiguous().numpy()
+    check_head_dim(x.shape[-1])
+    rows = x.float().contiguous().numpy()
+    use_center = pages.center is not None
+    center = pages.center.numpy() if use_center else _no_center(x.shape[1], x.shape[2])
     slot_ids = slots.long().numpy()
     flat_data = pages.data.view(-1, *pages.data.shape[2:]).view(torch.uint8).numpy()
     scales = float16_bits(pages.scales.view(-1, *pages.scales.shape[2:]))
     search = searches(pages.bits, pages.rotate)
 
     def write(first: int, last: int) -> None:
-        rows, ids = groups[first:last], slot_ids[first:last]
-        _write_rows(rows, pages.bits, search, ids, flat_data, scales, _DIVISORS)
+        part, ids = rows[first:last], slot_ids[first:last]
+        _write_rows(
+            part, center, use_center, pages.rotate, pages.bits, search, ids, flat_data, scales,
+            _DIVISORS,
+        )  # fmt: skip
 
     if len(slot_ids) >= SHARED_ROWS:
         in_turns(write, len(slot_ids))
     else:
         write(0, len(slot_ids))
     if pages.sinks is not None:
-        write_sink_rows(pages, x, slots)
+        write_sink_rows(pages, centered(pages, x), slots)
+
+
+@functools.cache
+def _no_center(kv_heads: int, head_dim: int) -> np.ndarray:
+    """A center of zeros for pages without one (the kernel's argument types stay fixed)."""
+    return np.zeros((kv_heads, head_dim), np.float32)

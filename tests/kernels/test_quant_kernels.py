@@ -81,12 +81,15 @@ def test_cache_write_matches_reference(quant, rotate, dtype, centered):
     out = quant_rotary_cache_write_cuda(q, k, v, cos, sin, k_pages, v_pages, slots)
     assert rel_error(out, ref_q) <= TOL[dtype]
     for got, want in ((k_pages, ref_k), (v_pages, ref_v)):
-        if not rotate:  # same float32 operations in the same order: identical codes
+        if not rotate or DEVICE == "cpu":
+            # the same float32 operations in the same order, the rotation's butterflies
+            # included (quant.hadamard_butterflies, since stop 50): identical codes
             assert torch.equal(got.scales, want.scales)
             assert torch.equal(got.data, want.data)
             continue
-        # The kernel's Hadamard sums in another order than torch's matmul: scales agree to
-        # fp16 rounding and a code may land one step over at a rounding boundary.
+        # A GPU may still round a rotated group's search differently (the trials' float64
+        # sums, untimed and unchecked there since stop 50): scales agree to fp16 rounding and
+        # a code may land one step over at a rounding boundary.
         assert torch.allclose(got.scales.float(), want.scales.float(), rtol=2e-3, atol=0)
         diff = _codes(got) - _codes(want)
         assert diff.abs().max() <= 1 and (diff != 0).float().mean() < 0.05
@@ -112,7 +115,7 @@ def test_q4_scale_search_matches_reference():
     quant_rotary_cache_write_reference(q, k, v, cos, sin, ref_k, ref_v, slots)
     quant_rotary_cache_write_cuda(q, k, v, cos, sin, k_pages, v_pages, slots)
     for got, want in ((k_pages, ref_k), (v_pages, ref_v)):
-        if DEVICE == "cpu":  # the simulator's float32 butterflies give this seed's codes exactly
+        if DEVICE == "cpu":  # the reference's own butterflies: codes exactly
             assert torch.equal(got.scales, want.scales)
             assert torch.equal(got.data, want.data)
             continue

@@ -18,6 +18,8 @@ from engine.cache.quant import (
     GROUP,
     QUANT_BITS,
     allocate_quant_pages,
+    hadamard,
+    hadamard_butterflies,
     quantize,
     rotate_groups,
     search_scales,
@@ -393,6 +395,29 @@ def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("use_center", [False, True])
+def test_kernel_centers_and_rotates_rows_as_the_reference_bit_for_bit(use_center):
+    """The kernel's centering and butterflies are the reference's float32 operations in the
+    same order: every value equal (a rounding anywhere else, e.g. the 1/sqrt(32) taken at
+    the first stage, changes some values by an ulp, which codes would rarely show). The
+    reference's butterflies are H's transform up to rounding."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(40, 2, 4 * GROUP, generator=gen) * 5
+    center = torch.randn(2, 4 * GROUP, generator=gen)
+    centered = rows - center if use_center else rows
+    want = hadamard_butterflies(centered.reshape(40, 2, 4, GROUP)).reshape(40, 2, -1)
+    got = np.empty(4 * GROUP, np.float32)
+    for t in range(40):
+        for kvh in range(2):
+            quant_write._centered_rotated(
+                rows[t, kvh].numpy(), center[kvh].numpy(), use_center, True, got
+            )
+            assert np.array_equal(got, want[t, kvh].numpy())
+    by_matmul = centered.reshape(40, 2, 4, GROUP) @ hadamard("cpu")
+    torch.testing.assert_close(want, by_matmul.reshape(40, 2, -1), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want, by_matmul.reshape(40, 2, -1))  # (rounded in another order)
+
+
 @pytest.mark.parametrize(("bits", "search"), [(4, True), (4, False), (8, False)])
 def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     """The kernel's per-group rules on groups as given (no rotation): a tie between two
@@ -409,9 +434,11 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     groups = x.reshape(64, 1, 4, GROUP).contiguous()
     data = torch.zeros(64, 1, 4 * GROUP * bits // 8, dtype=torch.uint8)
     scales = torch.zeros(64, 1, 4, dtype=torch.int16)
+    no_center = np.zeros((1, 4 * GROUP), np.float32)
     quant_write._write_rows(
-        groups.numpy(), bits, search, torch.arange(64).numpy(), data.numpy(),
-        scales.numpy().view("uint16"), quant_write._DIVISORS,
+        x.reshape(64, 1, -1).numpy(), no_center, False, False, bits, search,
+        torch.arange(64).numpy(), data.numpy(), scales.numpy().view("uint16"),
+        quant_write._DIVISORS,
     )  # fmt: skip
     want_data, want_scales = quantize(x.reshape(64, 1, -1), bits, False, search)
     if search:
