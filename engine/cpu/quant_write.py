@@ -137,13 +137,13 @@ _NORM = np.float32(BUTTERFLY_NORM)
 
 
 @numba.njit(cache=True)
-def _centered_rotated(row, center, use_center, rotate, out):
-    """out [D] = row [D] less center [D] (when ``use_center``), each group of 32 then times H
-    by five butterfly stages, in float32 steps: ``quant.centered`` and
-    ``quant.hadamard_butterflies``'s arithmetic, in their order (no fastmath: no operation
-    may be fused or reordered)."""
+def _centered_rotated(row, center, rotate, out):
+    """out [D] = row [D] less center [D] (zeros for pages without one: x - 0 is x, signed
+    zeros included), each group of 32 then times H by five butterfly stages, in float32
+    steps: ``quant.centered`` and ``quant.hadamard_butterflies``'s arithmetic, in their order
+    (no fastmath: no operation may be fused or reordered)."""
     for e in range(row.shape[0]):
-        out[e] = row[e] - center[e] if use_center else row[e]
+        out[e] = row[e] - center[e]
     if not rotate:
         return
     for base in range(0, out.shape[0], GROUP):
@@ -160,8 +160,8 @@ def _centered_rotated(row, center, use_center, rotate, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _write_rows(rows, center, use_center, rotate, bits, search, slots, data, scales, divisors):
-    """rows float32 [T, KV, D] -> centered (less center [KV, D] when ``use_center``) and
+def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisors):
+    """rows float32 [T, KV, D] -> centered (less center [KV, D], zeros for none) and
     rotated (``rotate``) groups of 32 -> codes into data [N, KV, W] (uint8 view) and float16
     bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]."""
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -170,7 +170,7 @@ def _write_rows(rows, center, use_center, rotate, bits, search, slots, data, sca
     for t in range(rows.shape[0]):
         slot = slots[t]
         for kvh in range(rows.shape[1]):
-            _centered_rotated(rows[t, kvh], center[kvh], use_center, rotate, values)
+            _centered_rotated(rows[t, kvh], center[kvh], rotate, values)
             for g in range(rows.shape[2] // GROUP):
                 group = values[g * GROUP : (g + 1) * GROUP]
                 if search:
@@ -203,8 +203,8 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     ``SHARED_ROWS`` or more (each row its own slot, so no two threads write one byte)."""
     check_head_dim(x.shape[-1])
     rows = x.float().contiguous().numpy()
-    use_center = pages.center is not None
-    center = pages.center.numpy() if use_center else _no_center(x.shape[1], x.shape[2])
+    no_center = pages.center is None
+    center = _no_center(x.shape[1], x.shape[2]) if no_center else pages.center.numpy()
     slot_ids = slots.long().numpy()
     flat_data = pages.data.view(-1, *pages.data.shape[2:]).view(torch.uint8).numpy()
     scales = float16_bits(pages.scales.view(-1, *pages.scales.shape[2:]))
@@ -213,8 +213,7 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     def write(first: int, last: int) -> None:
         part, ids = rows[first:last], slot_ids[first:last]
         _write_rows(
-            part, center, use_center, pages.rotate, pages.bits, search, ids, flat_data, scales,
-            _DIVISORS,
+            part, center, pages.rotate, pages.bits, search, ids, flat_data, scales, _DIVISORS,
         )  # fmt: skip
 
     if len(slot_ids) >= SHARED_ROWS:

@@ -147,6 +147,12 @@ def flash_attention_op(device_type: str, dtype: torch.dtype, head_dim: int) -> C
         dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256
     ):
         return None
+    return _flash_op(device_type)
+
+
+@functools.cache
+def _flash_op(device_type: str) -> Callable | None:
+    """The op itself, looked up once (asked by every layer of a later chunk)."""
     return getattr(torch.ops.aten, _FLASH_OPS[device_type], None)
 
 

@@ -409,9 +409,8 @@ def test_kernel_centers_and_rotates_rows_as_the_reference_bit_for_bit(use_center
     got = np.empty(4 * GROUP, np.float32)
     for t in range(40):
         for kvh in range(2):
-            quant_write._centered_rotated(
-                rows[t, kvh].numpy(), center[kvh].numpy(), use_center, True, got
-            )
+            given = center[kvh] if use_center else torch.zeros(4 * GROUP)
+            quant_write._centered_rotated(rows[t, kvh].numpy(), given.numpy(), True, got)
             assert np.array_equal(got, want[t, kvh].numpy())
     by_matmul = centered.reshape(40, 2, 4, GROUP) @ hadamard("cpu")
     torch.testing.assert_close(want, by_matmul.reshape(40, 2, -1), rtol=1e-5, atol=1e-5)
@@ -436,7 +435,7 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     scales = torch.zeros(64, 1, 4, dtype=torch.int16)
     no_center = np.zeros((1, 4 * GROUP), np.float32)
     quant_write._write_rows(
-        x.reshape(64, 1, -1).numpy(), no_center, False, False, bits, search,
+        x.reshape(64, 1, -1).numpy(), no_center, False, bits, search,
         torch.arange(64).numpy(), data.numpy(), scales.numpy().view("uint16"),
         quant_write._DIVISORS,
     )  # fmt: skip
