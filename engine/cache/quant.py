@@ -506,13 +506,12 @@ def centered(pages: QuantPages, x: torch.Tensor) -> torch.Tensor:
 
 
 def write_sink_rows(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
-    """The unquantized copy of centered rows x whose ``slots`` lie in sink or recent pages
-    (rotated like the codes)."""
+    """The unquantized copy of centered rows x whose ``slots`` lie in sink or recent pages,
+    rotated by the same butterflies as the codes (so the write kernels store these values bit
+    for bit before rounding to the pages' dtype)."""
     sink = slots < pages.num_sink_pages * pages.sinks.shape[1]
     if not bool(sink.any()):
         return
-    rows = x[sink].float()
-    if pages.rotate:
-        rows = rotate_groups(rows)
+    rows = rotated_groups(x[sink], pages.rotate).flatten(-2)  # the write kernels' butterflies
     flat = pages.sinks.view(-1, *pages.sinks.shape[2:])
     flat.index_copy_(0, slots[sink], rows.to(flat.dtype))

@@ -411,8 +411,11 @@ def test_cache_write_fills_sink_pages_like_the_reference(quant, dtype):
     quant_rotary_cache_write_cuda(q, k, v, cos, sin, k_pages, v_pages, slots)
     for got, want in ((k_pages, ref_k), (v_pages, ref_v)):
         assert got.sinks.abs().sum() > 0
-        tol = 1e-5 if dtype == torch.float32 else 2e-3
-        assert torch.allclose(got.sinks.float(), want.sinks.float(), rtol=tol, atol=tol)
+        if DEVICE == "cpu":  # the reference's own butterflies: the rows exactly
+            assert torch.equal(got.sinks, want.sinks)
+        else:  # a GPU may round rotary or a butterfly differently (FMA)
+            tol = 1e-5 if dtype == torch.float32 else 2e-3
+            assert torch.allclose(got.sinks.float(), want.sinks.float(), rtol=tol, atol=tol)
         written = got.sinks.reshape(8, 2, -1).abs().sum(-1) > 0  # [slot, KV head]
         assert written.tolist() == [[False] * 2] * 2 + [[True] * 2] + [[False] * 2] * 5
 
