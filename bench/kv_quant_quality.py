@@ -93,7 +93,7 @@ NEW_TOKENS = 32
 PAGE_SIZE = 16
 CHUNK = 1024
 ATTENTION_TOKENS = 1024  # the text's first tokens, for the per-layer attention errors
-KL_TOKENS = 1024  # the text's first positions, for the KL against fp32
+KL_TOKENS = 1024  # positions for the KL against fp32, from the second chunk's first (--kl-start)
 
 
 @dataclass(frozen=True)
@@ -666,7 +666,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="text positions for the KL against fp32 (its log-probs are held: 4 * V bytes each)",
     )
     parser.add_argument(
-        "--kl-start", type=int, default=0, help="first text position of the KL window"
+        "--kl-start",
+        type=int,
+        default=None,
+        help="first text position of the KL window (default --chunk: with exact chunks a "
+        "first chunk's logits read no code, and a KL over them is ~0)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -715,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     global CHUNK
     CHUNK = args.chunk
+    args.kl_start = CHUNK if args.kl_start is None else args.kl_start
     CALIBRATION.update(
         stat=args.cal_stat,
         alpha=args.cal_alpha,

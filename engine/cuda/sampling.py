@@ -122,23 +122,9 @@ def _prob(v, temp, scaled_max):
 
 
 @device_function
-def _sum_f64(v, buf):
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            buf[tid] += buf[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    total = buf[0]
-    cuda.syncthreads()
-    return total
-
-
-@device_function
-def _sum_i64(v, buf):
+def _block_sum(v, buf):
+    """The block's sum of v, in buf's type (float64 masses, int64 counts: Numba compiles one
+    version per type)."""
     tid = cuda.threadIdx.x
     buf[tid] = v
     cuda.syncthreads()
@@ -243,7 +229,7 @@ def _row_max(vals, n, fbuf, ibuf):
     row_max = float32(fbuf[0])
     arg = ibuf[0]
     cuda.syncthreads()
-    nans = _sum_i64(nan, ibuf)
+    nans = _block_sum(nan, ibuf)
     return row_max, arg, nans
 
 
@@ -260,7 +246,7 @@ def _kth_logit(vals, n, k, row_max, ibuf):
         for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
             if vals[i] >= pivot:
                 count += 1
-        if _sum_i64(count, ibuf) >= k:
+        if _block_sum(count, ibuf) >= k:
             lo = mid
         else:
             hi = mid
@@ -284,7 +270,7 @@ def _compact(vals, n, temp, scaled_max, kth, cvals, cids, ibuf):
     for i in range(start, end):
         if _prob(vals[i], temp, scaled_max) >= kth:
             count += 1
-    total = _sum_i64(count, ibuf)
+    total = _block_sum(count, ibuf)
     at = _scan_i64(count, ibuf)
     if total <= _CANDIDATES:
         for i in range(start, end):
@@ -305,7 +291,7 @@ def _mass_above(vals, n, temp, scaled_max, kth, level, fbuf):
         p = _prob(vals[i], temp, scaled_max)
         if p >= kth and p > level:
             mass += float64(p)
-    return _sum_f64(mass, fbuf)
+    return _block_sum(mass, fbuf)
 
 
 @device_function
@@ -401,10 +387,10 @@ def _draw(vals, n, ids, compact, u, temp, scaled_max, kth, p_cut, low_p, fbuf, i
     # contiguous ranges from here on: the ties and the CDF go in id order
     start, end = _range(n)
     above, mass, ties = _range_masses(vals, start, end, temp, scaled_max, kth, level, low_p)
-    above = _sum_f64(above, fbuf)
-    mass = _sum_f64(mass, fbuf)
+    above = _block_sum(above, fbuf)
+    mass = _block_sum(mass, fbuf)
     rank = _scan_i64(ties, ibuf)
-    ties_kept = _ties_kept(p_cut < 1.0, level, cap, above, _sum_i64(ties, ibuf))
+    ties_kept = _ties_kept(p_cut < 1.0, level, cap, above, _block_sum(ties, ibuf))
     if level >= low_p:
         mass += float64(ties_kept) * float64(level)
     cut = (kth, level, ties_kept, low_p, float32(mass))

@@ -95,6 +95,29 @@ def test_kl_against_fp32_orders_the_caches(model, tokenizer):
     assert 0 < fp16.kl_vs_fp32 < q8.kl_vs_fp32 < q4.kl_vs_fp32 / 10
 
 
+def test_the_kl_window_starts_where_exact_chunks_first_read_codes(
+    model, tokenizer, tmp_path, monkeypatch
+):
+    """By default the run's KL starts at its second chunk: over the first, a cache with exact
+    chunks reads only the chunk's own rows (a KL of ~0 whatever the codes)."""
+    import json
+
+    import bench.kv_quant_quality as quality
+
+    monkeypatch.setattr(quality, "load_smollm2", lambda threads: (model, tokenizer, GGUF_FILE))
+    monkeypatch.setattr(quality, "CHUNK", quality.CHUNK)  # (main sets it from --chunk)
+    argv = ["--modes", "fp32,q4+rot", "--tokens", "96", "--chunk", "32", "--prompts", "0"]
+    argv += ["--attention-tokens", "0", "--kl-tokens", "32", "--threads", "1"]
+    kls = {}
+    for start in ([], ["--kl-start", "0"]):
+        output = tmp_path / "quality.json"
+        assert quality.main([*argv, *start, "--output", str(output)]) == 0
+        record = json.loads(output.read_text())
+        kls[record["kl_start"]] = record["results"][1]["kl_vs_fp32"]
+    assert abs(kls[0]) < 1e-6  # the first chunk: rounding only
+    assert kls[32] > 1e-3  # the second chunk reads the first through 4-bit codes
+
+
 def test_modes_parse_with_the_reference_first():
     assert [m.name for m in parse_modes("q4+rot, fp16,q4+rot")] == ["fp32", "q4+rot", "fp16"]
     with pytest.raises(ValueError, match="unknown mode"):
