@@ -96,6 +96,7 @@ def cpu_ops() -> OpSet:
         quant_decode_attention_cpu,
         supports,
     )
+    from engine.cpu.kv_gather import quant_chunk_attention_cpu
     from engine.cpu.quant_write import write_slots_cpu
 
     def float_takes(q, k_pages, batch) -> bool:
@@ -111,7 +112,7 @@ def cpu_ops() -> OpSet:
         ),
         paged_attention=by_storage(
             decode_rows_on(decode_attention_cpu, paged_attention_reference, float_takes),
-            decode_rows_on(quant_decode_attention_cpu, quant_paged_attention_reference, supports),
+            decode_rows_on(quant_decode_attention_cpu, quant_chunk_attention_cpu, supports),
             pages_arg=1,
         ),
         compiles=True,

@@ -201,7 +201,7 @@ def _load_block(data, scales, bits, rows, page, kvh, count, half, block):
 
 
 @functools.cache
-def _half_table() -> np.ndarray:
+def half_table() -> np.ndarray:
     """float32 value of every float16 bit pattern (index: the bits as uint16)."""
     bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
     return bits.view(torch.float16).float().numpy()
@@ -360,7 +360,7 @@ def _kernel_args(
         batch.block_tables.to(torch.int32).numpy(),
         batch.seq_lens.to(torch.int32).numpy(),
         sliding_window or 0,
-        _half_table(),
+        half_table(),
         out.numpy(),
     )
 

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from engine.cache.quant import (
-    BUTTERFLY_NORM,
     FP16_MAX,
     GROUP,
     SEARCH_DIVISORS,
@@ -38,6 +37,7 @@ from engine.cache.quant import (
     write_sink_rows,
 )
 from engine.cpu.bits import bits_from_float, float16_bits, float_from_bits
+from engine.cpu.hadamard import rotate_row
 from engine.cpu.turns import in_turns
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
@@ -133,30 +133,16 @@ def _absmax_scale(group, high):
     return _half(min(np.float32(top / np.float32(high)), np.float32(FP16_MAX)))
 
 
-_NORM = np.float32(BUTTERFLY_NORM)
-
-
 @numba.njit(cache=True)
 def _centered_rotated(row, center, rotate, out):
     """out [D] = row [D] less center [D] (zeros for pages without one: x - 0 is x, signed
-    zeros included), each group of 32 then times H by five butterfly stages, in float32
-    steps: ``quant.centered`` and ``quant.hadamard_butterflies``'s arithmetic, in their order
-    (no fastmath: no operation may be fused or reordered)."""
+    zeros included), each group of 32 then times H (``rotate``): ``quant.centered`` and
+    ``quant.hadamard_butterflies``'s arithmetic, in their order (no fastmath: no operation
+    may be fused or reordered)."""
     for e in range(row.shape[0]):
         out[e] = row[e] - center[e]
-    if not rotate:
-        return
-    for base in range(0, out.shape[0], GROUP):
-        h = 1
-        while h < GROUP:
-            for r in range(GROUP // 2):
-                i = base + (r // h) * 2 * h + r % h  # r with a zero bit inserted at h
-                a, b = out[i], out[i + h]
-                if 2 * h == GROUP:
-                    out[i], out[i + h] = (a + b) * _NORM, (a - b) * _NORM
-                else:
-                    out[i], out[i + h] = a + b, a - b
-            h *= 2
+    if rotate:
+        rotate_row(out)
 
 
 @numba.njit(nogil=True, cache=True)

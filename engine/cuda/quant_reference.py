@@ -36,6 +36,7 @@ from engine.cache.quant import (
     dequantize_pages,
     put_rows,
     rotate_groups,
+    rotated_groups,
     write_slots,
 )
 from engine.cuda.attention import AttentionGroup, by_group, padded_attention
@@ -138,21 +139,30 @@ def gather_context(
     """The pages ``index`` ([B, n] page ids) dequantized into [B, n * S, KV, D] of ``dtype``
     (sink and recent pages from their rows; ``unrotate``: rotated back per group), with the
     ``own`` rows put in (in the output's basis: rotated when the pages are and ``unrotate``
-    is not) wherever the pages hold their slots (``put_rows``)."""
+    is not) wherever the pages hold their slots (``put_rows``). Rotations by the cache
+    write's butterflies, as the gather kernels rotate (engine/cpu/kv_gather.py: the same
+    float32 values bit for bit; engine/cuda/kv_gather.py)."""
     out = _context(dequantize_pages(pages, index, dtype))
     if unrotate:
-        out = rotate_groups(out)
+        out = _butterflies(out)
     if own is None:
         return out
     values = own.exact()
     if pages.rotate and not unrotate:
-        values = rotate_groups(values)
+        values = _butterflies(values)
     b, blocks = index.shape
     page_size = pages.shape[1]
     offsets = torch.arange(page_size, device=index.device)
     ids = (index.long()[..., None] * page_size + offsets).reshape(b, blocks * page_size)
     at = torch.searchsorted(own.slots, ids).clamp_(max=own.slots.numel() - 1)
     return put_rows(out, own.slots[at] == ids, values, at)
+
+
+def _butterflies(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with each group of 32 times H by the cache write's butterflies, in float32
+    (``quant.rotated_groups``), then in x's dtype: the gather kernels' arithmetic (a matmul by
+    H rounds in an order of the BLAS's choosing)."""
+    return rotated_groups(x, True).flatten(-2).to(x.dtype)
 
 
 def own_rows(k_pages: QuantPages, batch: ForwardBatch) -> tuple[OwnRows, OwnRows] | None:

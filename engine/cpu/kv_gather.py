@@ -1,0 +1,226 @@
+"""A batch's context K or V gathered from quantized pages into one float32 tensor on the CPU,
+by a Numba kernel: what a prompt chunk (or a row with drafts to verify) attends over with
+torch's SDPA. The CPU counterpart of engine/cuda/kv_gather.py, with the same contract as the
+torch reference (engine/cuda/quant_reference.py ``gather_context``), which unpacks, scales,
+puts in the sink and recent pages' rows, makes the chunk's own rows (rotary, center) and
+rotates them in ~20 torch ops per call, and whose attention in the pages' basis rotates q
+and the output by a matmul per layer. The route below reads the context in the model's
+basis (``unrotate``), as the CUDA op set does, so q and the output are not rotated.
+SmolLM2 q4, 1 x 4000 tokens in prompt chunks of 512, 2 cores, three runs each, alternating:
+prefill 8.09 / 8.32 / 7.93 s by the reference, 7.72 / 7.88 / 7.83 s by this route (fp16:
+~7.5 s). Most of what is left is the output's memory: a new tensor per call, whose pages
+the kernel faults in as it writes them.
+
+Per (sequence, page) work item, for each row and KV head of the page:
+
+- a slot among the chunk's own rows (``OwnRows``, slots ascending: a binary search) gets
+  that row as the cache write took it: keys with rotary (each product and the sum rounded
+  to float32, as ``rotary_rows``), less the pages' center; rotated into the pages' basis
+  when the pages are rotated and ``unrotate`` is off;
+- a page below the rows' count (sink and recent pages) its unquantized row;
+- any other page its codes times the group's float16 scale (exact in float32);
+- a negative page id (block-table padding, which the attention masks) zeros.
+
+Stored rows and codes are rotated back (``unrotate``) by the reference's butterflies
+(engine/cpu/hadamard.py), so every value is the reference's bit for bit. Work items are
+taken in turn by torch's threads (engine/cpu/turns.py). Other dtypes (a float16 or bfloat16
+model on the CPU) go to the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cache.quant import GROUP, QuantPages
+from engine.cpu.bits import float16_bits
+from engine.cpu.decode_attention import half_table
+from engine.cpu.hadamard import rotate_row
+from engine.cpu.turns import in_turns
+from engine.cuda import quant_reference
+from engine.cuda.quant_reference import OwnRows, quant_paged_attention_reference
+
+
+@numba.njit(cache=True)
+def _own_index(own_slots, slot):
+    """Where ``slot`` is in the ascending ``own_slots`` (-1: not there), after a range test
+    that settles most context rows (pages before the chunk's)."""
+    hi = own_slots.shape[0]
+    if hi == 0 or slot < own_slots[0] or slot > own_slots[hi - 1]:
+        return -1
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if own_slots[mid] < slot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if own_slots[lo] == slot else -1
+
+
+@numba.njit(cache=True)
+def _own_row(values, r, cos, sin, center, keys, centered, h, out):
+    """out [D] = the write's row r ``values`` [T, KV, D] at head h as its codes were made
+    from: keys with rotary from tables [T, D / 2] (x_i cos_i - x_i+D/2 sin_i below D/2,
+    x_i cos_i + x_i-D/2 sin_i above, each product and the sum rounded to float32), less the
+    center [KV, D] (``centered``)."""
+    dim = out.shape[0]
+    half = dim // 2
+    for d in range(dim):
+        x = values[r, h, d]
+        if keys:
+            i = d % half
+            other = -values[r, h, d + half] if d < half else values[r, h, d - half]
+            x = np.float32(np.float32(x * cos[r, i]) + np.float32(other * sin[r, i]))
+        if centered:
+            x = np.float32(x - center[h, d])
+        out[d] = x
+
+
+@numba.njit(cache=True)
+def _dequantized(data, scales, page, s, h, table, bits, group, out):
+    """out [D] = the codes data[page, s, h] [W] times their groups' float16 scales
+    scales[page, s, h] [D / 32] (bits; 4-bit: byte j of a group holds element j in its low
+    nibble, j + 16 in its high one, each + 8). ``group`` is GROUP, passed from Python at run
+    time: Numba leaves LLVM's SLP vectorizer off, and a loop of constant count is unrolled
+    into scalar code before the loop vectorizer sees it (2.4x slower here)."""
+    half = group // 2
+    for g in range(scales.shape[3]):
+        scale = table[scales[page, s, h, g]]
+        base = g * group
+        if bits == 8:
+            for e in range(group):
+                code = (np.int32(data[page, s, h, base + e]) ^ 128) - 128
+                out[base + e] = np.float32(code) * scale
+        else:
+            first = g * half
+            for e in range(half):
+                code = (np.int32(data[page, s, h, first + e]) & 15) - 8
+                out[base + e] = np.float32(code) * scale
+            for e in range(half):
+                code = (np.int32(data[page, s, h, first + e]) >> 4) - 8
+                out[base + half + e] = np.float32(code) * scale
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_items(
+    first, last, index, data, scales, table, bits, group, rows, num_rows_pages,
+    own_slots, own_rows, own_values, cos, sin, center, keys, centered, rotate_own, unrotate,
+    out,
+):  # fmt: skip
+    """out [B, n * S, KV, D] for work items [first, last) (item b * n + j: page index[b, j]):
+    see the module's docstring. Each row is made in a scratch row, then copied: indexing
+    the arrays whole, since a slice per row (a view, its reference count taken and dropped)
+    cost more than the row's values."""
+    n = index.shape[1]
+    page_size, kv, dim = out.shape[1] // n, out.shape[2], out.shape[3]
+    row = np.empty(dim, np.float32)
+    for item in range(first, last):
+        b, j = item // n, item % n
+        page = index[b, j]
+        for s in range(page_size):
+            t = j * page_size + s
+            at = _own_index(own_slots, page * page_size + s) if page >= 0 else -1
+            for h in range(kv):
+                if page < 0:
+                    row[:] = 0.0
+                elif at >= 0:
+                    _own_row(own_values, own_rows[at], cos, sin, center, keys, centered, h, row)
+                    if rotate_own:
+                        rotate_row(row)
+                else:
+                    if page < num_rows_pages:
+                        for d in range(dim):
+                            row[d] = rows[page, s, h, d]
+                    else:
+                        _dequantized(data, scales, page, s, h, table, bits, group, row)
+                    if unrotate:
+                        rotate_row(row)
+                for d in range(dim):
+                    out[b, t, h, d] = row[d]
+
+
+@functools.cache
+def _empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """An array the kernel never reads, of the type of the one it stands for (the kernel's
+    argument types stay fixed: one compiled version)."""
+    return np.zeros(shape, dtype)
+
+
+def takes(pages: QuantPages, dtype: torch.dtype, own: OwnRows | None) -> bool:
+    """Whether the kernel takes this gather: float32 out of CPU pages, with float32 sink rows
+    and own rows (and rotary tables), if any."""
+    if dtype != torch.float32 or pages.data.device.type != "cpu":
+        return False
+    if pages.sinks is not None and pages.sinks.dtype != torch.float32:
+        return False
+    if own is None:
+        return True
+    tables = () if own.cos is None else (own.cos, own.sin)
+    return all(t.dtype == torch.float32 for t in (own.values, *tables))
+
+
+def gather_context_cpu(
+    pages: QuantPages,
+    index: torch.Tensor,
+    dtype: torch.dtype,
+    own: OwnRows | None = None,
+    unrotate: bool = False,
+) -> torch.Tensor:
+    """``quant_reference.gather_context`` (same contract, same values bit for bit; zeros at
+    block-table padding) by the kernel, or by the reference where the kernel does not take
+    the call (``takes``)."""
+    if not takes(pages, dtype, own):
+        return quant_reference.gather_context(pages, index, dtype, own, unrotate)
+    if index.dim() != 2:
+        raise ValueError(f"gather_context: index must be [B, n], got {tuple(index.shape)}")
+    _, page_size, kv, _ = pages.data.shape
+    dim = pages.scales.shape[3] * GROUP
+    b, n = index.shape
+    out = torch.empty((b, n * page_size, kv, dim), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    has_rows = pages.sinks is not None
+    rows = pages.sinks.numpy() if has_rows else _empty((1, 1, 1, 1), np.float32)
+    num_rows_pages = pages.sinks.shape[0] if has_rows else 0
+    if own is None:
+        slots, own_rows = _empty((0,), np.int64), _empty((0,), np.int64)
+        values, cos, sin = _empty((1, 1, 1), np.float32), *(_empty((1, 1), np.float32),) * 2
+        keys = centered = False
+    else:
+        slots, own_rows = own.slots.long().numpy(), own.rows.long().numpy()
+        values = own.values.numpy()  # (a view of the fused qkv projection: strided is fine)
+        keys, centered = own.cos is not None, own.center is not None
+        cos, sin = (own.cos.numpy(), own.sin.numpy()) if keys else (_empty((1, 1), np.float32),) * 2
+    center = own.center.numpy() if own is not None and own.center is not None else None
+    center = _empty((1, 1), np.float32) if center is None else center
+    args = (
+        index.numpy(), pages.data.view(torch.uint8).numpy(), float16_bits(pages.scales),
+        half_table(), pages.bits, GROUP, rows, num_rows_pages, slots, own_rows, values, cos, sin,
+        center, keys, centered, pages.rotate and not unrotate, unrotate,
+        out.numpy(),
+    )  # fmt: skip
+    in_turns(lambda first, last: _gather_items(first, last, *args), b * n)
+    return out
+
+
+def quant_chunk_attention_cpu(
+    q: torch.Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The CPU op set's route for prompt chunks and drafts over quantized pages:
+    ``quant_paged_attention_reference``'s SDPA over the context this kernel gathers, in the
+    model's basis, so neither q nor the output is rotated (engine/cuda/kv_gather.py's
+    ``quant_chunk_attention_cuda`` on the CPU)."""
+    return quant_paged_attention_reference(
+        q, k_pages, v_pages, batch, scale, sliding_window, gather=gather_context_cpu,
+        model_basis=True,
+    )  # fmt: skip
