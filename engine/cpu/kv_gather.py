@@ -42,24 +42,13 @@ from engine.cpu.decode_attention import half_table
 from engine.cpu.hadamard import rotate_row
 from engine.cpu.turns import in_turns
 from engine.cuda import quant_reference
-from engine.cuda.quant_reference import OwnRows, quant_paged_attention_reference
+from engine.cuda.quant_reference import (
+    OwnRows,
+    own_slot_index,
+    quant_paged_attention_reference,
+)
 
-
-@numba.njit(cache=True)
-def _own_index(own_slots, slot):
-    """Where ``slot`` is in the ascending ``own_slots`` (-1: not there), after a range test
-    that settles most context rows (pages before the chunk's)."""
-    hi = own_slots.shape[0]
-    if hi == 0 or slot < own_slots[0] or slot > own_slots[hi - 1]:
-        return -1
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if own_slots[mid] < slot:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo if own_slots[lo] == slot else -1
+_own_index = numba.njit(cache=True)(own_slot_index)
 
 
 @numba.njit(cache=True)

@@ -41,7 +41,11 @@ from engine.batch import ForwardBatch
 from engine.cache.quant import GROUP, QuantPages
 from engine.cuda import _launch
 from engine.cuda.mma import pack_half2, warp_shfl_xor
-from engine.cuda.quant_reference import OwnRows, quant_paged_attention_reference
+from engine.cuda.quant_reference import (
+    OwnRows,
+    own_slot_index,
+    quant_paged_attention_reference,
+)
 
 cuda = _launch.cuda
 float32 = _launch.nbt.float32
@@ -60,22 +64,6 @@ _INV_SQRT_GROUP = float32(1.0 / GROUP**0.5)
 _LOW_WORD = 0xFFFFFFFF
 
 
-def _own_row(own_slots, slot):
-    """Where ``slot`` is in the ascending ``own_slots`` (-1: not there): a binary search,
-    after a range test that settles most context rows (pages before the chunk's)."""
-    hi = own_slots.shape[0]
-    if hi == 0 or slot < own_slots[0] or slot > own_slots[hi - 1]:
-        return -1
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if own_slots[mid] < slot:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo if lo < own_slots.shape[0] and own_slots[lo] == slot else -1
-
-
 @functools.cache
 def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
     bits: int, has_rows: bool, unrotate: bool, packed: bool, page_size: int, kv: int,
@@ -92,7 +80,7 @@ def _gather_kernel(  # noqa: C901, PLR0915 (one kernel)
     HALF_DIM = num_groups * GROUP // 2
     HADAMARD_OWN = rotated and not unrotate  # (and the stored values: ``unrotate``)
     io = _launch.NUMBA_DTYPES[torch.float16 if packed else torch.float32]  # the output dtype
-    own_row = _launch.device_function(_own_row)
+    own_row = _launch.device_function(own_slot_index)
 
     @_launch.device_function
     def load(words, scales, rows, num_rows_pages, page, s, h, g, sub, vals):

@@ -182,6 +182,23 @@ def own_rows(k_pages: QuantPages, batch: ForwardBatch) -> tuple[OwnRows, OwnRows
     return keys, OwnRows(slots, rows, written.v)
 
 
+def own_slot_index(own_slots, slot):
+    """Where ``slot`` is in the ascending ``own_slots`` (-1: not there): a binary search,
+    after a range test that settles most context rows (pages before the chunk's). Plain
+    Python that the gather kernels compile (a CUDA device function, a Numba CPU function)."""
+    hi = own_slots.shape[0]
+    if hi == 0 or slot < own_slots[0] or slot > own_slots[hi - 1]:
+        return -1
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if own_slots[mid] < slot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < own_slots.shape[0] and own_slots[lo] == slot else -1
+
+
 def _own_order(
     batch: ForwardBatch, written: WrittenRows
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
