@@ -86,6 +86,24 @@ def test_cpu_warm_up_compiles_the_decode_kernel_over_float_pages(tiny32, monkeyp
     assert not calls
 
 
+def test_cpu_warm_up_gathers_a_quantized_prompt_chunks_own_rows(tiny32, monkeypatch):
+    """The warm-up's prefill is a prompt chunk: over quantized pages the CPU gather kernel
+    runs with the chunk's own rows of keys (rotary tables, as requests' chunks have them), a
+    specialisation that a fresh machine would otherwise compile mid-request (~1 s)."""
+    from engine.cpu import kv_gather
+
+    seen = []
+    gather = kv_gather.gather_context_cpu
+
+    def recorded(pages, index, dtype, own=None, unrotate=False):
+        seen.append(own is not None and own.cos is not None and kv_gather.takes(pages, dtype, own))
+        return gather(pages, index, dtype, own, unrotate)
+
+    monkeypatch.setattr(kv_gather, "gather_context_cpu", recorded)
+    warm_up(tiny32.model, cpu_ops(), PAGE, "q4")
+    assert any(seen)  # (keys with their own rows, by the kernel)
+
+
 def test_plan_rows_carry_the_entries_chunks_and_logits_rows():
     a = SeqState(tokens=[1, 2, 3, 4, 5], num_computed=2, pages=[7, 3])
     b = SeqState(tokens=[9, 8, 7, 6, 5, 4], pages=[2, 5])
