@@ -6,10 +6,11 @@ puts in the sink and recent pages' rows, makes the chunk's own rows (rotary, cen
 rotates them in ~20 torch ops per call, and whose attention in the pages' basis rotates q
 and the output by a matmul per layer. The route below reads the context in the model's
 basis (``unrotate``), as the CUDA op set does, so q and the output are not rotated.
-SmolLM2 q4, 1 x 4000 tokens in prompt chunks of 512, 2 cores, three runs each, alternating:
-prefill 8.09 / 8.32 / 7.93 s by the reference, 7.72 / 7.88 / 7.83 s by this route (fp16:
-~7.5 s). Most of what is left is the output's memory: a new tensor per call, whose pages
-the kernel faults in as it writes them.
+SmolLM2, 1 x 4000 tokens in prompt chunks of 512, 2 cores, both routes in one process
+(bench/cpu_chunk_gather.py): q4 prefill 8.58 -> 8.22 s, q8 8.56 -> 8.41 (fp16 7.61). The
+kernel's own time is mostly the output's memory (a new tensor per call, whose pages it
+faults in as it writes them) and, rotating back, the butterflies (scalar code: ~0.5 ns a
+value).
 
 Per (sequence, page) work item, for each row and KV head of the page:
 
