@@ -209,7 +209,11 @@ def quant_chunk_attention_cpu(
     """The CPU op set's route for prompt chunks and drafts over quantized pages:
     ``quant_paged_attention_reference``'s SDPA over the context this kernel gathers, in the
     model's basis, so neither q nor the output is rotated (engine/cuda/kv_gather.py's
-    ``quant_chunk_attention_cuda`` on the CPU)."""
+    ``quant_chunk_attention_cuda`` on the CPU). Pages the kernel does not take (a float16 or
+    bfloat16 model) stay on the reference in the pages' basis: its rotation back of a whole
+    context by butterflies in torch would cost more than rotating q and the output."""
+    if not takes(k_pages, q.dtype, None):
+        return quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, sliding_window)
     return quant_paged_attention_reference(
         q, k_pages, v_pages, batch, scale, sliding_window, gather=gather_context_cpu,
         model_basis=True,

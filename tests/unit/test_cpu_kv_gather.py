@@ -180,3 +180,23 @@ def test_the_cpu_op_set_sends_prompt_chunks_over_quantized_pages_through_the_gat
         outs.append(attention(qr, k, v, batch, D**-0.5))  # (each write stashes the own rows)
     assert calls == [True, True]  # K and V, by the kernel
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_16_bit_models_chunks_stay_on_the_reference_in_the_pages_basis():
+    """Pages the kernel does not take: the route is the reference as it was (q and the
+    output rotated, not the whole context), to the bit."""
+    dtype = torch.bfloat16
+    k = _pages(4, 0, True, dtype=dtype, exact_chunks=True)
+    v = _pages(4, 0, True, dtype=dtype, seed=2)
+    batch = build_forward_batch([SequenceInput([1] * 6, 5, [0, 6, 8], prompt_chunk=True)], PAGE,
+                                "cpu")  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    q, kk, vv = (torch.randn(6, h, D, generator=gen).to(dtype) for h in (4, KV, KV))
+    angle = torch.rand(6, D // 2, generator=gen)
+    outs = []
+    for attention in (quant_chunk_attention_cpu, quant_paged_attention_reference):
+        qr = quant_rotary_cache_write_reference(
+            q, kk, vv, angle.cos().to(dtype), angle.sin().to(dtype), k, v, batch.slot_mapping
+        )
+        outs.append(attention(qr, k, v, batch, D**-0.5))
+    assert outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
