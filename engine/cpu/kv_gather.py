@@ -141,6 +141,32 @@ def _empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
+def _indices(ids: torch.Tensor) -> np.ndarray:
+    """Page ids, slots or rows as one array type (int64, C order): a block table's slice for
+    a group of sequences is neither."""
+    return np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+
+
+def _floats(values: torch.Tensor) -> np.ndarray:
+    """float32 values in C order (own rows are a view of the fused qkv projection)."""
+    return np.ascontiguousarray(values.numpy())
+
+
+def _own_arrays(own: OwnRows | None) -> tuple:
+    """(slots, rows, values, cos, sin, center, keys, centered) as the kernel takes them, of
+    one type and layout whatever the call (unused ones as small arrays it never reads), so
+    that the kernel has one compiled version: the one the runner's warm-up made."""
+    unused = _empty((1, 1), np.float32)
+    if own is None:
+        no_ids = _empty((0,), np.int64)
+        return no_ids, no_ids, _empty((1, 1, 1), np.float32), unused, unused, unused, False, False
+    keys, centered = own.cos is not None, own.center is not None
+    cos, sin = (_floats(own.cos), _floats(own.sin)) if keys else (unused, unused)
+    center = _floats(own.center) if centered else unused
+    rows = (_indices(own.slots), _indices(own.rows), _floats(own.values))
+    return (*rows, cos, sin, center, keys, centered)
+
+
 def takes(pages: QuantPages, dtype: torch.dtype, own: OwnRows | None) -> bool:
     """Whether the kernel takes this gather: float32 out of CPU pages, with float32 sink rows
     and own rows (and rotary tables), if any."""
@@ -177,22 +203,10 @@ def gather_context_cpu(
     has_rows = pages.sinks is not None
     rows = pages.sinks.numpy() if has_rows else _empty((1, 1, 1, 1), np.float32)
     num_rows_pages = pages.sinks.shape[0] if has_rows else 0
-    if own is None:
-        slots, own_rows = _empty((0,), np.int64), _empty((0,), np.int64)
-        values, cos, sin = _empty((1, 1, 1), np.float32), *(_empty((1, 1), np.float32),) * 2
-        keys = centered = False
-    else:
-        slots, own_rows = own.slots.long().numpy(), own.rows.long().numpy()
-        values = own.values.numpy()  # (a view of the fused qkv projection: strided is fine)
-        keys, centered = own.cos is not None, own.center is not None
-        cos, sin = (own.cos.numpy(), own.sin.numpy()) if keys else (_empty((1, 1), np.float32),) * 2
-    center = own.center.numpy() if own is not None and own.center is not None else None
-    center = _empty((1, 1), np.float32) if center is None else center
     args = (
-        index.numpy(), pages.data.view(torch.uint8).numpy(), float16_bits(pages.scales),
-        half_table(), pages.bits, GROUP, rows, num_rows_pages, slots, own_rows, values, cos, sin,
-        center, keys, centered, pages.rotate and not unrotate, unrotate,
-        out.numpy(),
+        _indices(index), pages.data.view(torch.uint8).numpy(), float16_bits(pages.scales),
+        half_table(), pages.bits, GROUP, rows, num_rows_pages, *_own_arrays(own),
+        pages.rotate and not unrotate, unrotate, out.numpy(),
     )  # fmt: skip
     in_turns(lambda first, last: _gather_items(first, last, *args), b * n)
     return out

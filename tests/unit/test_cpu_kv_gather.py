@@ -200,3 +200,27 @@ def test_a_16_bit_models_chunks_stay_on_the_reference_in_the_pages_basis():
         )
         outs.append(attention(qr, k, v, batch, D**-0.5))
     assert outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
+
+
+def test_every_call_takes_the_one_compiled_kernel():
+    """Own rows sliced from a fused projection, a block table's column slice, tables of a
+    batch's rows: all reach the kernel as one type and layout, so the version the runner's
+    warm-up compiled serves every request (another would compile mid-request)."""
+    k = _pages(4, 3, True, exact_chunks=True)
+    qkv = torch.randn(7, 3 * KV, D, generator=torch.Generator().manual_seed(6))
+    angle = torch.rand(9, D, generator=torch.Generator().manual_seed(7))
+    own = OwnRows(torch.arange(21, 27), torch.tensor([3, 2, 1, 0, 5, 4], dtype=torch.int32),
+                  qkv[:, KV : 2 * KV], angle.cos()[:7, ::2], angle.sin()[:7, ::2],
+                  torch.randn(2 * KV, D)[::2])  # fmt: skip
+    assert not own.values.is_contiguous() and not own.cos.is_contiguous()
+    table = torch.tensor([*INDEX, [3, 3, 3]], dtype=torch.int32).t()[:, :3]  # (strided)
+    for args in (
+        (table, torch.float32),
+        (table, torch.float32, own),
+        (table, torch.float32, own, True),
+    ):
+        got = gather_context_cpu(k, *args)
+        want = quant_reference.gather_context(k, *args)
+        valid = (table >= 0).repeat_interleave(PAGE, dim=1)
+        assert torch.equal(got[valid], want[valid])
+    assert len(kv_gather._gather_items.signatures) == 1
