@@ -167,8 +167,8 @@ def warm_up(
     """Run a prefill and a decode forward of ``model`` once with ``ops`` on scratch pages of
     the cache's format (the prefill crosses a page boundary; with ``sink_pages`` its first
     page is one; it is a prompt chunk, as the scheduler marks a prompt's, so that a
-    quantized cache's attention reads its own rows as requests will: the CPU and CUDA
-    gathers' specialisations for them), then whatever the op set compiles apart."""
+    quantized cache's attention reads its own rows as requests will), then whatever the op
+    set compiles apart."""
     pages = [0, 1, 2]  # covers page_size + 2 tokens for any page size
     kv = model.allocate_kv(len(pages), page_size, quant, rotate, center_keys, int(sink_pages))
     prefill = SequenceInput([0] * (page_size + 1), num_cached=0, pages=pages, prompt_chunk=True)

@@ -87,9 +87,9 @@ def test_cpu_warm_up_compiles_the_decode_kernel_over_float_pages(tiny32, monkeyp
 
 
 def test_cpu_warm_up_gathers_a_quantized_prompt_chunks_own_rows(tiny32, monkeypatch):
-    """The warm-up's prefill is a prompt chunk: over quantized pages the CPU gather kernel
-    runs with the chunk's own rows of keys (rotary tables, as requests' chunks have them), a
-    specialisation that a fresh machine would otherwise compile mid-request (~1 s)."""
+    """The warm-up's prefill is a prompt chunk, as requests' are: over quantized pages the
+    CPU gather kernel runs with the chunk's own rows of keys (rotary tables, the stash the
+    write leaves), the path every prompt takes."""
     from engine.cpu import kv_gather
 
     seen = []
