@@ -33,16 +33,14 @@ import numpy as np
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
-from engine.cache.quant import QuantPages, rotate_groups
+from engine.cache.quant import GROUP, QuantPages, rotate_groups
 from engine.cpu.bits import float16_bits, float_from_bits
+from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
 from engine.cpu.turns import in_turns
 from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
 _FASTMATH = {"reassoc", "contract", "nsz"}
-# 4-bit codes: nibble mask, high-nibble shift and the +8 offset (int32: int64 arithmetic
-# converted more slowly)
-_LOW, _SHIFT, _OFFSET = np.int32(15), np.int32(4), np.int32(8)
 
 
 # exp(x) for x <= 0 as 2^n * 2^f (n = round(x log2 e), |f| <= 1/2), 2^f by its Taylor
@@ -62,12 +60,6 @@ def _exp_nonpositive(x):
     p = ((((_C6 * f + _C5) * f + _C4) * f + _C3) * f + _C2) * f
     p = (p + _C1) * f + _C0
     return p * float_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
-
-
-@numba.njit(inline="always")
-def _code8(byte):
-    """A uint8-stored 8-bit code's signed value."""
-    return np.float32((np.int32(byte) ^ 128) - 128)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
@@ -171,33 +163,25 @@ def _weigh_values(weights, sums, values, half, table, kvh, start, end, block, ou
 @numba.njit(inline="always", fastmath=_FASTMATH)
 def _load_block(data, scales, bits, rows, page, kvh, count, half, block):
     """Rows 0..count-1 of one page for one KV head into ``block`` (float32 [S, D]): the
-    unquantized rows for pages below their count, else the codes times their groups' scales.
-    (Indices are unsigned so that Numba emits no negative-index wraparound, which kept LLVM
-    from vectorizing the loops; the loop bounds are not constants, so they are vectorized
-    rather than unrolled: Numba turns LLVM's SLP vectorizer off.)"""
+    unquantized rows for pages below their count, else the codes times their groups' scales,
+    a group at a time in vector code (engine/cpu/simd.py). (Indices are unsigned so that
+    Numba emits no negative-index wraparound, which kept LLVM from vectorizing the loop; its
+    bound is not a constant, so it is vectorized rather than unrolled: Numba turns LLVM's SLP
+    vectorizer off.)"""
     dim = np.uintp(block.shape[1])
     if page < rows.shape[0]:
         for slot in range(count):
             for d in range(dim):
                 block[slot, d] = rows[page, slot, kvh, d]
         return
-    groups = np.uintp(scales.shape[3])
-    group = dim // groups
-    half_group = group // np.uintp(2)
     for slot in range(count):
-        for grp in range(groups):
+        for grp in range(scales.shape[3]):
             scale = half[scales[page, slot, kvh, grp]]
-            base = grp * group
+            at = (slot, grp * GROUP)
             if bits == 8:
-                for j in range(group):
-                    block[slot, base + j] = _code8(data[page, slot, kvh, base + j]) * scale
+                dequantize_8bit_group(data, (page, slot, kvh, grp * GROUP), block, at, scale)
             else:
-                src = grp * half_group
-                high = base + half_group
-                for j in range(half_group):
-                    byte = np.int32(data[page, slot, kvh, src + j])
-                    block[slot, base + j] = np.float32((byte & _LOW) - _OFFSET) * scale
-                    block[slot, high + j] = np.float32((byte >> _SHIFT) - _OFFSET) * scale
+                dequantize_4bit_group(data, (page, slot, kvh, grp * BYTES_4BIT), block, at, scale)
 
 
 @functools.cache

@@ -41,6 +41,7 @@ from engine.cache.quant import GROUP, QuantPages
 from engine.cpu.bits import float16_bits
 from engine.cpu.decode_attention import half_table
 from engine.cpu.hadamard import rotate_row
+from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
 from engine.cpu.turns import in_turns
 from engine.cuda import quant_reference
 from engine.cuda.quant_reference import (
@@ -72,33 +73,22 @@ def _own_row(values, r, cos, sin, center, keys, centered, h, out):
 
 
 @numba.njit(cache=True)
-def _dequantized(data, scales, page, s, h, table, bits, group, out):
+def _dequantized(data, scales, page, s, h, table, bits, out):
     """out [D] = the codes data[page, s, h] [W] times their groups' float16 scales
     scales[page, s, h] [D / 32] (bits; 4-bit: byte j of a group holds element j in its low
-    nibble, j + 16 in its high one, each + 8). ``group`` is GROUP, passed from Python at run
-    time: Numba leaves LLVM's SLP vectorizer off, and a loop of constant count is unrolled
-    into scalar code before the loop vectorizer sees it (2.4x slower here)."""
-    half = group // 2
+    nibble, j + 16 in its high one, each + 8), a group at a time in vector code
+    (engine/cpu/simd.py)."""
     for g in range(scales.shape[3]):
         scale = table[scales[page, s, h, g]]
-        base = g * group
         if bits == 8:
-            for e in range(group):
-                code = (np.int32(data[page, s, h, base + e]) ^ 128) - 128
-                out[base + e] = np.float32(code) * scale
+            dequantize_8bit_group(data, (page, s, h, g * GROUP), out, (g * GROUP,), scale)
         else:
-            first = g * half
-            for e in range(half):
-                code = (np.int32(data[page, s, h, first + e]) & 15) - 8
-                out[base + e] = np.float32(code) * scale
-            for e in range(half):
-                code = (np.int32(data[page, s, h, first + e]) >> 4) - 8
-                out[base + half + e] = np.float32(code) * scale
+            dequantize_4bit_group(data, (page, s, h, g * BYTES_4BIT), out, (g * GROUP,), scale)
 
 
 @numba.njit(nogil=True, cache=True)
 def _gather_items(
-    first, last, index, data, scales, table, bits, group, rows, num_rows_pages,
+    first, last, index, data, scales, table, bits, rows, num_rows_pages,
     own_slots, own_rows, own_values, cos, sin, center, keys, centered, rotate_own, unrotate,
     out,
 ):  # fmt: skip
@@ -127,7 +117,7 @@ def _gather_items(
                         for d in range(dim):
                             row[d] = rows[page, s, h, d]
                     else:
-                        _dequantized(data, scales, page, s, h, table, bits, group, row)
+                        _dequantized(data, scales, page, s, h, table, bits, row)
                     if unrotate:
                         rotate_row(row)
                 for d in range(dim):
@@ -205,7 +195,7 @@ def gather_context_cpu(
     num_rows_pages = pages.sinks.shape[0] if has_rows else 0
     args = (
         _indices(index), pages.data.view(torch.uint8).numpy(), float16_bits(pages.scales),
-        half_table(), pages.bits, GROUP, rows, num_rows_pages, *_own_arrays(own),
+        half_table(), pages.bits, rows, num_rows_pages, *_own_arrays(own),
         pages.rotate and not unrotate, unrotate, out.numpy(),
     )  # fmt: skip
     in_turns(lambda first, last: _gather_items(first, last, *args), b * n)

@@ -1,0 +1,150 @@
+"""Explicit vector code for the CPU kernels: a quantization group's codes made floats in one
+piece of LLVM vector IR (Numba intrinsics), instead of a Numba loop.
+
+Why: Numba leaves LLVM's SLP vectorizer off, and a loop over one group (16 or 32 codes, a
+count known only at run time so that the loop vectorizer takes it) pays the vectorized loop's
+entry checks and remainder for every group, and Numba's integer promotion turned the 4-bit
+codes' masks and shifts into 64-bit lanes (SmolLM2's decode attention over q4 pages, one
+thread: 53 -> 42 ns per key and KV head with these). Here a group is one 16- or 32-byte load,
+byte-wide masks and shifts, one conversion and one multiply per value.
+
+The values are the loops' to the bit: a code times a float16 scale is exact in float32, and so
+is its difference with 8 x the scale.
+
+Both take an array and the index tuple of the first element they touch; the group's elements
+must lie in the array's last dimension (C order), which the callers guarantee (a group never
+crosses a row). No bounds are checked.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from engine.cache.quant import GROUP
+
+# floats per vector: 8 (256 bits). Vectors of 16 or 32 became 512-bit stores, which ran up
+# to 25% slower in some processes (q8 decode attention: 43 against 55 ns per key and head)
+LANES = 8
+_I8 = ir.IntType(8)
+_F32 = ir.FloatType()
+BYTES_4BIT = GROUP // 2  # a 4-bit group's bytes: element j in the low nibble, j + 16 in the high
+
+
+def _vector(element: ir.Type, values: list) -> ir.Constant:
+    return ir.Constant(ir.VectorType(element, len(values)), values)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
+    """``value`` in every lane of a ``count``-lane vector."""
+    vector = ir.VectorType(value.type, count)
+    lane0 = builder.insert_element(
+        ir.Constant(vector, ir.Undefined), value, ir.Constant(ir.IntType(32), 0)
+    )
+    return builder.shuffle_vector(
+        lane0, ir.Constant(vector, ir.Undefined), _vector(ir.IntType(32), [0] * count)
+    )
+
+
+def _element_pointer(context, builder, array_type, array, index_type, index, element, count):
+    """A pointer to ``count`` elements from ``array[index]`` (no wraparound, no bounds check),
+    typed as a vector of them."""
+    ary = context.make_array(array_type)(context, builder, array)
+    values = cgutils.unpack_tuple(builder, index, len(index_type))
+    indices = [
+        context.cast(builder, value, kind, types.intp)
+        for value, kind in zip(values, index_type, strict=True)
+    ]
+    pointer = cgutils.get_item_pointer(context, builder, array_type, ary, indices, wraparound=False)
+    return builder.bitcast(pointer, ir.VectorType(element, count).as_pointer())
+
+
+def _group_pointers(context, builder, signature, args, code_bytes):
+    """(``code_bytes`` codes at codes[codes_at], GROUP floats at out[out_at]) as vector
+    pointers, from an intrinsic's (codes, codes_at, out, out_at, scale)."""
+    kinds = signature.args
+    source = _element_pointer(
+        context, builder, kinds[0], args[0], kinds[1], args[1], _I8, code_bytes
+    )
+    target = _element_pointer(context, builder, kinds[2], args[2], kinds[3], args[3], _F32, GROUP)
+    return source, target
+
+
+def _typed(codes, codes_at, out, out_at, scale) -> bool:
+    """Codes: a C-order uint8 array; out: a C-order float32 array; each with an integer index
+    tuple of its dimensions; scale float32."""
+
+    def indexes(array, at) -> bool:
+        return (
+            isinstance(at, types.BaseTuple)
+            and len(at) == array.ndim
+            and all(isinstance(kind, types.Integer) for kind in at)
+        )
+
+    return (
+        isinstance(codes, types.Array)
+        and codes.dtype == types.uint8
+        and codes.layout == "C"
+        and isinstance(out, types.Array)
+        and out.dtype == types.float32
+        and out.layout == "C"
+        and indexes(codes, codes_at)
+        and indexes(out, out_at)
+        and scale == types.float32
+    )
+
+
+def _store_floats(builder, codes, convert, scale, offset, target, first):
+    """target[first : first + len(codes)] = convert(codes) x scale (less ``offset``), in
+    vectors of ``LANES``."""
+    count = codes.type.count
+    lanes = ir.VectorType(_F32, LANES)
+    step = _splat(builder, scale, LANES)
+    base = builder.bitcast(target, lanes.as_pointer())
+    for part in range(0, count, LANES):
+        picked = builder.shuffle_vector(
+            codes, codes, _vector(ir.IntType(32), list(range(part, part + LANES)))
+        )
+        value = builder.fmul(convert(picked, lanes), step)
+        if offset is not None:
+            value = builder.fsub(value, _splat(builder, offset, LANES))
+        at = ir.Constant(ir.IntType(64), (first + part) // LANES)
+        builder.store(value, builder.gep(base, [at]), align=4)
+
+
+@intrinsic
+def dequantize_4bit_group(typingctx, codes, codes_at, out, out_at, scale):
+    """out[out_at : +32] = a 4-bit group's 16 bytes from codes[codes_at]: the low nibbles
+    (elements 0..15) then the high ones (16..31), each less 8, times ``scale``."""
+    if not _typed(codes, codes_at, out, out_at, scale):
+        return None
+
+    def codegen(context, builder, signature, args):
+        source, target = _group_pointers(context, builder, signature, args, BYTES_4BIT)
+        packed = builder.load(source, align=1)
+        scale = args[4]
+        offset = builder.fmul(scale, ir.Constant(_F32, 8.0))  # exact: 8 x a float16
+        low = builder.and_(packed, _vector(_I8, [15] * BYTES_4BIT))
+        high = builder.lshr(packed, _vector(_I8, [4] * BYTES_4BIT))
+        _store_floats(builder, low, builder.uitofp, scale, offset, target, 0)
+        _store_floats(builder, high, builder.uitofp, scale, offset, target, BYTES_4BIT)
+        return context.get_dummy_value()
+
+    return types.void(codes, codes_at, out, out_at, scale), codegen
+
+
+@intrinsic
+def dequantize_8bit_group(typingctx, codes, codes_at, out, out_at, scale):
+    """out[out_at : +32] = the 32 bytes from codes[codes_at], each read as an int8, times
+    ``scale``."""
+    if not _typed(codes, codes_at, out, out_at, scale):
+        return None
+
+    def codegen(context, builder, signature, args):
+        source, target = _group_pointers(context, builder, signature, args, GROUP)
+        signed = builder.load(source, align=1)
+        _store_floats(builder, signed, builder.sitofp, args[4], None, target, 0)
+        return context.get_dummy_value()
+
+    return types.void(codes, codes_at, out, out_at, scale), codegen

@@ -1,0 +1,100 @@
+"""The CPU kernels' vector dequantization (engine/cpu/simd.py): a group's values equal the
+cache's own unpacking (engine/cache/quant.py) times the scale, bit for bit, land where the
+index tuples say and nowhere else, and calls the intrinsics do not type are refused."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+from numba.core.errors import TypingError
+
+from engine.cache.quant import GROUP, _pack
+from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
+
+
+@numba.njit
+def _rows_4bit(codes, scales, out):
+    """out [T, G * 32] from codes [T, KV=2, G * 16] of head 1 (a 4-D index), groups by row."""
+    for t in range(codes.shape[0]):
+        for g in range(scales.shape[1]):
+            dequantize_4bit_group(codes, (t, 1, g * BYTES_4BIT), out, (t, g * GROUP), scales[t, g])
+
+
+@numba.njit
+def _rows_8bit(codes, scales, out):
+    for t in range(codes.shape[0]):
+        for g in range(scales.shape[1]):
+            dequantize_8bit_group(codes, (t, 1, g * GROUP), out, (t, g * GROUP), scales[t, g])
+
+
+def _codes(bits: int, rows: int, groups: int, seed: int) -> torch.Tensor:
+    """int8 codes [rows, groups * 32] over the whole range of ``bits``, extremes included."""
+    limit = 1 << (bits - 1)
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-limit, limit, (rows, groups * GROUP), generator=gen, dtype=torch.int8)
+    codes[0, 0], codes[0, 1] = -limit, limit - 1
+    return codes
+
+
+def _packed(codes: torch.Tensor, bits: int) -> np.ndarray:
+    """The cache's bytes for int8 codes [rows, groups * 32]."""
+    groups = codes.float().reshape(codes.shape[0], -1, GROUP)
+    return _pack(groups, bits).view(torch.uint8).numpy()
+
+
+def _scales(rows: int, groups: int) -> np.ndarray:
+    """float16 scales (as float32): normal, tiny (subnormal float16) and zero."""
+    values = np.random.default_rng(3).lognormal(-4, 3, (rows, groups)).astype(np.float16)
+    values[0, 0], values[-1, -1] = np.float16(6e-8), np.float16(0.0)
+    return values.astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_groups_equal_the_caches_unpacking_times_the_scale(bits: int) -> None:
+    rows, groups = 7, 4
+    codes = _codes(bits, rows, groups, seed=bits)
+    scales = _scales(rows, groups)
+    packed = _packed(codes, bits)  # [rows, W]
+    pages = np.zeros((rows, 2, packed.shape[1]), np.uint8)  # KV head 0 left zero
+    pages[:, 1] = packed
+    expected = codes.float().numpy() * np.repeat(scales, GROUP, axis=1)
+    out = np.full((rows, groups * GROUP), np.nan, np.float32)
+    (_rows_4bit if bits == 4 else _rows_8bit)(pages, scales, out)
+    assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_group_writes_its_32_values_and_nothing_else(bits: int) -> None:
+    codes = _codes(bits, 1, 1, seed=7)
+    packed = _packed(codes, bits)
+    pages = np.zeros((1, 2, packed.shape[1]), np.uint8)
+    pages[0, 1] = packed
+    out = np.full((1, 3 * GROUP), -1.0, np.float32)
+
+    @numba.njit
+    def middle(codes, out, scale):
+        if bits == 4:
+            dequantize_4bit_group(codes, (0, 1, 0), out, (0, GROUP), scale)
+        else:
+            dequantize_8bit_group(codes, (0, 1, 0), out, (0, GROUP), scale)
+
+    middle(pages, out, np.float32(0.5))
+    assert np.array_equal(out[0, GROUP : 2 * GROUP], codes[0].float().numpy() * 0.5)
+    assert (out[0, :GROUP] == -1.0).all() and (out[0, 2 * GROUP :] == -1.0).all()
+
+
+def test_calls_it_does_not_type_are_refused() -> None:
+    @numba.njit
+    def wrong_dtype(codes, out):
+        dequantize_4bit_group(codes, (0,), out, (0,), np.float32(1.0))
+
+    @numba.njit
+    def short_index(codes, out):
+        dequantize_8bit_group(codes, (0,), out, (0,), np.float32(1.0))
+
+    with pytest.raises(TypingError):
+        wrong_dtype(np.zeros(16, np.int8), np.zeros(32, np.float32))
+    with pytest.raises(TypingError):
+        short_index(np.zeros((2, 32), np.uint8), np.zeros(32, np.float32))
