@@ -62,9 +62,9 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
 print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
 
 if [ -z "$DRY" ]; then
-  step kernel-tests "${KERNEL_CAP:-240}" bash -c "set -o pipefail; $PY -m pytest -q -p no:cacheprovider \
-    --durations=15 --continue-on-collection-errors \
-    ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py tests/engine/test_quant_graphs.py tests/engine/test_mma_graphs.py} 2>&1 | tee $OUT/pytest.log"
+  # (one process; after a sticky CUDA error each file again in its own: gpu_kernel_tests.sh)
+  step kernel-tests "${KERNEL_CAP:-240}" env OUT="$OUT" PY="$PY" bash bench/gpu_kernel_tests.sh \
+    ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py tests/engine/test_quant_graphs.py tests/engine/test_mma_graphs.py}
 fi
 
 step kernel-launch "${LAUNCH_CAP:-90}" $PY bench/kernel_launch.py $dry --output "$OUT/kernel_launch.json"

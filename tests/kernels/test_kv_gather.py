@@ -111,8 +111,9 @@ def test_own_rows_of_keys_take_rotary_and_the_center_in_the_kernel(dtype):
     pages = _pages(4, 3, dtype, exact_chunks=True, center=center)
     keys = torch.randn(7, KV, D, generator=gen).to(DEVICE, dtype)
     angle = torch.rand(7, D // 2, generator=gen).to(DEVICE) * 6.28
-    own_rows = OwnRows(torch.arange(21, 27, device=DEVICE), torch.tensor([3, 2, 1, 0, 5, 4]),
-                       keys, angle.cos().to(dtype), angle.sin().to(dtype), center)  # fmt: skip
+    slots = torch.arange(21, 27, device=DEVICE)
+    rows = torch.tensor([3, 2, 1, 0, 5, 4], device=DEVICE)  # (on the device: the kernel reads it)
+    own_rows = OwnRows(slots, rows, keys, angle.cos().to(dtype), angle.sin().to(dtype), center)
     index = torch.tensor([[5, 1, 7], [2, 6, 0]], dtype=torch.int32, device=DEVICE)
     own = torch.zeros(2, 3 * PAGE, dtype=torch.bool, device=DEVICE)
     own[0, 1:4] = own[1, PAGE : PAGE + 3] = True
