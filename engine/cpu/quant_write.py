@@ -12,8 +12,11 @@ summing each candidate's squared error in float64 from float32 residuals and kee
 least. (Until stop 50 the centering and a matmul rotation ran as torch ops before the kernel:
 four ops and a copy per call, ~0.1 ms of a decode step's 0.16 ms write per layer, K or V.)
 Numba has no float16 on the CPU: a scale is rounded to
-float16 on its float32 bits (engine/cpu/bits.py; libm's frexp took a fifth of the search)
-and stored as its bits. Rows of sink and recent pages are kept unquantized by the
+float16 by LLVM's conversion to half and back (``bits.float16_rounded``, one instruction each
+where the CPU has them; rounding on the float32's bits by hand had taken a fifth of the
+search) and stored as its bits. Each candidate's error is one piece of vector code
+(``simd.rounding_error``), all candidates before the choice (SmolLM2's K/V rows, one thread:
+11.3 -> 8.8 ns per value written). Rows of sink and recent pages are kept unquantized by the
 reference's own code too.
 """
 
@@ -36,45 +39,12 @@ from engine.cache.quant import (
     searches,
     write_sink_rows,
 )
-from engine.cpu.bits import bits_from_float, float16_bits, float_from_bits
+from engine.cpu.bits import float16_bits, float16_rounded
 from engine.cpu.hadamard import rotate_row
+from engine.cpu.simd import rounding_error
 from engine.cpu.turns import in_turns
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
-
-
-@numba.njit(cache=True)
-def _half(x):
-    """float32 ``x`` (within float16's range) rounded to float16, to nearest even: (its value
-    as a float64, its bits). On the float32's bits: the 13 (or, below float16's normal range,
-    more) low significand bits dropped, rounding up past half and on half to an even result;
-    a carry into the exponent is the next binade's first value, as in the bits themselves."""
-    b = bits_from_float(np.float32(x))
-    sign = (b >> 16) & 0x8000
-    exponent = (b >> 23) & 0xFF  # biased by 127; float16's by 15
-    significand = (b & 0x7FFFFF) | (0x800000 if exponent else 0)
-    # units of float16's last place: 2^-24 below its normal range (exponent < 113), else
-    # 2^(exponent - 137), of which the first 1024 are implicit
-    shift = 126 - exponent if exponent < 113 else 13
-    units = 0 if shift > 24 else _round_shift(significand, shift)  # (below 2^-25: zero)
-    if exponent < 113:
-        value = units * 2.0**-24
-        bits = sign | units  # (1024 units: the least normal's bits, as float16 has them)
-    else:
-        bits = sign | (((exponent - 112) << 10) + units - 1024)
-        value = np.float64(float_from_bits(np.int32((exponent - 10) << 23))) * units  # 2^(e-137)
-    return (-value if sign else value), bits
-
-
-@numba.njit(cache=True)
-def _round_shift(n, shift):
-    """round(n / 2^shift) to nearest even, for a non-negative integer n."""
-    kept = n >> shift
-    rest = n & ((1 << shift) - 1)
-    halfway = 1 << (shift - 1)
-    if rest > halfway or (rest == halfway and kept & 1):
-        kept += 1
-    return kept
 
 
 @numba.njit(cache=True)
@@ -91,38 +61,35 @@ def _code(x, step, low, high):
     return min(max(q, low), high)
 
 
-@numba.njit(cache=True, fastmath={"reassoc"})
-def _candidate_error(group, step, low, high):
-    """The sum of the group's squared residuals under ``step``: float32 residuals (exact
-    products less x, rounded once), squared exactly in float64 and summed in any order
-    (reassociation lets LLVM vectorize it; the squares of float32 values are exact in
-    float64, so the sum rarely rounds at all: quant.search_scales' argument)."""
-    total = 0.0
-    for j in range(group.shape[0]):
-        x = group[j]
-        q = min(max(np.floor(np.float32(x / step) + np.float32(0.5)), low), high)
-        r = np.float64(np.float32(x - np.float32(q * step)))
-        total += r * r
-    return total
-
-
 @numba.njit(cache=True)
-def _searched_scale(group, low, high, divisors):
-    """quant.search_scales for one group: (scale value, float16 bits)."""
+def _searched_scale(group, low, high, divisors, errors):
+    """quant.search_scales for one group: (scale value, float16 bits). Every candidate's
+    error first (into ``errors``), then the first least: with the choice inside the loop each
+    candidate waited on the last one's comparison, its long chain of divisions and sums
+    no longer overlapping the next one's."""
     first = 0
     for j in range(1, group.shape[0]):
         if abs(group[j]) > abs(group[first]):
             first = j
     m = group[first]
-    best, best_bits, best_error = 0.0, 0, np.inf
     for i in range(divisors.shape[0]):
-        c = np.float32(m / np.float32(-divisors[i]))
-        c = min(max(c, np.float32(-FP16_MAX)), np.float32(FP16_MAX))
-        value, bits = _half(c)
-        error = _candidate_error(group, _step(value), np.float32(low), np.float32(high))
-        if error < best_error:  # (the first least on a tie)
-            best, best_bits, best_error = value, bits, error
-    return best, best_bits
+        value, _ = _candidate_scale(m, divisors[i])
+        # the squares of float32 residuals are exact in float64, so their sum rarely rounds
+        # at all, in whatever order (quant.search_scales' argument)
+        errors[i] = rounding_error(group, (0,), _step(value), np.float32(low), np.float32(high))
+    best = 0
+    for i in range(1, divisors.shape[0]):
+        if errors[i] < errors[best]:  # (the first least on a tie)
+            best = i
+    return _candidate_scale(m, divisors[best])
+
+
+@numba.njit(cache=True)
+def _candidate_scale(top, divisor):
+    """The scale ``top / -divisor``, within float16's range, rounded to float16: (value,
+    bits)."""
+    c = np.float32(top / np.float32(-divisor))
+    return float16_rounded(min(max(c, np.float32(-FP16_MAX)), np.float32(FP16_MAX)))
 
 
 @numba.njit(cache=True)
@@ -130,7 +97,7 @@ def _absmax_scale(group, high):
     top = np.float32(0.0)
     for j in range(group.shape[0]):
         top = max(top, abs(group[j]))
-    return _half(min(np.float32(top / np.float32(high)), np.float32(FP16_MAX)))
+    return float16_rounded(min(np.float32(top / np.float32(high)), np.float32(FP16_MAX)))
 
 
 @numba.njit(cache=True)
@@ -152,6 +119,7 @@ def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisor
     bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]."""
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     codes = np.empty(GROUP, np.int64)
+    errors = np.empty(divisors.shape[0])  # the search's, per candidate scale
     values = np.empty(rows.shape[2], np.float32)
     for t in range(rows.shape[0]):
         slot = slots[t]
@@ -160,7 +128,7 @@ def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisor
             for g in range(rows.shape[2] // GROUP):
                 group = values[g * GROUP : (g + 1) * GROUP]
                 if search:
-                    value, bits16 = _searched_scale(group, low, high, divisors)
+                    value, bits16 = _searched_scale(group, low, high, divisors, errors)
                 else:
                     value, bits16 = _absmax_scale(group, high)
                 scales[slot, kvh, g] = bits16

@@ -1,17 +1,21 @@
-"""Explicit vector code for the CPU kernels: a quantization group's codes made floats in one
-piece of LLVM vector IR (Numba intrinsics), instead of a Numba loop.
+"""Explicit vector code for the CPU kernels, one quantization group (32 values) at a time in
+one piece of LLVM vector IR (Numba intrinsics) instead of a Numba loop: its codes made floats
+(``dequantize_4bit_group``, ``dequantize_8bit_group``) and the scale search's error of one
+candidate scale (``rounding_error``).
 
-Why: Numba leaves LLVM's SLP vectorizer off, and a loop over one group (16 or 32 codes, a
-count known only at run time so that the loop vectorizer takes it) pays the vectorized loop's
-entry checks and remainder for every group, and Numba's integer promotion turned the 4-bit
-codes' masks and shifts into 64-bit lanes (SmolLM2's decode attention over q4 pages, one
-thread: 53 -> 42 ns per key and KV head with these). Here a group is one 16- or 32-byte load,
-byte-wide masks and shifts, one conversion and one multiply per value.
+Why: Numba leaves LLVM's SLP vectorizer off, and a loop over one group (a count known only at
+run time, so that the loop vectorizer takes it) pays the vectorized loop's entry checks and
+remainder for every group; Numba's integer promotion had also turned the 4-bit codes' masks
+and shifts into 64-bit lanes with 512-bit scatters. Here a group is one load, byte-wide masks
+and shifts, one conversion and one multiply per value. SmolLM2's decode attention over q4
+pages, 8 x 1k, one thread: ~55 -> ~46 ns per key and KV head (medians of six processes; q8
+unchanged within this box's noise).
 
 The values are the loops' to the bit: a code times a float16 scale is exact in float32, and so
-is its difference with 8 x the scale.
+is its difference with 8 x the scale; the error's steps are the scalar code's, in float32,
+with only the float64 sum in another (exact, but for rare roundings) order.
 
-Both take an array and the index tuple of the first element they touch; the group's elements
+Each takes an array and the index tuple of the first element it touches; the group's elements
 must lie in the array's last dimension (C order), which the callers guarantee (a group never
 crosses a row). No bounds are checked.
 """
@@ -148,3 +152,64 @@ def dequantize_8bit_group(typingctx, codes, codes_at, out, out_at, scale):
         return context.get_dummy_value()
 
     return types.void(codes, codes_at, out, out_at, scale), codegen
+
+
+def _float_intrinsic(builder: ir.IRBuilder, name: str, value: ir.Value) -> ir.Value:
+    """LLVM's ``llvm.<name>`` on a float vector (e.g. floor: one rounding instruction)."""
+    fnty = ir.FunctionType(value.type, [value.type])
+    suffix = f"v{value.type.count}f32"
+    function = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.{name}.{suffix}")
+    return builder.call(function, [value])
+
+
+def _sum_lanes(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
+    """The sum of a vector's lanes, halves added pairwise."""
+    count = vector.type.count
+    while count > 1:
+        count //= 2
+        low = builder.shuffle_vector(vector, vector, _vector(ir.IntType(32), list(range(count))))
+        high = builder.shuffle_vector(
+            vector, vector, _vector(ir.IntType(32), list(range(count, 2 * count)))
+        )
+        vector = builder.fadd(low, high)
+    return builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
+
+
+@intrinsic
+def rounding_error(typingctx, values, at, step, low, high):
+    """The sum of a group's squared residuals under ``step``: for the 32 float32 values from
+    values[at], q = floor(x / step + 0.5) (each step rounded to float32) clamped to
+    [low, high], the residual x - q * step rounded to float32, squared exactly in float64
+    and summed (lanes first, then the lanes' sums pairwise). ``quant.search_scales``' error
+    of one candidate scale."""
+    floats = (types.float32,) * 3
+    if not (
+        isinstance(values, types.Array)
+        and values.dtype == types.float32
+        and values.layout == "C"
+        and isinstance(at, types.BaseTuple)
+        and len(at) == values.ndim
+        and all(isinstance(kind, types.Integer) for kind in at)
+        and (step, low, high) == floats
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):
+        kinds = signature.args
+        source = _element_pointer(
+            context, builder, kinds[0], args[0], kinds[1], args[1], _F32, LANES
+        )
+        step, half = _splat(builder, args[2], LANES), _splat(builder, ir.Constant(_F32, 0.5), LANES)
+        low, high = _splat(builder, args[3], LANES), _splat(builder, args[4], LANES)
+        doubles = ir.VectorType(ir.DoubleType(), LANES)
+        total = ir.Constant(doubles, [0.0] * LANES)
+        for part in range(GROUP // LANES):
+            x = builder.load(builder.gep(source, [ir.Constant(ir.IntType(64), part)]), align=4)
+            q = _float_intrinsic(builder, "floor", builder.fadd(builder.fdiv(x, step), half))
+            q = builder.select(builder.fcmp_ordered(">", q, low), q, low)  # max(q, low)
+            q = builder.select(builder.fcmp_ordered("<", q, high), q, high)  # min(q, high)
+            residual = builder.fpext(builder.fsub(x, builder.fmul(q, step)), doubles)
+            total = builder.fadd(total, builder.fmul(residual, residual))
+        return _sum_lanes(builder, total)
+
+    return types.float64(values, at, step, low, high), codegen

@@ -25,7 +25,7 @@ from engine.cache.quant import (
     search_scales,
     write_slots,
 )
-from engine.cpu import decode_attention, quant_write, turns
+from engine.cpu import bits, decode_attention, quant_write, turns
 from engine.cpu.decode_attention import decode_attention_cpu, quant_decode_attention_cpu
 from engine.cpu.quant_write import write_slots_cpu
 from engine.cuda.attention import paged_attention_reference
@@ -451,10 +451,24 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     assert torch.equal(data, want_data.view(torch.uint8))
 
 
-def test_float16_rounding_is_torchs():
-    """The write kernel's float16 rounding (on the float32's bits) against torch's conversion:
-    random values over every float16 exponent, subnormals included, and every value exactly
-    halfway between two float16s (to even), of both signs; value and bits alike."""
+_ROUNDINGS = [
+    pytest.param(bits.float16_by_bits, id="by_bits"),
+    pytest.param(
+        bits.float16_by_conversion,
+        id="by_conversion",
+        marks=pytest.mark.skipif(
+            not bits.converts_float16(), reason="this CPU has no float16 conversion"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("rounding", _ROUNDINGS)
+def test_float16_rounding_is_torchs(rounding):
+    """The write kernel's float16 rounding (by the CPU's conversion, or on the float32's bits
+    where it has none) against torch's conversion: random values over every float16
+    exponent, subnormals included, and every value exactly halfway between two float16s (to
+    even), of both signs; value and bits alike."""
     rng = np.random.default_rng(0)
     count = 200_000
     x = rng.random(count) * 2.0 ** rng.integers(-30, 16, count) * rng.choice([-1, 1], count)
@@ -462,18 +476,35 @@ def test_float16_rounding_is_torchs():
     halfway = (h[:-1] + h[1:]) / 2  # exact in float32
     edges = [0.0, -0.0, 65504.0, 2.0**-14, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 1e-40]
     x = np.concatenate([x, halfway, -halfway, edges, np.negative(edges)]).astype(np.float32)
-    values, bits = np.empty(x.shape[0]), np.empty(x.shape[0], np.int64)
-    _round_all(x, values, bits)
+    values, bit_patterns = np.empty(x.shape[0]), np.empty(x.shape[0], np.int64)
+    _round_all(rounding, x, values, bit_patterns)
     want = torch.from_numpy(x).half()
-    assert np.array_equal(bits, want.view(torch.int16).numpy().astype(np.int64) & 0xFFFF)
+    assert np.array_equal(bit_patterns, want.view(torch.int16).numpy().astype(np.int64) & 0xFFFF)
     assert np.array_equal(values, want.double().numpy())
     assert np.array_equal(np.signbit(values), np.signbit(want.double().numpy()))
 
 
-@numba.njit
-def _round_all(x, values, bits):
-    for i in range(x.shape[0]):
-        values[i], bits[i] = quant_write._half(x[i])
+def _round_all(rounding, x, values, bit_patterns):
+    @numba.njit
+    def run(x, values, bit_patterns):  # (an intrinsic is not a value: ``rounding`` is frozen)
+        for i in range(x.shape[0]):
+            values[i], bit_patterns[i] = rounding(x[i])
+
+    run(x, values, bit_patterns)
+
+
+@pytest.mark.parametrize(
+    ("features", "machine", "converts"),
+    [
+        ("+sse2,+f16c,+avx2", "x86_64", True),
+        ("+sse2,-f16c,+avx", "x86_64", False),
+        ("", "AMD64", False),
+        ("", "aarch64", True),
+        ("", "ppc64le", False),
+    ],
+)
+def test_the_float16_conversion_is_used_only_where_the_target_has_it(features, machine, converts):
+    assert bits.converts_float16(features, machine) is converts
 
 
 @pytest.mark.parametrize("setting", [None, "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])

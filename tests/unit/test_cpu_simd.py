@@ -11,7 +11,12 @@ import torch
 from numba.core.errors import TypingError
 
 from engine.cache.quant import GROUP, _pack
-from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
+from engine.cpu.simd import (
+    BYTES_4BIT,
+    dequantize_4bit_group,
+    dequantize_8bit_group,
+    rounding_error,
+)
 
 
 @numba.njit
@@ -98,3 +103,46 @@ def test_calls_it_does_not_type_are_refused() -> None:
         wrong_dtype(np.zeros(16, np.int8), np.zeros(32, np.float32))
     with pytest.raises(TypingError):
         short_index(np.zeros((2, 32), np.uint8), np.zeros(32, np.float32))
+
+
+def _rounding_error_by_numpy(x: np.ndarray, step: np.float32, low: float, high: float) -> float:
+    """The intrinsic's arithmetic in numpy: float32 quotient, +0.5, floor, clamp, float32
+    residual; squares in float64 summed per lane (element j in lane j % 8), lanes pairwise."""
+    q = np.clip(np.floor((x / step).astype(np.float32) + np.float32(0.5)), low, high)
+    residual = (x - (q * step).astype(np.float32)).astype(np.float32).astype(np.float64)
+    lanes = np.zeros(8)
+    for part in range(GROUP // 8):
+        lanes = lanes + residual[part * 8 : part * 8 + 8] ** 2
+    while len(lanes) > 1:
+        lanes = lanes[: len(lanes) // 2] + lanes[len(lanes) // 2 :]
+    return float(lanes[0])
+
+
+@numba.njit
+def _errors(values, steps, low, high, out):
+    for i in range(steps.shape[0]):
+        out[i] = rounding_error(values, (i % values.shape[0], 0), steps[i], low, high)
+
+
+def test_rounding_error_is_the_scale_searchs_sum_of_squared_residuals() -> None:
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal((6, GROUP)) * rng.lognormal(0, 2, (6, 1))).astype(np.float32)
+    values[0, :4] = [0.0, -0.0, 1e-30, -3e4]  # zeros, a value far below and one far past range
+    tops = np.abs(values).max(axis=1)
+    steps = np.concatenate([tops / 7.5, tops / 9.0, tops / 2.0, [1.0] * 6]).astype(np.float32)
+    out = np.zeros(len(steps))
+    _errors(values, steps, np.float32(-8.0), np.float32(7.0), out)
+    expected = [
+        _rounding_error_by_numpy(values[i % 6], steps[i], -8.0, 7.0) for i in range(len(steps))
+    ]
+    assert out.tolist() == expected
+    assert (out[12:] > 0).all()  # steps of 1: values past the codes clamp, with a residual
+
+
+def test_rounding_error_refuses_other_types() -> None:
+    @numba.njit
+    def float64_values(values):
+        return rounding_error(values, (0,), np.float32(1.0), np.float32(-8.0), np.float32(7.0))
+
+    with pytest.raises(TypingError):
+        float64_values(np.zeros(GROUP))
