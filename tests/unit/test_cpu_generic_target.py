@@ -24,7 +24,7 @@ def test_cpu_kernels_pass_their_tests_compiled_for_plain_x86_64(tmp_path: Path) 
         "NUMBA_CPU_FEATURES": "",
         "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"),  # (not the host-tuned cache)
     }
-    tests = ["tests/unit/test_cpu_simd.py", "tests/unit/test_cpu_kernels.py"]
+    tests = [f"tests/unit/test_cpu_{name}.py" for name in ("simd", "kernels", "kv_gather")]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
