@@ -194,7 +194,7 @@ def measure_gather(mode: str, out_dir: Path) -> GatherSass:
                                       unrotate, True, True)  # fmt: skip
     signature = (  # (page bytes as int32 words, fp16 output as an int64 view)
         "int32[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], int64, "
-        "int32[:, ::1], int64[::1], int64[::1], float16[:, :, ::1], float16[:, ::1], "
+        "int64[:, ::1], int64[::1], int64[::1], float16[:, :, ::1], float16[:, ::1], "
         "float16[:, ::1], float32[:, ::1], int64[:, :, :, ::1]"
     )
     path = out_dir / f"gather_{mode.replace('+', '_')}.cubin"
