@@ -5,8 +5,11 @@ a padded tensor for SDPA (engine/cuda/attention.py, engine/cuda/quant_reference.
 quantized cache it dequantizes all of it, every layer of every step, and for float pages the
 copy alone grows past the caches (SmolLM2, 8 x 4k context, 2 cores: 18 ms per layer).
 
-One work item per (sequence, KV head): its G = H / KV query heads (scaled, in the pages'
-basis: rotated when the pages are) are held in a small array, every key of the sequence's
+One work item per (sequence, KV head): its G = H / KV query heads (scaled; rotated into the
+pages' basis by the item when the pages are, by the write's butterflies, and the output
+rotated back at its end: as torch matmuls around the kernel the two rotations had cost ~1 ms
+of a q4 decode step's attention at 8 x 1k, 30 layers, one or two threads, 2-3%) are held in
+a small array, every key of the sequence's
 context is read once for all of them (scores in float32; for codes by group of 32: the codes'
 dot product times the group's scale), a softmax per head, then every value once, accumulated
 per head and divided by the softmax's sum. Float pages, and the sink and recent pages of a
@@ -33,8 +36,9 @@ import numpy as np
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
-from engine.cache.quant import GROUP, QuantPages, rotate_groups
+from engine.cache.quant import GROUP, QuantPages
 from engine.cpu.bits import float16_bits, float_from_bits
+from engine.cpu.hadamard import rotate_row
 from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
 from engine.cpu.turns import in_turns
 from engine.cuda.quant_reference import check_pair
@@ -64,7 +68,7 @@ def _exp_nonpositive(x):
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _attend_items(
-    q,  # float32 [B, H, D]: scaled queries, in the pages' basis
+    q,  # float32 [B, H, D]: scaled queries (rotated in place when ``rotate``)
     k_data,  # uint8 [P, S, KV, W_k]
     v_data,  # uint8 [P, S, KV, W_v]
     k_scales,  # uint16 [P, S, KV, D / 32]: float16 bits
@@ -77,6 +81,7 @@ def _attend_items(
     seq_lens,  # int32 [B]
     window,  # keys within ``window`` positions of the query's (0: all)
     half,  # float32 [65536]: float16 bits -> value
+    rotate,  # rotated pages: q into their basis, the output back (H is its own inverse)
     out,  # float32 [B, H, D]
     first,
     last,  # work items [first, last) of B * KV
@@ -90,11 +95,24 @@ def _attend_items(
         end = seq_lens[b]
         start = end - window if 0 < window < end else 0
         rows = slice(kvh * heads, (kvh + 1) * heads)
+        if rotate:
+            _rotate_rows(q[b, rows])
         keys = (k_data, k_scales, k_bits, k_rows)
         scores = _scores(q[b, rows], keys, half, tables[b], kvh, start, end, block)
         sums = _softmax(scores, start % k_data.shape[1])
         values = (v_data, v_scales, v_bits, v_rows)
         _weigh_values(scores, sums, values, half, tables[b], kvh, start, end, block, out[b, rows])
+        if rotate:
+            _rotate_rows(out[b, rows])
+
+
+@numba.njit(inline="always")
+def _rotate_rows(rows):
+    """Each row of ``rows`` [G, D] times H per group of 32, in place (the write's butterflies:
+    where torch's matmul did it around the kernel, two ops per layer ran on torch's threads,
+    whose OpenMP workers then spun beside the kernel's)."""
+    for r in range(rows.shape[0]):
+        rotate_row(rows[r])
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
@@ -284,9 +302,7 @@ def quant_decode_attention_cpu(
     check_pair(k_pages, v_pages)
     _check_call(q, k_pages, batch, sliding_window, k_pages.shape)
     head_dim = k_pages.shape[3]
-    queries = q.float() * scale
-    if k_pages.rotate:
-        queries = rotate_groups(queries)
+    queries = q.float() * scale  # (a new tensor: the kernel rotates it in place)
     out = torch.empty_like(queries)
     codes = (
         _bytes(k_pages),
@@ -298,11 +314,9 @@ def quant_decode_attention_cpu(
     )
     rows = (_rows(k_pages, head_dim), _rows(v_pages, head_dim))
     _run_items(
-        _kernel_args(queries, codes, rows, batch, sliding_window, out),
+        _kernel_args(queries, codes, rows, batch, sliding_window, out, k_pages.rotate),
         q.shape[0] * k_pages.shape[2],
     )
-    if k_pages.rotate:
-        out = rotate_groups(out)
     return out.to(q.dtype)
 
 
@@ -334,9 +348,11 @@ def _kernel_args(
     batch: ForwardBatch,
     sliding_window: int | None,
     out: torch.Tensor,
+    rotate: bool = False,
 ) -> tuple:
     """``_attend_items``' arguments but the work items: (K codes, V codes, K scales, V scales,
-    K bits, V bits) and the (K, V) rows read unquantized."""
+    K bits, V bits) and the (K, V) rows read unquantized; ``rotate``: the pages are rotated
+    (the kernel rotates ``queries`` in place and the output back)."""
     return (
         queries.contiguous().numpy(),
         *codes,
@@ -345,6 +361,7 @@ def _kernel_args(
         batch.seq_lens.to(torch.int32).numpy(),
         sliding_window or 0,
         half_table(),
+        rotate,
         out.numpy(),
     )
 
