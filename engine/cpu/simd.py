@@ -75,26 +75,24 @@ def _group_pointers(context, builder, signature, args, code_bytes):
     return source, target
 
 
-def _typed(codes, codes_at, out, out_at, scale) -> bool:
-    """Codes: a C-order uint8 array; out: a C-order float32 array; each with an integer index
-    tuple of its dimensions; scale float32."""
-
-    def indexes(array, at) -> bool:
-        return (
-            isinstance(at, types.BaseTuple)
-            and len(at) == array.ndim
-            and all(isinstance(kind, types.Integer) for kind in at)
-        )
-
+def _indexed(array, at, dtype) -> bool:
+    """Whether ``array`` is a C-order array of ``dtype`` and ``at`` an integer index tuple of
+    its dimensions."""
     return (
-        isinstance(codes, types.Array)
-        and codes.dtype == types.uint8
-        and codes.layout == "C"
-        and isinstance(out, types.Array)
-        and out.dtype == types.float32
-        and out.layout == "C"
-        and indexes(codes, codes_at)
-        and indexes(out, out_at)
+        isinstance(array, types.Array)
+        and array.dtype == dtype
+        and array.layout == "C"
+        and isinstance(at, types.BaseTuple)
+        and len(at) == array.ndim
+        and all(isinstance(kind, types.Integer) for kind in at)
+    )
+
+
+def _typed(codes, codes_at, out, out_at, scale) -> bool:
+    """Codes: uint8, out: float32 (each ``_indexed``); scale float32."""
+    return (
+        _indexed(codes, codes_at, types.uint8)
+        and _indexed(out, out_at, types.float32)
         and scale == types.float32
     )
 
@@ -182,16 +180,7 @@ def rounding_error(typingctx, values, at, step, low, high):
     [low, high], the residual x - q * step rounded to float32, squared exactly in float64
     and summed (lanes first, then the lanes' sums pairwise). ``quant.search_scales``' error
     of one candidate scale."""
-    floats = (types.float32,) * 3
-    if not (
-        isinstance(values, types.Array)
-        and values.dtype == types.float32
-        and values.layout == "C"
-        and isinstance(at, types.BaseTuple)
-        and len(at) == values.ndim
-        and all(isinstance(kind, types.Integer) for kind in at)
-        and (step, low, high) == floats
-    ):
+    if not (_indexed(values, at, types.float32) and (step, low, high) == (types.float32,) * 3):
         return None
 
     def codegen(context, builder, signature, args):
