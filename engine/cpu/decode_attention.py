@@ -272,9 +272,8 @@ def decode_attention_cpu(
     out = torch.empty_like(queries)
     codes = (no_codes, no_codes, no_scales, no_scales, 0, 0)
     rows = (_float_rows(k_pages), _float_rows(v_pages))
-    _run_items(
-        _kernel_args(queries, codes, rows, batch, sliding_window, out), q.shape[0] * kv_heads
-    )
+    args = _kernel_args(queries, codes, rows, batch, sliding_window, out)
+    _run_items(args, q.shape[0] * kv_heads, _key_heads(batch, sliding_window, kv_heads))
     return out.to(q.dtype)
 
 
@@ -313,10 +312,9 @@ def quant_decode_attention_cpu(
         v_pages.bits,
     )
     rows = (_rows(k_pages, head_dim), _rows(v_pages, head_dim))
-    _run_items(
-        _kernel_args(queries, codes, rows, batch, sliding_window, out, k_pages.rotate),
-        q.shape[0] * k_pages.shape[2],
-    )
+    args = _kernel_args(queries, codes, rows, batch, sliding_window, out, k_pages.rotate)
+    kv_heads = k_pages.shape[2]
+    _run_items(args, q.shape[0] * kv_heads, _key_heads(batch, sliding_window, kv_heads))
     return out.to(q.dtype)
 
 
@@ -366,9 +364,30 @@ def _kernel_args(
     )
 
 
-def _run_items(args: tuple, items: int) -> None:
-    """The kernel over its work items, shared among torch's threads (engine/cpu/turns.py)."""
-    in_turns(lambda first, last: _attend_items(*args, first, last), items)
+# A decode batch's work items are shared among torch's threads when they read this many
+# (key, KV head) pairs or more; below, this thread alone is the faster, a pool thread's
+# wake-up and the futures costing ~110 us per call (SmolLM2, q4, 8 sequences, 2 threads, per
+# layer, always shared -> this rule, one process: 16 keys each 207 -> 92 us, 64 keys
+# 229 -> 142, 128 keys 253 -> 210; from 256 keys (6144 pairs) on shared as before).
+SHARED_KEY_HEADS = 4096
+
+
+def _key_heads(batch: ForwardBatch, sliding_window: int | None, kv_heads: int) -> int:
+    """The (key, KV head) pairs a decode batch reads (within the window, if any)."""
+    lens = batch.seq_lens_host
+    if not lens:  # (not known on the host: shared, as every batch was before)
+        return SHARED_KEY_HEADS
+    keys = sum(min(n, sliding_window) for n in lens) if sliding_window else sum(lens)
+    return keys * kv_heads
+
+
+def _run_items(args: tuple, items: int, key_heads: int) -> None:
+    """The kernel over its work items: shared among torch's threads (engine/cpu/turns.py)
+    when they read ``SHARED_KEY_HEADS`` pairs or more, else on this thread."""
+    if key_heads < SHARED_KEY_HEADS:
+        _attend_items(*args, 0, items)
+    else:
+        in_turns(lambda first, last: _attend_items(*args, first, last), items)
 
 
 def _bytes(pages: QuantPages) -> np.ndarray:

@@ -78,7 +78,12 @@ def test_cpu_warm_up_compiles_the_decode_kernel_over_float_pages(tiny32, monkeyp
 
     calls = []
     run = decode_attention._run_items
-    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+
+    def counted(args, items, key_heads):
+        calls.append(items)
+        run(args, items, key_heads)
+
+    monkeypatch.setattr(decode_attention, "_run_items", counted)
     warm_up(tiny32.model, cpu_ops(), PAGE, "fp16")
     assert calls  # the kernel ran (compiled or loaded) during the warm-up
     calls.clear()

@@ -122,9 +122,10 @@ def test_decode_reads_the_codes_it_is_given():
     assert _rel_error(after, ref) <= TOL
 
 
-def test_decode_fp16_queries_and_threads():
+def test_decode_fp16_queries_and_threads(monkeypatch):
     """A float16 query comes back in float16; the result does not depend on how many threads
     take the work items, and two callers at once each get their own."""
+    monkeypatch.setattr(decode_attention, "SHARED_KEY_HEADS", 0)  # (a small batch, shared)
     q, k_pages, v_pages, batch = _case([7, 12, 3, 9], "q8", heads=4, kv_heads=2, seed=5)
     threads = torch.get_num_threads()
     results = {}
@@ -151,9 +152,38 @@ def test_decode_fp16_queries_and_threads():
     assert all(torch.equal(out, results[1]) for out in outs)
 
 
+def test_small_decode_batches_stay_on_this_thread_and_large_ones_are_shared(monkeypatch):
+    """Below ``SHARED_KEY_HEADS`` (key, KV head) pairs the kernel runs on the calling thread (a
+    pool thread's wake-up costs more than it saves); from there on torch's threads take its
+    items in turn; the output is the same either way. Pairs count within the window."""
+    contexts = [7, 12, 3, 9]
+    q, k_pages, v_pages, batch = _case(contexts, "q8", heads=4, kv_heads=2, seed=5)
+    shared = []
+    real = decode_attention.in_turns
+
+    def counted(work, items):
+        shared.append(items)
+        real(work, items)
+
+    monkeypatch.setattr(decode_attention, "in_turns", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
+        assert shared == []
+        monkeypatch.setattr(decode_attention, "SHARED_KEY_HEADS", sum(contexts) * 2)
+        together = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
+        assert shared == [len(contexts) * 2]  # (work items: sequences x KV heads)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+    assert decode_attention._key_heads(batch, 5, 2) == (5 + 5 + 3 + 5) * 2
+
+
 def test_decode_does_not_wait_for_a_pool_thread_that_never_starts(monkeypatch):
     """The calling thread takes every chunk the pool has not: a pool whose thread is busy
     (or gone, as in a forked child) does not hold the call up, and the result is whole."""
+    monkeypatch.setattr(decode_attention, "SHARED_KEY_HEADS", 0)  # (a small batch, shared)
     q, k_pages, v_pages, batch = _case([7, 12, 3, 9], "q4", heads=4, kv_heads=2, seed=6)
     want = quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.2)
     busy = ThreadPoolExecutor(max_workers=1)
@@ -192,7 +222,12 @@ def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     the chunk to the reference: the op's output is the reference's either way."""
     calls = []
     run = decode_attention._run_items
-    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+
+    def counted(args, items, key_heads):
+        calls.append(items)
+        run(args, items, key_heads)
+
+    monkeypatch.setattr(decode_attention, "_run_items", counted)
     gen = torch.Generator().manual_seed(9)
     seqs = [
         SequenceInput([1], num_cached=6, pages=[0, 1]),
@@ -290,7 +325,12 @@ def test_cpu_ops_route_float_decode_rows_by_their_padding(
     torch_threads(2)
     calls = []
     run = decode_attention._run_items
-    monkeypatch.setattr(decode_attention, "_run_items", lambda a, n: (calls.append(n), run(a, n)))
+
+    def counted(args, items, key_heads):
+        calls.append(items)
+        run(args, items, key_heads)
+
+    monkeypatch.setattr(decode_attention, "_run_items", counted)
     gen = torch.Generator().manual_seed(9)
     first, second = decode_contexts
     seqs = [
