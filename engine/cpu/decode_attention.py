@@ -23,7 +23,8 @@ scale per group, read here through a 65536-entry table of their float32 values (
 float16 on the CPU; the table converts exactly). Float pages must be float32 (the CPU build's
 run dtype); others go to the reference.
 
-Work items are taken in turn by ``torch.get_num_threads()`` threads (engine/cpu/turns.py).
+Work items are taken in turn by ``torch.get_num_threads()`` threads: torch's OpenMP team
+(engine/cpu/team.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from engine.cache.quant import GROUP, QuantPages
 from engine.cpu.bits import float16_bits, float_from_bits
 from engine.cpu.hadamard import rotate_row
 from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
-from engine.cpu.turns import in_turns
+from engine.cpu.team import share
 from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
@@ -365,11 +366,11 @@ def _kernel_args(
 
 
 # A decode batch's work items are shared among torch's threads when they read this many
-# (key, KV head) pairs or more; below, this thread alone is the faster, a pool thread's
-# wake-up and the futures costing ~110 us per call (SmolLM2, q4, 8 sequences, 2 threads, per
-# layer, always shared -> this rule, one process: 16 keys each 207 -> 92 us, 64 keys
-# 229 -> 142, 128 keys 253 -> 210; from 256 keys (6144 pairs) on shared as before).
-SHARED_KEY_HEADS = 4096
+# (key, KV head) pairs or more; below, this thread alone is as fast. On torch's OpenMP team
+# (engine/cpu/team.py; SmolLM2, q4, 8 sequences, 2 threads, per layer after a torch matmul,
+# this thread alone -> team): 16 keys each 58 -> 69 us, 32 keys 72 -> 78, 64 keys 103 -> 94,
+# 128 keys 166 -> 128. (On our own pool, whose wake-up cost ~110 us a call, it was 4096.)
+SHARED_KEY_HEADS = 1024
 
 
 def _key_heads(batch: ForwardBatch, sliding_window: int | None, kv_heads: int) -> int:
@@ -382,12 +383,12 @@ def _key_heads(batch: ForwardBatch, sliding_window: int | None, kv_heads: int) -
 
 
 def _run_items(args: tuple, items: int, key_heads: int) -> None:
-    """The kernel over its work items: shared among torch's threads (engine/cpu/turns.py)
+    """The kernel over its work items: shared among torch's threads (engine/cpu/team.py)
     when they read ``SHARED_KEY_HEADS`` pairs or more, else on this thread."""
     if key_heads < SHARED_KEY_HEADS:
         _attend_items(*args, 0, items)
     else:
-        in_turns(lambda first, last: _attend_items(*args, first, last), items)
+        share(_attend_items, args, items)
 
 
 def _bytes(pages: QuantPages) -> np.ndarray:

@@ -24,7 +24,7 @@ Per (sequence, page) work item, for each row and KV head of the page:
 
 Stored rows and codes are rotated back (``unrotate``) by the reference's butterflies
 (engine/cpu/hadamard.py), so every value is the reference's bit for bit. Work items are
-taken in turn by torch's threads (engine/cpu/turns.py). Other dtypes (a float16 or bfloat16
+taken in turn by torch's threads (engine/cpu/team.py). Other dtypes (a float16 or bfloat16
 model on the CPU) go to the torch reference.
 """
 
@@ -42,7 +42,7 @@ from engine.cpu.bits import float16_bits
 from engine.cpu.decode_attention import half_table
 from engine.cpu.hadamard import rotate_row
 from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
-from engine.cpu.turns import in_turns
+from engine.cpu.team import share
 from engine.cuda import quant_reference
 from engine.cuda.quant_reference import (
     OwnRows,
@@ -88,9 +88,9 @@ def _dequantized(data, scales, page, s, h, table, bits, out):
 
 @numba.njit(nogil=True, cache=True)
 def _gather_items(
-    first, last, index, data, scales, table, bits, rows, num_rows_pages,
+    index, data, scales, table, bits, rows, num_rows_pages,
     own_slots, own_rows, own_values, cos, sin, center, keys, centered, rotate_own, unrotate,
-    out,
+    out, first, last,
 ):  # fmt: skip
     """out [B, n * S, KV, D] for work items [first, last) (item b * n + j: page index[b, j]):
     see the module's docstring. Each row is made in a scratch row, then copied: indexing
@@ -198,7 +198,7 @@ def gather_context_cpu(
         half_table(), pages.bits, rows, num_rows_pages, *_own_arrays(own),
         pages.rotate and not unrotate, unrotate, out.numpy(),
     )  # fmt: skip
-    in_turns(lambda first, last: _gather_items(first, last, *args), b * n)
+    share(_gather_items, args, b * n)
     return out
 
 

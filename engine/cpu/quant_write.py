@@ -42,7 +42,7 @@ from engine.cache.quant import (
 from engine.cpu.bits import float16_bits, float16_rounded
 from engine.cpu.hadamard import rotate_row
 from engine.cpu.simd import rounding_error
-from engine.cpu.turns import in_turns
+from engine.cpu.team import share
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
 
@@ -113,15 +113,15 @@ def _centered_rotated(row, center, rotate, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisors):
-    """rows float32 [T, KV, D] -> centered (less center [KV, D], zeros for none) and
-    rotated (``rotate``) groups of 32 -> codes into data [N, KV, W] (uint8 view) and float16
-    bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]."""
+def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisors, first, last):
+    """rows float32 [T, KV, D] [first, last) -> centered (less center [KV, D], zeros for
+    none) and rotated (``rotate``) groups of 32 -> codes into data [N, KV, W] (uint8 view)
+    and float16 bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]."""
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     codes = np.empty(GROUP, np.int64)
     errors = np.empty(divisors.shape[0])  # the search's, per candidate scale
     values = np.empty(rows.shape[2], np.float32)
-    for t in range(rows.shape[0]):
+    for t in range(first, last):
         slot = slots[t]
         for kvh in range(rows.shape[1]):
             _centered_rotated(rows[t, kvh], center[kvh], rotate, values)
@@ -146,14 +146,16 @@ def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisor
                         data[slot, kvh, base + j] = (codes[j] + 8) | ((codes[j + half] + 8) << 4)
 
 
-# Writes of this many rows or more (prompt chunks) are shared among torch's threads; a decode
-# step's few rows take ~15 us on one (SmolLM2, 8 rows), less than a pool thread's wake-up.
-SHARED_ROWS = 64
+# Writes of this many rows or more (prompt chunks) are shared among torch's threads
+# (engine/cpu/team.py); fewer are as fast on this thread alone (SmolLM2's K rows, a call after
+# a torch matmul, 2 threads, alone -> shared: 8 rows 72 -> 83 us, 16 85 -> 91, 32 110 -> 105,
+# 64 164 -> 129, 128 274 -> 188).
+SHARED_ROWS = 32
 
 
 def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> None:
     """``quant.write_slots`` on the CPU (same codes, scales and unquantized rows), the codes
-    and scales by ``_write_rows``, over rows taken in turn by torch's threads when there are
+    and scales by ``_write_rows``, over rows shared among torch's threads when there are
     ``SHARED_ROWS`` or more (each row its own slot, so no two threads write one byte)."""
     check_head_dim(x.shape[-1])
     rows = x.float().contiguous().numpy()
@@ -164,16 +166,11 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     scales = float16_bits(pages.scales.view(-1, *pages.scales.shape[2:]))
     search = searches(pages.bits, pages.rotate)
 
-    def write(first: int, last: int) -> None:
-        part, ids = rows[first:last], slot_ids[first:last]
-        _write_rows(
-            part, center, pages.rotate, pages.bits, search, ids, flat_data, scales, _DIVISORS,
-        )  # fmt: skip
-
+    args = (rows, center, pages.rotate, pages.bits, search, slot_ids, flat_data, scales, _DIVISORS)
     if len(slot_ids) >= SHARED_ROWS:
-        in_turns(write, len(slot_ids))
+        share(_write_rows, args, len(slot_ids))
     else:
-        write(0, len(slot_ids))
+        _write_rows(*args, 0, len(slot_ids))
     if pages.sinks is not None:
         write_sink_rows(pages, centered(pages, x), slots)
 

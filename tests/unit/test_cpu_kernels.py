@@ -25,7 +25,7 @@ from engine.cache.quant import (
     search_scales,
     write_slots,
 )
-from engine.cpu import bits, decode_attention, quant_write, turns
+from engine.cpu import bits, decode_attention, quant_write, team, turns
 from engine.cpu.decode_attention import decode_attention_cpu, quant_decode_attention_cpu
 from engine.cpu.quant_write import write_slots_cpu
 from engine.cuda.attention import paged_attention_reference
@@ -159,13 +159,13 @@ def test_small_decode_batches_stay_on_this_thread_and_large_ones_are_shared(monk
     contexts = [7, 12, 3, 9]
     q, k_pages, v_pages, batch = _case(contexts, "q8", heads=4, kv_heads=2, seed=5)
     shared = []
-    real = decode_attention.in_turns
+    real = decode_attention.share
 
-    def counted(work, items):
+    def counted(kernel, args, items):
         shared.append(items)
-        real(work, items)
+        real(kernel, args, items)
 
-    monkeypatch.setattr(decode_attention, "in_turns", counted)
+    monkeypatch.setattr(decode_attention, "share", counted)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -189,6 +189,7 @@ def test_decode_does_not_wait_for_a_pool_thread_that_never_starts(monkeypatch):
     busy = ThreadPoolExecutor(max_workers=1)
     release = threading.Event()
     busy.submit(release.wait)
+    monkeypatch.setattr(team, "team_runtime", lambda pid: None)  # (our pool, not torch's team)
     monkeypatch.setattr(turns, "_pool", lambda workers, pid: busy)
     watchdog = threading.Timer(30, release.set)  # (a call that waits returns only after it)
     threads = torch.get_num_threads()
@@ -402,17 +403,17 @@ def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unqua
 
 
 def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not(monkeypatch):
-    """A write of ``SHARED_ROWS`` rows or more goes to the kernel in chunks of rows that
-    torch's threads take in turn, fewer in one call; the codes are the reference's either
-    way."""
-    calls = []
-    kernel = quant_write._write_rows
+    """A write of ``SHARED_ROWS`` rows or more goes to the kernel shared among torch's
+    threads (engine/cpu/team.py), fewer in one call on this thread; the codes are the
+    reference's either way."""
+    shared = []
+    real = quant_write.share
 
-    def counted(groups, *args):
-        calls.append(len(groups))
-        kernel(groups, *args)
+    def counted(kernel, args, items):
+        shared.append(items)
+        real(kernel, args, items)
 
-    monkeypatch.setattr(quant_write, "_write_rows", counted)
+    monkeypatch.setattr(quant_write, "share", counted)
     gen = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -420,17 +421,13 @@ def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not
         for rows in (quant_write.SHARED_ROWS - 1, 300):
             x = torch.randn(rows, 2, 2 * GROUP, generator=gen)
             slots = torch.randperm(160 * PAGE, generator=gen)[:rows]
-            calls.clear()
+            shared.clear()
             pages = [allocate_quant_pages(160, PAGE, 2, 2 * GROUP, 4, True, "cpu") for _ in "ab"]
             write_slots(pages[0], x, slots)
             write_slots_cpu(pages[1], x, slots)
             assert torch.equal(pages[1].data, pages[0].data)
             assert torch.equal(pages[1].scales.view(torch.int16), pages[0].scales.view(torch.int16))
-            assert sum(calls) == rows
-            if rows < quant_write.SHARED_ROWS:
-                assert calls == [rows]
-            else:
-                assert len(calls) > 2 and max(calls) < rows
+            assert shared == ([] if rows < quant_write.SHARED_ROWS else [rows])
     finally:
         torch.set_num_threads(threads)
 
@@ -477,7 +474,7 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     quant_write._write_rows(
         x.reshape(64, 1, -1).numpy(), no_center, False, bits, search,
         torch.arange(64).numpy(), data.numpy(), scales.numpy().view("uint16"),
-        quant_write._DIVISORS,
+        quant_write._DIVISORS, 0, 64,
     )  # fmt: skip
     want_data, want_scales = quantize(x.reshape(64, 1, -1), bits, False, search)
     if search:
