@@ -41,7 +41,7 @@ from engine.cache.quant import GROUP, QuantPages
 from engine.cpu.bits import float16_bits, float_from_bits
 from engine.cpu.hadamard import rotate_row
 from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
-from engine.cpu.team import share
+from engine.cpu.team import prepare, share
 from engine.cuda.quant_reference import check_pair
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
@@ -265,6 +265,14 @@ def decode_attention_cpu(
             f"{tuple(v_pages.shape)} {v_pages.dtype} differ"
         )
     _check_call(q, k_pages, batch, sliding_window, tuple(k_pages.shape))
+    args, out = _float_args(q, k_pages, v_pages, batch, scale, sliding_window)
+    kv_heads = k_pages.shape[2]
+    _run_items(args, q.shape[0] * kv_heads, _key_heads(batch, sliding_window, kv_heads))
+    return out.to(q.dtype)
+
+
+def _float_args(q, k_pages, v_pages, batch, scale, sliding_window) -> tuple[tuple, torch.Tensor]:
+    """The kernel's arguments over float pages (but the work items), and its output."""
     _, page_size, kv_heads, _ = k_pages.shape
     # no codes: every page id is below the rows' count, so the kernel reads only rows
     no_codes = np.zeros((0, page_size, kv_heads, 1), np.uint8)
@@ -273,20 +281,21 @@ def decode_attention_cpu(
     out = torch.empty_like(queries)
     codes = (no_codes, no_codes, no_scales, no_scales, 0, 0)
     rows = (_float_rows(k_pages), _float_rows(v_pages))
-    args = _kernel_args(queries, codes, rows, batch, sliding_window, out)
-    _run_items(args, q.shape[0] * kv_heads, _key_heads(batch, sliding_window, kv_heads))
-    return out.to(q.dtype)
+    return _kernel_args(queries, codes, rows, batch, sliding_window, out), out
 
 
 def warm_up_decode_attention_cpu(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
-    """Compile (or load from Numba's cache) the kernel, on two pages of float rows; quantized
-    pages take the same compiled code. Nothing for a run dtype the kernel does not take."""
+    """Compile (or load from Numba's cache) the kernel, on two pages of float rows, and its
+    callback for torch's team (engine/cpu/team.py); quantized pages take the same compiled
+    code. Nothing for a run dtype the kernel does not take."""
     if dtype != torch.float32:
         return
     seqs = [SequenceInput([0], num_cached=0, pages=[0]), SequenceInput([0], 0, pages=[1])]
     batch = build_forward_batch(seqs, 1)
     k_pages = torch.zeros((2, 1, kv_heads, head_dim))
-    decode_attention_cpu(torch.zeros((2, heads, head_dim)), k_pages, k_pages, batch, 1.0)
+    q = torch.zeros((2, heads, head_dim))
+    decode_attention_cpu(q, k_pages, k_pages, batch, 1.0)
+    prepare(_attend_items, _float_args(q, k_pages, k_pages, batch, 1.0, None)[0])
 
 
 def quant_decode_attention_cpu(

@@ -111,6 +111,14 @@ def share(kernel: Callable, args: tuple, items: int) -> None:
     _launch(runtime, _callback_address(kernel, args), threads, items, chunk, args)
 
 
+def prepare(kernel: Callable, args: tuple) -> None:
+    """Compile what ``share(kernel, args, ...)`` will run on the team (the callback for these
+    argument types: ~0.5 s), now rather than at the first shared call, mid-request; nothing
+    where the team will not run it (one thread, no runtime)."""
+    if torch.get_num_threads() > 1 and team_runtime(os.getpid()) is not None:
+        _callback_address(kernel, args)
+
+
 # what of an array's flags Numba's type of it holds (its layout, alignment and writability)
 _TYPED_FLAGS = 0x1 | 0x2 | 0x100 | 0x400  # NPY_ARRAY_{C,F}_CONTIGUOUS, ALIGNED, WRITEABLE
 
@@ -235,8 +243,8 @@ def _fetch_add(typingctx, frame, index, value):
     """``frame[index] += value`` atomically; returns the value before."""
 
     def codegen(context, builder, signature, llargs):
-        at = builder.gep(llargs[0], [context.cast(builder, llargs[1], signature.args[1], types.int64)])
-        return builder.atomic_rmw("add", at, llargs[2], "monotonic")
+        index = context.cast(builder, llargs[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("add", builder.gep(llargs[0], [index]), llargs[2], "monotonic")
 
     return types.int64(frame, index, types.int64), codegen
 
@@ -249,7 +257,8 @@ def _parallel(typingctx, runtime, callback, data, threads):
     def codegen(context, builder, signature, llargs):
         pointer = ir.IntType(8).as_pointer()
         callback_type = ir.FunctionType(ir.VoidType(), [pointer])
-        gomp_type = ir.FunctionType(ir.VoidType(), [callback_type.as_pointer(), pointer, _I32, _I32])
+        gomp_arguments = [callback_type.as_pointer(), pointer, _I32, _I32]
+        gomp_type = ir.FunctionType(ir.VoidType(), gomp_arguments)
         words = [
             context.cast(builder, value, kind, types.int64)
             for value, kind in zip(llargs, signature.args, strict=True)
@@ -257,7 +266,8 @@ def _parallel(typingctx, runtime, callback, data, threads):
         function = builder.inttoptr(words[0], gomp_type.as_pointer())
         callback = builder.inttoptr(words[1], callback_type.as_pointer())
         data = builder.inttoptr(words[2], pointer)
-        builder.call(function, [callback, data, builder.trunc(words[3], _I32), ir.Constant(_I32, 0)])
+        threads = builder.trunc(words[3], _I32)
+        builder.call(function, [callback, data, threads, ir.Constant(_I32, 0)])  # (flags: none)
         return context.get_dummy_value()
 
     return types.void(runtime, callback, data, threads), codegen

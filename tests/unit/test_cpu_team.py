@@ -132,7 +132,8 @@ def test_a_forked_child_shares_on_its_own_pool_not_the_team():
     copy, and a parallel region there waits for them forever: the child uses our pool."""
     values, codes, grid = _case(400)
     with _threads(2):
-        team.share(_record, (values, codes, grid, 1, True, np.zeros(400), np.zeros(400, np.uint64)), 400)
+        who = np.zeros(400, np.uint64)
+        team.share(_record, (values, codes, grid, 1, True, np.zeros(400), who), 400)
         pid = os.fork()
         if pid == 0:  # the child: exit status 0 only for the right values
             out = np.zeros(400)
@@ -150,3 +151,17 @@ def test_a_forked_child_shares_on_its_own_pool_not_the_team():
         pytest.fail("the forked child's shared call never returned")
     assert os.waitstatus_to_exitcode(status) == 0
     assert team.team_runtime(os.getpid() + 1) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_warm_up_compiles_the_decode_kernels_callback_where_it_will_share(monkeypatch, threads):
+    """The engine's warm-up compiles the decode kernel's callback for torch's team (~0.5 s),
+    so that the first long decode batch does not, mid-request; on one thread it never shares,
+    so nothing is compiled."""
+    from engine.cpu import decode_attention
+
+    monkeypatch.setattr(team, "_addresses", {})
+    with _threads(threads):
+        decode_attention.warm_up_decode_attention_cpu(torch.float32, 4, 2, 64)
+    kernels = [kernel for kernel, _ in team._addresses]
+    assert kernels == ([decode_attention._attend_items] if threads > 1 else [])
