@@ -115,17 +115,17 @@ def measure(
         job = DynamicJob(ids, max_new_tokens=steps + 1, stop_conditions=[], gen_settings=greedy)
         gen.enqueue(job)
     started, decode = time.perf_counter(), []
-    first_tokens = 0
+    answered = set()  # jobs with a first token (in chunks, the first decode while others prefill)
     prefill_s = 0.0
     while gen.num_remaining_jobs():
         t = time.perf_counter()
         results = gen.iterate()
         took = time.perf_counter() - t
-        tokens = sum(r["token_ids"].numel() for r in results if "token_ids" in r)
-        if first_tokens < batch:
-            first_tokens += tokens
+        made = [r for r in results if "token_ids" in r and r["token_ids"].numel()]
+        if len(answered) < batch:
+            answered.update(r["serial"] for r in made)
             prefill_s = time.perf_counter() - started
-        elif tokens == batch:  # a decode step of the whole batch
+        elif sum(r["token_ids"].numel() for r in made) == batch:  # a step of the whole batch
             decode.append(took)
     if not decode:
         raise RuntimeError(f"{mode}: no decode step of the whole batch was timed")
@@ -227,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     # An untimed run first: a process's first prefill is slower (each new matmul shape's
     # kernels are made on first use), and the baseline runs in a fresh process each time
     # (this box: 10-20% on the first prefill of 8 x 1024 tokens).
-    measure(model, tokenizer, args.modes[0], args.batch, args.context, 1, args.ragged, args.chunk)
+    # (In chunks the first jobs decode while later ones prefill, and end after 1 + steps tokens:
+    # a run of 1 step would have no step of the whole batch to time.)
+    warm_steps = args.steps if args.chunk else 1
+    shape = (args.batch, args.context, warm_steps, args.ragged, args.chunk)
+    measure(model, tokenizer, args.modes[0], *shape)
     results, baseline = [], {}
     no_tree = contextlib.nullcontext((None, None))
     with baseline_tree(args.baseline) if args.baseline else no_tree as (tree, commit):

@@ -1,7 +1,9 @@
-"""Work shared among torch's threads on the CPU, for the Numba kernels that release the GIL
-(``nogil``): the calling thread and a small pool take chunks of a call's items in turn until
-none is left. Numba's own parallel loops would do it too, but cannot promise that two engines
-in one process may call a kernel at once.
+"""Work shared among threads on the CPU by a small pool of our own, for the Numba kernels that
+release the GIL (``nogil``): the calling thread and the pool take chunks of a call's items in
+turn until none is left. Since stop 53 the kernels share their work on torch's own OpenMP team
+instead (engine/cpu/team.py); this pool is its fallback where that team cannot be used (no
+OpenMP runtime found, a forked child). Numba's own parallel loops would do it too, but cannot
+promise that two engines in one process may call a kernel at once.
 
 In turn, not a fixed share each: torch's own OpenMP workers keep spinning on the other cores
 for a while after each torch op, so a pool thread there may get a fraction of a core

@@ -152,20 +152,26 @@ def test_decode_fp16_queries_and_threads(monkeypatch):
     assert all(torch.equal(out, results[1]) for out in outs)
 
 
+def _count_shares(monkeypatch, module) -> list[int]:
+    """The items of each ``share`` call ``module`` makes from now on (each still made)."""
+    shared = []
+    real = module.share
+
+    def counted(kernel, args, items):
+        shared.append(items)
+        real(kernel, args, items)
+
+    monkeypatch.setattr(module, "share", counted)
+    return shared
+
+
 def test_small_decode_batches_stay_on_this_thread_and_large_ones_are_shared(monkeypatch):
     """Below ``SHARED_KEY_HEADS`` (key, KV head) pairs the kernel runs on the calling thread (a
     pool thread's wake-up costs more than it saves); from there on torch's threads take its
     items in turn; the output is the same either way. Pairs count within the window."""
     contexts = [7, 12, 3, 9]
     q, k_pages, v_pages, batch = _case(contexts, "q8", heads=4, kv_heads=2, seed=5)
-    shared = []
-    real = decode_attention.share
-
-    def counted(kernel, args, items):
-        shared.append(items)
-        real(kernel, args, items)
-
-    monkeypatch.setattr(decode_attention, "share", counted)
+    shared = _count_shares(monkeypatch, decode_attention)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -406,14 +412,7 @@ def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not
     """A write of ``SHARED_ROWS`` rows or more goes to the kernel shared among torch's
     threads (engine/cpu/team.py), fewer in one call on this thread; the codes are the
     reference's either way."""
-    shared = []
-    real = quant_write.share
-
-    def counted(kernel, args, items):
-        shared.append(items)
-        real(kernel, args, items)
-
-    monkeypatch.setattr(quant_write, "share", counted)
+    shared = _count_shares(monkeypatch, quant_write)
     gen = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
