@@ -53,6 +53,7 @@ MAX_NDIM = 4
 SLOT = 1 + 2 * MAX_NDIM
 # the shared libraries that may be torch's OpenMP runtime (all three export GOMP_parallel)
 _RUNTIME_NAMES = ("libgomp", "libiomp5", "libomp")
+_LOADED_IN = os.getpid()  # (torch is imported above, so its runtime is loaded in this process)
 
 
 @functools.cache
@@ -62,15 +63,17 @@ def team_runtime(pid: int) -> int | None:
     a forked child asks again and gets None."""
     if pid != _LOADED_IN:
         return None
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return None
-    path = _torch_openmp_library()
-    if path is None:
-        return None
+    path = None
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        path = _torch_openmp_library()
     try:
-        function = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD).GOMP_parallel
+        function = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD).GOMP_parallel if path else None
     except (OSError, AttributeError):
+        function = None
+    if function is None:
+        logger.info("torch's OpenMP runtime not found: the CPU kernels share work on a pool")
         return None
+    logger.debug("the CPU kernels share work on torch's OpenMP team (%s)", path)
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
@@ -88,9 +91,6 @@ def _torch_openmp_library() -> Path | None:
     if own:
         return own[0]
     return runtimes[0] if len(runtimes) == 1 else None
-
-
-_LOADED_IN = os.getpid()  # (torch is imported above, so its runtime is loaded in this process)
 
 
 def share(kernel: Callable, args: tuple, items: int) -> None:
