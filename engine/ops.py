@@ -85,8 +85,7 @@ TORCH_OPS = OpSet(
 def cpu_ops() -> OpSet:
     """The CPU's op set: the torch references, with Numba kernels (imported on first use:
     they load numba) for decode rows' attention, which reads a quantized cache's codes in
-    place, and float pages too where that pays: on one torch thread, or where the batch's
-    contexts are ragged enough (engine/cpu/decode_attention.py ``float_kernel_pays``), and
+    place, and float pages too (engine/cpu/decode_attention.py ``float_kernel_pays``), and
     for a quantized cache's write, which makes its rows' codes and scales in one pass
     (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
     cache), so runners warm them up."""

@@ -222,31 +222,19 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: Forward
     return k_pages.dtype == torch.float32
 
 
-# Float pages go to the kernel when the reference's padded copy holds this many times the
-# batch's keys or more. The reference copies every sequence's keys into a [B, longest context]
-# tensor and runs SDPA on torch's threads; the kernel reads each sequence's own keys, but on
-# one thread in a decode step (torch's OpenMP workers spin on the other cores after each op)
-# at ~1.5x the reference's cost per key (SmolLM2 on 2 cores, 8 x 1k context: 2.3 against
-# 1.5 ms per layer). So equal lengths stay on the reference, and a batch mixing long and short
-# contexts, where the padding dominates, goes to the kernel (8 jobs from 4000 tokens halving
-# to 31: fp16 decode 22.5 -> 71.8 tok/s, bench/results/kv_cpu_decode_ragged.json).
-FLOAT_PADDING_RATIO = 1.5
-
-
 def float_kernel_pays(batch: ForwardBatch) -> bool:
-    """Whether the kernel beats the reference on a decode batch over float pages: on one
-    torch thread always (no OpenMP worker spins there, and the kernel measured the faster
-    for every batch: SmolLM2, fp16 decode tok/s, kernel against reference, 8 x 1k 38.5 / 34.0,
-    16 x 256 88.7 / 77.1, 1 x 2048 10.7 / 9.6, 4 x 64 35.8 / 35.3,
-    bench/results/kv_cpu_decode_one_thread.json; the serving presets run one per replica),
-    else when the batch is ragged enough (``FLOAT_PADDING_RATIO``). Quantized pages always
-    take the kernel: the reference dequantizes the padded context."""
-    lens = batch.seq_lens_host
-    if not lens:
-        return False
-    if torch.get_num_threads() == 1:
-        return True
-    return len(lens) * max(lens) >= FLOAT_PADDING_RATIO * sum(lens)
+    """Whether the kernel takes a decode batch over float pages: whenever the batch's lengths
+    are known on the host. The reference copies every sequence's keys into a [B, longest
+    context] tensor for SDPA; the kernel reads them in place. Since stop 53 the kernel's work
+    runs on torch's OpenMP team (engine/cpu/team.py), and it beats the reference at every
+    shape measured (SmolLM2's heads, 2 threads, per layer after a torch matmul, kernel /
+    reference: 1 x 64 0.13 / 0.24 ms, 8 x 32 0.18 / 0.71, 8 x 256 0.39 / 1.40, 8 x 1k
+    1.29 / 2.71, 1 x 2048 0.42 / 0.92, 32 x 1k 4.88 / 12.68, 32 x 4k 28.7 / 126.1). Before,
+    on a pool of our own, its second thread shared a core with a spinning torch worker, so
+    only a batch ragged enough took it on several threads (one whose padded copy held 1.5x
+    its keys: 8 contexts from 4000 tokens halving, fp16 decode 22.5 -> 71.8 tok/s,
+    bench/results/kv_cpu_decode_ragged.json); on one thread it took every batch."""
+    return bool(batch.seq_lens_host)
 
 
 def decode_attention_cpu(

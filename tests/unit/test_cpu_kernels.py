@@ -5,6 +5,7 @@ cache write's codes and scales (quant_write.py), and the CPU op set that routes 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -316,20 +317,15 @@ def test_float_decode_takes_float32_pages_only():
     assert torch.equal(out, paged_attention_reference(q, k16, v16, batch, 0.3))
 
 
-@pytest.mark.parametrize(
-    ("decode_contexts", "kernel_items"),
-    [
-        ((2, 13), [4]),  # ragged: padded to 2 x 13 = 26 >= 1.5 x 15 keys: the kernel
-        ((7, 10), []),  # nearly even: 20 < 1.5 x 17: the reference
-    ],
-)
-def test_cpu_ops_route_float_decode_rows_by_their_padding(
-    decode_contexts, kernel_items, monkeypatch, torch_threads
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("decode_contexts", [(2, 13), (7, 10)])
+def test_cpu_ops_route_float_decode_rows_to_the_kernel(
+    decode_contexts, threads, monkeypatch, torch_threads
 ):
-    """Float pages, two torch threads: a mixed batch's decode rows go to the kernel when
-    their contexts are ragged enough (``float_kernel_pays``), else with its prompt chunk to
-    the reference; the op's output is the reference's either way."""
-    torch_threads(2)
+    """Float pages: a mixed batch's decode rows go to the kernel, even or ragged, on one
+    thread or two, and its prompt chunk to the reference; the op's output is the
+    reference's either way."""
+    torch_threads(threads)
     calls = []
     run = decode_attention._run_items
 
@@ -350,30 +346,23 @@ def test_cpu_ops_route_float_decode_rows_by_their_padding(
     q = torch.randn(batch.num_tokens, 4, 24, generator=gen)
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
     ref = paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
-    assert calls == kernel_items  # the two decode rows' items, 2 KV heads each
+    assert calls == [4]  # the two decode rows' items, 2 KV heads each
     assert _rel_error(out, ref) <= TOL
 
 
 @pytest.fixture
 def torch_threads():
-    """Sets torch's thread count for the test (``float_kernel_pays`` reads it)."""
+    """Sets torch's thread count for the test."""
     threads = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(threads)
 
 
-def test_float_kernel_pays_for_padding_only_on_several_threads(torch_threads):
-    def batch_of(contexts):
-        seqs = [SequenceInput([1], num_cached=c - 1, pages=list(range(9))) for c in contexts]
-        return build_forward_batch(seqs, PAGE)
-
-    even = ([30] * 8, [30])
-    ragged = ([30, 1], [32, 16, 8, 4])
-    torch_threads(2)
-    assert not any(decode_attention.float_kernel_pays(batch_of(c)) for c in even)
-    assert all(decode_attention.float_kernel_pays(batch_of(c)) for c in ragged)
-    torch_threads(1)  # no spinning OpenMP worker: the kernel takes every batch
-    assert all(decode_attention.float_kernel_pays(batch_of(c)) for c in even + ragged)
+def test_float_kernel_pays_where_the_lengths_are_known_on_the_host():
+    seqs = [SequenceInput([1], num_cached=c - 1, pages=list(range(9))) for c in (30, 30, 1)]
+    batch = build_forward_batch(seqs, PAGE)
+    assert decode_attention.float_kernel_pays(batch)
+    assert not decode_attention.float_kernel_pays(dataclasses.replace(batch, seq_lens_host=()))
 
 
 @pytest.mark.parametrize(
