@@ -29,8 +29,10 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numba
 import numpy as np
@@ -130,13 +132,17 @@ def _callback_address(kernel: Callable, args: tuple) -> int:
         (a.dtype.num, a.ndim, a.flags.num & _TYPED_FLAGS) if isinstance(a, np.ndarray) else type(a)
         for a in args
     )
-    address = _addresses.get((kernel, key))
-    if address is None:
-        address = _addresses[(kernel, key)] = _callback(kernel, numba.typeof(args)).address
-    return address
+    callback = _callbacks.get((kernel, key))
+    if callback is None:
+        with _compiling:  # (one callback per key, never replaced: its code lives while it does)
+            callback = _callbacks.get((kernel, key))
+            if callback is None:
+                callback = _callbacks[(kernel, key)] = _callback(kernel, numba.typeof(args))
+    return callback.address
 
 
-_addresses: dict[tuple, int] = {}
+_callbacks: dict[tuple, Any] = {}
+_compiling = threading.Lock()
 
 
 @numba.njit(nogil=True, cache=True)
@@ -149,7 +155,6 @@ def _launch(runtime, callback, threads, items, chunk, args):
     _parallel(runtime, callback, frame.ctypes.data, threads)
 
 
-@functools.cache
 def _callback(kernel: Callable, args_type: types.Type):
     """The team threads' C function for ``kernel`` over arguments of ``args_type``."""
     unpack = _unpacker(args_type)

@@ -160,8 +160,8 @@ def test_warm_up_compiles_the_decode_kernels_callback_where_it_will_share(monkey
     so nothing is compiled."""
     from engine.cpu import decode_attention
 
-    monkeypatch.setattr(team, "_addresses", {})
+    monkeypatch.setattr(team, "_callbacks", {})
     with _threads(threads):
         decode_attention.warm_up_decode_attention_cpu(torch.float32, 4, 2, 64)
-    kernels = [kernel for kernel, _ in team._addresses]
+    kernels = [kernel for kernel, _ in team._callbacks]
     assert kernels == ([decode_attention._attend_items] if threads > 1 else [])
