@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
         "--configs",
-        default="2:4,4:4,4:4:16:auto:0:codes,1:4,2:4:32",  # fp16's default first; words: 4
+        default="4:4,2:4,4:4:16:auto:0:codes,1:4,2:4:32",  # the default (4 keys) first
         help="keys_per_step:min_blocks:lanes:sums:splits:unpack items; the first: the baseline",
     )
     parser.add_argument("--output", type=Path, default=RESULTS)

@@ -126,7 +126,7 @@ def compile_kernel(mode: str, out_dir: Path) -> tuple[Path, int, int, int]:
     kb, vb = BITS[base.removesuffix("+sinks")]
     dpl = HEAD_DIM // LANES
     words = A.reads_words(kb, vb, dpl)
-    keys = A._keys_per_step(1, words)
+    keys = A._keys_per_step(1, GROUP_HEADS, words)
     kernel = A._attention_kernel(
         HEAD_DIM, PAGE, GROUP_HEADS, 1, LANES, kb, vb, keys, A._MIN_BLOCKS, True,
         A._transposed_sums(kb, vb, dpl), base.endswith("+sinks"), words, affine,

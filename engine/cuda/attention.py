@@ -502,18 +502,20 @@ _MIN_SPLIT_KEYS = 256  # a split never gets fewer keys than this (unless asked e
 _MAX_SPLITS = 32
 _BLOCKS_PER_SM = 2  # automatic splitting stops once the grid has this many blocks per SM
 _FORCE_LANES: int | None = None  # tests: force lanes per key (16 or 32)
-# Keys per group per step for decode tiles (prefill tiles take 1): two keys' loads in flight
-# per group. H200, Llama-3-8B shape, batch 32 x 4k, one key -> two, per layer (run 3 of
+# Keys per group per step for decode tiles (prefill tiles take 1): their loads are all issued
+# before any is used. H200, Llama-3-8B shape, batch 32 x 4k, one key -> two, per layer (run 3 of
 # bench/results/attention_keys_per_step_h200_2026-11-26_*): fp16 0.55 -> 0.49 ms, q8 0.49 ->
-# 0.38, q4 0.44 -> 0.38. 4 or 8 keys under a 255-register cap (2 blocks per SM) were no faster,
-# 16 keys or 32 lanes per key slower for every mode (runs 1 and 2). Since page arrays are
-# indexed as unsigned rows, quantized word pages take 4 keys (the 128-register cap holds them:
-# no spills for q8/q4, 16 bytes for q6 and sink pages); same GPU and shape, 2 -> 4 keys
-# (bench/results/attention_keys_per_step_h200_2026-11-27_rows.json): q8 0.306 -> 0.276 ms, q4
-# 0.318 -> 0.282, q4 + sink pages 0.315 -> 0.294 (q6 not measured), while fp16 went 0.277 ->
-# 0.336 ms.
-_DECODE_KEYS_PER_STEP = 2
-_DECODE_KEYS_PER_STEP_WORDS = 4
+# 0.38, q4 0.44 -> 0.38; 16 keys or 32 lanes per key were slower for every mode. Since page
+# arrays are indexed as unsigned rows, 4 keys fit the 128-register cap (8-12 spilled bytes for
+# q6 and sink pages): quantized word pages 2 -> 4 keys in
+# attention_keys_per_step_h200_2026-11-27_rows.json (q8 0.306 -> 0.276 ms, q4 0.318 -> 0.282);
+# float pages since the leaner step loop of stops 34-35, in two runs, 2 -> 4 keys: fp16 0.207
+# -> 0.184 ms (_2026-11-27_pipeline.json) and 0.207 -> 0.185 (_2026-11-30.json); before that
+# loop fp16 had gone 0.277 -> 0.336 with 4 keys. Float pages of groups over 4 query heads per
+# KV head (32 lanes per key) spill 84-112 bytes with 4 keys at sm_90, none with 2: they keep 2.
+_DECODE_KEYS_PER_STEP = 4
+_WIDE_GROUP_KEYS_PER_STEP = 2
+_WIDE_GROUP = 4  # float pages of larger groups take _WIDE_GROUP_KEYS_PER_STEP
 _FORCE_KEYS_PER_STEP: int | None = None  # tests and bench/attention_keys_per_step.py
 _MIN_BLOCKS = 4  # resident blocks per SM the register cap is set for (launch_bounds)
 _FORCE_MIN_BLOCKS: int | None = None  # bench/attention_keys_per_step.py
@@ -1227,13 +1229,16 @@ def _transposed_sums(k_bits: int, v_bits: int, dims_per_lane: int) -> bool:
     return reads_words(k_bits, v_bits, dims_per_lane)
 
 
-def _keys_per_step(q_tile: int, words: bool = False) -> int:
-    """Keys per group per step: ``words``, quantized pages read as words (kv_load)."""
+def _keys_per_step(q_tile: int, group: int, words: bool) -> int:
+    """Keys per group per step of a tile of ``q_tile`` query tokens for ``group`` query heads
+    per KV head; ``words``: quantized pages read as words (kv_load)."""
     if _FORCE_KEYS_PER_STEP is not None:
         return _FORCE_KEYS_PER_STEP
     if q_tile > 1:
         return 1
-    return _DECODE_KEYS_PER_STEP_WORDS if words else _DECODE_KEYS_PER_STEP
+    if words or group <= _WIDE_GROUP:
+        return _DECODE_KEYS_PER_STEP
+    return _WIDE_GROUP_KEYS_PER_STEP
 
 
 @functools.lru_cache(maxsize=8)
@@ -1445,7 +1450,7 @@ def launch_attention(
         plan.lanes,
         pages.k_bits,
         pages.v_bits,
-        _keys_per_step(plan.q_tile, words),
+        _keys_per_step(plan.q_tile, heads // kv_heads, words),
         _MIN_BLOCKS if _FORCE_MIN_BLOCKS is None else _FORCE_MIN_BLOCKS,
         _SHUFFLES,
         _transposed_sums(pages.k_bits, pages.v_bits, dpl),

@@ -376,8 +376,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
     # with the keys per step each tile takes (quantized word pages rotated in the kernel).
     # Four keys per step spill 8-12 bytes for q6 and sink-page decode under the 128-register
     # cap, as they did when measured faster than two keys on the H200 (bench/results/
-    # attention_keys_per_step_h200_2026-11-27_rows.json): accepted there only. The last two:
-    # quantized pages with sink pages (a first page read from unquantized rows).
+    # attention_keys_per_step_h200_2026-11-27_rows.json): accepted there only. Float pages
+    # take four keys too, except for groups of 8 (32 lanes), which spill 112 bytes with four
+    # and keep two (the third case). The last two: quantized pages with sink pages (a first
+    # page read from unquantized rows).
     for dt, (d, ps, g, qt, lt), (kb, vb), sinks, spills_ok in [
         ("float16", (128, 16, 4, 1, 16), (0, 0), False, False),
         ("float16", (128, 16, 4, 2, 32), (0, 0), False, False),
@@ -390,7 +392,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ("float16", (128, 16, 4, 1, 16), (8, 8), True, True),
     ]:
         words = A.reads_words(kb, vb, d // lt)  # (quantized word pages: rotated, as by default)
-        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt, words),
+        kernel = A._attention_kernel(d, ps, g, qt, lt, kb, vb, A._keys_per_step(qt, g, words),
                                      A._MIN_BLOCKS, True, A._transposed_sums(kb, vb, d // lt),
                                      sinks, words)
         scales = {b: ("float16" if b else PAGES[0]) for b in (kb, vb)}
