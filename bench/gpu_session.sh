@@ -45,6 +45,16 @@ small=llama3.2-1b large=llama3-8b
 log="$OUT/run.log"
 start=$(date +%s)
 
+# numba-cuda 0.30.4 registers np.row_stack, which numpy 2.5 removed; the device images of
+# 2026-11-26 and 2026-11-30 paired the two, and every kernel compile then failed (a lost device
+# call on 2026-11-30). Stop at once instead; the fix: a numpy<2.5 wheel for the device's Python,
+# carried and installed first (README, "First GPU runs").
+if [ -z "$DRY" ] && ! "$PY" -c 'import numpy; numpy.row_stack' 2>/dev/null; then
+  echo "numpy $("$PY" -c 'import numpy; print(numpy.__version__)') lacks np.row_stack, which" \
+    "numba-cuda needs: install numpy<2.5 first (README, 'First GPU runs')" | tee -a "$log"
+  exit 2
+fi
+
 step() {  # step NAME CAP_SECONDS COMMAND...: run, log, and report its status and time
   local name=$1 cap=$2
   shift 2

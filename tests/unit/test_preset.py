@@ -186,6 +186,30 @@ def test_cache_sink_pages_shorten_the_context_by_the_other_sink_pages() -> None:
     assert Preset.parse(raw).context_length(max_position_embeddings=4096) == 49 * 16
 
 
+@pytest.mark.parametrize(
+    ("settings", "warned"),
+    [
+        ({"cache_quant": "q4"}, True),
+        ({"cache_quant": "q4", "cache_sink_pages": 0}, False),
+        ({"cache_quant": "q4", "cache_recent_pages": 0}, False),
+        ({"cache_quant": "q4", "max_batch_size": 4, "cache_sink_pages": "auto"}, False),
+        ({"cache_quant": "q8"}, False),
+        ({"cache_quant": "fp16"}, False),
+    ],
+)
+def test_q4_without_sink_or_recent_pages_is_warned_about(caplog, settings, warned) -> None:
+    """They are opt-in, but q4 loses the most without them: a preset that leaves both unsaid
+    is told how to turn them on or keep them off."""
+    raw = with_value("engine", "max_num_tokens", 4096)
+    raw["engine"].update(settings)
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        Preset.parse(raw)
+    advice = [r.getMessage() for r in caplog.records if "sink and recent pages" in r.getMessage()]
+    assert bool(advice) == warned, advice
+    if warned:
+        assert "cache_sink_pages: auto" in advice[0] and "+5.6% of fp32's" in advice[0]
+
+
 def test_cache_sink_and_recent_pages_auto_serve_every_running_sequence() -> None:
     raw = with_value("engine", "max_num_tokens", 4096)
     raw["engine"].update(cache_quant="q4", cache_sink_pages="auto", cache_recent_pages="auto")
