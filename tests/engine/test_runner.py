@@ -13,6 +13,7 @@ from engine.cuda import activation, attention, norm, rotary
 from engine.model.runner import ModelRunner, plan_rows, warm_up
 from engine.ops import OPS_ENV, TORCH_OPS, cpu_ops, cuda_ops
 from engine.scheduler import SeqState, StepEntry, StepPlan
+from tests.call_records import record_calls
 from tests.engine.test_cuda_ops import small  # noqa: F401 - fixture
 from tests.kernels.common import TOL
 
@@ -76,14 +77,7 @@ def test_cpu_warm_up_compiles_the_decode_kernel_over_float_pages(tiny32, monkeyp
     compiled."""
     from engine.cpu import decode_attention
 
-    calls = []
-    run = decode_attention._run_items
-
-    def counted(args, items, key_heads):
-        calls.append(items)
-        run(args, items, key_heads)
-
-    monkeypatch.setattr(decode_attention, "_run_items", counted)
+    calls = record_calls(monkeypatch, decode_attention, "_run_items", 1)
     warm_up(tiny32.model, cpu_ops(), PAGE, "fp16")
     assert calls  # the kernel ran (compiled or loaded) during the warm-up
     calls.clear()

@@ -32,6 +32,7 @@ from engine.cpu.quant_write import write_slots_cpu
 from engine.cuda.attention import paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from engine.ops import cpu_ops
+from tests.call_records import record_calls
 
 PAGE = 4
 TOL = 1e-5  # float32 both ways, summed in other orders: max error relative to the max output
@@ -153,26 +154,13 @@ def test_decode_fp16_queries_and_threads(monkeypatch):
     assert all(torch.equal(out, results[1]) for out in outs)
 
 
-def _count_shares(monkeypatch, module) -> list[int]:
-    """The items of each ``share`` call ``module`` makes from now on (each still made)."""
-    shared = []
-    real = module.share
-
-    def counted(kernel, args, items):
-        shared.append(items)
-        real(kernel, args, items)
-
-    monkeypatch.setattr(module, "share", counted)
-    return shared
-
-
 def test_small_decode_batches_stay_on_this_thread_and_large_ones_are_shared(monkeypatch):
     """Below ``SHARED_KEY_HEADS`` (key, KV head) pairs the kernel runs on the calling thread (a
     pool thread's wake-up costs more than it saves); from there on torch's threads take its
     items in turn; the output is the same either way. Pairs count within the window."""
     contexts = [7, 12, 3, 9]
     q, k_pages, v_pages, batch = _case(contexts, "q8", heads=4, kv_heads=2, seed=5)
-    shared = _count_shares(monkeypatch, decode_attention)
+    shared = record_calls(monkeypatch, decode_attention, "share", 2)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -228,14 +216,7 @@ def test_decode_refuses_what_it_does_not_take():
 def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     """In a batch with a prompt chunk and decode rows, the decode rows go to the kernel and
     the chunk to the reference: the op's output is the reference's either way."""
-    calls = []
-    run = decode_attention._run_items
-
-    def counted(args, items, key_heads):
-        calls.append(items)
-        run(args, items, key_heads)
-
-    monkeypatch.setattr(decode_attention, "_run_items", counted)
+    calls = record_calls(monkeypatch, decode_attention, "_run_items", 1)
     gen = torch.Generator().manual_seed(9)
     seqs = [
         SequenceInput([1], num_cached=6, pages=[0, 1]),
@@ -326,14 +307,7 @@ def test_cpu_ops_route_float_decode_rows_to_the_kernel(
     thread or two, and its prompt chunk to the reference; the op's output is the
     reference's either way."""
     torch_threads(threads)
-    calls = []
-    run = decode_attention._run_items
-
-    def counted(args, items, key_heads):
-        calls.append(items)
-        run(args, items, key_heads)
-
-    monkeypatch.setattr(decode_attention, "_run_items", counted)
+    calls = record_calls(monkeypatch, decode_attention, "_run_items", 1)
     gen = torch.Generator().manual_seed(9)
     first, second = decode_contexts
     seqs = [
@@ -401,7 +375,7 @@ def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not
     """A write of ``SHARED_ROWS`` rows or more goes to the kernel shared among torch's
     threads (engine/cpu/team.py), fewer in one call on this thread; the codes are the
     reference's either way."""
-    shared = _count_shares(monkeypatch, quant_write)
+    shared = record_calls(monkeypatch, quant_write, "share", 2)
     gen = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

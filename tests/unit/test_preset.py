@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import pathlib
 import re
 import sys
@@ -202,8 +203,13 @@ def test_q4_without_sink_or_recent_pages_is_warned_about(caplog, settings, warne
     is told how to turn them on or keep them off."""
     raw = with_value("engine", "max_num_tokens", 4096)
     raw["engine"].update(settings)
-    with caplog.at_level("WARNING", logger="ray.serve"):
-        Preset.parse(raw)
+    serve_logger = logging.getLogger("ray.serve")  # (Ray stops it propagating once Serve ran)
+    serve_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="ray.serve"):
+            Preset.parse(raw)
+    finally:
+        serve_logger.removeHandler(caplog.handler)
     advice = [r.getMessage() for r in caplog.records if "sink and recent pages" in r.getMessage()]
     assert bool(advice) == warned, advice
     if warned:
