@@ -14,6 +14,12 @@ told apart: ``-norot`` modes skip the Hadamard rotation and, for 4 bits, the sca
 Prints a table and writes JSON to bench/results/cache_write_kernel.json (--output).
 
     python bench/cache_write_kernel.py [--modes fp16,q8,q4,q4-norot] [--tokens 32,2048]
+        [--threads auto,64,128]   # quantized modes also at blocks of 64 and 128 threads
+
+``--threads``: the quantized write's threads per block, ``auto`` its rule (256 at this shape).
+Its blocks run 64 registers a thread, so an SM holds 1024 of their threads whatever the
+block size, while the scale search keeps 2 warps of a block busy: whether smaller blocks pay
+on prompt-sized writes is what the extra rows time (fp16's write is rotary.py's, auto only).
     ncu --kernel-name regex:kernel --launch-skip 2 --launch-count 1 \\
         python bench/cache_write_kernel.py --modes q4 --tokens 32 --iters 1
 """
@@ -36,12 +42,14 @@ HEADS = 32  # Llama-3-8B's query heads (KV_HEADS, HEAD_DIM and PAGE: its attenti
 MODES = ("fp16", "q8", "q6", "q4", "q8-norot", "q4-norot")
 POOL_PAGES = 4096  # 64k slots: the writes land on distinct pages, as a batch's do
 DEVICE = "cuda"  # (the CUDA simulator's dry check sets "cpu")
+BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)  # --threads
 
 
 @dataclass(frozen=True)
 class WriteRow:
     mode: str
     tokens: int
+    threads: str  # threads per block: "auto" (the kernel's rule) or the forced count
     time_us: float
     stored_bytes: int
     achieved_gbs: float
@@ -91,20 +99,47 @@ def write_case(mode: str, tokens: int):
     return write, stored
 
 
-def measure(modes: list[str], token_counts: list[int], iters: int) -> list[WriteRow]:
+def parse_threads(text: str) -> list[str]:
+    """``--threads``: ``auto`` and powers of two from 32 to 1024, comma-separated."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    for item in items:
+        if item != "auto" and (
+            not item.isdigit() or int(item) not in (32, 64, 128, 256, 512, 1024)
+        ):
+            raise ValueError(f"--threads: auto or a power of two from 32 to 1024, got {item!r}")
+    if not items:
+        raise ValueError("--threads: name at least one block size")
+    return items
+
+
+def measure(
+    modes: list[str], token_counts: list[int], iters: int, threads: list[str] = ("auto",)
+) -> list[WriteRow]:
+    from engine.cuda import quant_kernels
+
     rows: list[WriteRow] = []
     for tokens in token_counts:
         fp16_us = None
         for mode in modes:
-            write, stored = write_case(mode, tokens)
-            ms, how = time_ms(write, iters)
-            us = 1000 * ms
-            fp16_us = us if mode == "fp16" else fp16_us
-            gbs = stored / (us / 1e6) / 1e9
-            ratio = None if fp16_us is None else round(fp16_us / us, 3)
-            print(f"  {mode:<9} {tokens:>5} tokens: {us:8.2f} us  {gbs:7.1f} GB/s  ({how})")
-            rows.append(WriteRow(mode, tokens, round(us, 2), stored, round(gbs, 1), ratio))
-            torch.cuda.empty_cache()
+            for block in threads if mode != "fp16" else ("auto",):
+                forced = None if block == "auto" else int(block)
+                quant_kernels._FORCE_WRITE_THREADS = forced
+                try:
+                    write, stored = write_case(mode, tokens)
+                    ms, how = time_ms(write, iters)
+                finally:
+                    quant_kernels._FORCE_WRITE_THREADS = None
+                us = 1000 * ms
+                fp16_us = us if mode == "fp16" else fp16_us
+                gbs = stored / (us / 1e6) / 1e9
+                ratio = None if fp16_us is None else round(fp16_us / us, 3)
+                print(
+                    f"  {mode:<9} {tokens:>5} tokens, {block:>4} threads: {us:8.2f} us  "
+                    f"{gbs:7.1f} GB/s  ({how})"
+                )
+                row = WriteRow(mode, tokens, block, round(us, 2), stored, round(gbs, 1), ratio)
+                rows.append(row)
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -113,13 +148,18 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tokens", default="32,2048", help="tokens per write, comma-separated")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--threads", default="auto", help="quantized write's block sizes")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     modes = pick_modes(args.modes, MODES)
+    try:
+        threads = parse_threads(args.threads)
+    except ValueError as e:
+        parser.error(str(e))
     require_gpu()
     name = torch.cuda.get_device_properties(0).name
     print(f"{name}: rotary + cache write, {HEADS} heads, {KV_HEADS} KV heads x {HEAD_DIM}")
-    rows = measure(modes, [int(t) for t in args.tokens.split(",")], args.iters)
+    rows = measure(modes, [int(t) for t in args.tokens.split(",")], args.iters, threads)
     write_record(
         args.output,
         "cache_write_kernel",

@@ -91,8 +91,9 @@ if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per
   step keys-per-step "${KEYS_CAP:-180}" $PY bench/attention_keys_per_step.py --iters 20 ${KEYS_ARGS:-} \
     --output "$OUT/attention_keys_per_step.json"
   # the rotary + cache write per cache mode (stop 39: butterfly Hadamard, a block per
-  # (token, KV head); stop 38's one-block-per-token figures: cache_write_kernel_h200_2026-11-27)
-  step cache-write "${WRITE_CAP:-60}" $PY bench/cache_write_kernel.py \
+  # (token, KV head): cache_write_kernel_h200_2026-11-30), its quantized modes also at blocks
+  # of 64 and 128 threads (stop 54: prompt-sized writes, q4 407 us vs fp16 60 at 2048 tokens)
+  step cache-write "${WRITE_CAP:-90}" $PY bench/cache_write_kernel.py --threads auto,64,128 \
     --output "$OUT/cache_write_kernel.json"
   # the prompt-chunk route's context gather, the kv_gather kernel (stop 42: 8 threads per
   # group, 8-byte stores) beside the torch gather, against the copy bandwidth

@@ -44,6 +44,12 @@ float16 = nbt.float16
 float64 = nbt.float64
 int32 = nbt.int32
 _MAX_THREADS = 256
+# Threads per block of the quantized write, forced (bench/cache_write_kernel.py --threads, the
+# tests; None: the rule below). Its blocks run 64 registers a thread, so an SM holds 1024 of
+# their threads at any block size, and the scale search keeps only 2 warps of a block busy:
+# smaller blocks would keep more of an SM busy on prompt-sized writes (2048 tokens on the
+# H200, 8B shape: q4 407 us against fp16's 60, 2026-11-30). Untimed, so not the rule yet.
+_FORCE_WRITE_THREADS: int | None = None
 _MAX_SHARED_BYTES = 48 * 1024  # static shared memory per block
 
 
@@ -125,7 +131,8 @@ def paged_attention_quant_cuda(
 #    over the pairs of both buffers, the last stage times 1/sqrt(32): 5 shared-memory reads per
 #    value. (Each output as a 32-term dot product, 32 reads and a parity per term, was ~19 us
 #    of a q4 write's 36 us per 32-token decode call on the H200, 8B shape, one block per
-#    token: bench/results/cache_write_kernel_h200_2026-11-27.json. Not yet timed on a GPU.)
+#    token: bench/results/cache_write_kernel_h200_2026-11-27.json; with the butterflies and a
+#    block per (token, KV head) 11.5 us: cache_write_kernel_h200_2026-11-30.json.)
 # 3. Each group's scale: absmax / qmax (clamped to fp16's range), or for rotated 4-bit groups
 #    quant.search_scales' search (the first element m of largest magnitude; per divisor d the
 #    fp16 scale -m / d and the group's squared error under it, in float64; the first least
@@ -442,6 +449,7 @@ def quant_rotary_cache_write_cuda(
     threads = 32
     while threads < work and threads < _MAX_THREADS and not _launch.SIMULATOR:
         threads *= 2
+    threads = _FORCE_WRITE_THREADS or threads
     centered = k_pages.center is not None
     sinks = k_pages.sinks is not None
     if sinks and (k_pages.sinks.dtype != q.dtype or v_pages.sinks is None):

@@ -23,7 +23,7 @@ from engine.cache.quant import (
     rotate_groups,
     write_slots,
 )
-from engine.cuda import attention
+from engine.cuda import attention, quant_kernels
 from engine.cuda._launch import SIMULATOR
 from engine.cuda.kv_load import reads_words
 from engine.cuda.quant_kernels import paged_attention_quant_cuda, quant_rotary_cache_write_cuda
@@ -135,6 +135,29 @@ def test_q4_scale_search_matches_reference():
     scales = torch.cat((ref_k.scales, ref_v.scales)).reshape(-1).float()
     assert (scales > 0).any() and (scales < 0).any()
     assert torch.cat((_codes(ref_k), _codes(ref_v))).min() == 0  # code -8, never in absmax
+
+
+@pytest.mark.parametrize("threads", [64, 128])
+def test_cache_write_is_the_same_at_other_block_sizes(monkeypatch, threads):
+    """Every step of the write strides over its items by the block's threads: blocks of 64 or
+    128 threads (bench/cache_write_kernel.py --threads; the simulator otherwise runs 32) store
+    the same codes, scales and sink rows and return the same q as 32 threads."""
+    torch.manual_seed(3)
+    tokens, kv_heads, dim = 3, 2, 2 * GROUP
+    q, k, v, cos, sin, _, _ = make_inputs(tokens, 2, kv_heads, dim, 8, 4, torch.float32)
+    slots = torch.tensor([1, 6, 9], device=DEVICE)
+    outputs = []
+    for forced in (None, threads):
+        monkeypatch.setattr(quant_kernels, "_FORCE_WRITE_THREADS", forced)
+        pages = [  # (page 0 a sink page: its rows also stored unquantized)
+            allocate_quant_pages(8, 4, kv_heads, dim, 4, True, DEVICE, None, 1, torch.float32)
+            for _ in "kv"
+        ]
+        q_out = quant_rotary_cache_write_cuda(q, k, v, cos, sin, *pages, slots)
+        outputs.append((q_out, *(t for p in pages for t in (p.data, p.scales, p.sinks))))
+    for got, want in zip(*outputs, strict=True):
+        assert torch.equal(got, want)
+    assert outputs[0][3].abs().sum() > 0  # (the sink page's K rows were written)
 
 
 def test_cache_write_refuses_heads_past_shared_memory():
