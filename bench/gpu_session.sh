@@ -72,8 +72,11 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_
 print(\"numba\", numba.__version__, \"numba-cuda\", numba_cuda.__version__)'"
 
 if [ -z "$DRY" ]; then
-  # (one process; after a sticky CUDA error each file again in its own: gpu_kernel_tests.sh)
-  step kernel-tests "${KERNEL_CAP:-240}" env OUT="$OUT" PY="$PY" bash bench/gpu_kernel_tests.sh \
+  # (the files dealt to KERNEL_JOBS pytest processes at once: Numba's compiles took a single
+  # process's whole 200 s cap at 35% of the tests on 2026-11-30; after a sticky CUDA error
+  # each file of that process again in its own: gpu_kernel_tests.sh)
+  step kernel-tests "${KERNEL_CAP:-240}" env OUT="$OUT" PY="$PY" JOBS="${KERNEL_JOBS:-4}" \
+    bash bench/gpu_kernel_tests.sh \
     ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py tests/engine/test_quant_graphs.py tests/engine/test_mma_graphs.py}
 fi
 
