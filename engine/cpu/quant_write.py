@@ -17,7 +17,8 @@ where the CPU has them; rounding on the float32's bits by hand had taken a fifth
 search) and stored as its bits. Each candidate's error is one piece of vector code
 (``simd.rounding_error``), all candidates before the choice (SmolLM2's K/V rows, one thread:
 11.3 -> 8.8 ns per value written). Rows of sink and recent pages are kept unquantized by the
-reference's own code too.
+kernel too when they are float32 (the rows it centered and rotated), else by the reference's
+own code.
 """
 
 from __future__ import annotations
@@ -113,10 +114,15 @@ def _centered_rotated(row, center, rotate, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisors, first, last):
+def _write_rows(
+    rows, center, rotate, bits, search, slots, data, scales, divisors, sinks, sink_slots,
+    first, last,
+):  # fmt: skip
     """rows float32 [T, KV, D] [first, last) -> centered (less center [KV, D], zeros for
     none) and rotated (``rotate``) groups of 32 -> codes into data [N, KV, W] (uint8 view)
-    and float16 bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]."""
+    and float16 bits into scales [N, KV, D / 32] (uint16 view) at rows ``slots`` [T]; a slot
+    below ``sink_slots`` (a sink or recent page's) also keeps those float32 values in sinks
+    [sink_slots, KV, D], as ``quant.write_sink_rows`` stores them."""
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     codes = np.empty(GROUP, np.int64)
     errors = np.empty(divisors.shape[0])  # the search's, per candidate scale
@@ -125,6 +131,8 @@ def _write_rows(rows, center, rotate, bits, search, slots, data, scales, divisor
         slot = slots[t]
         for kvh in range(rows.shape[1]):
             _centered_rotated(rows[t, kvh], center[kvh], rotate, values)
+            if slot < sink_slots:
+                sinks[slot, kvh, :] = values
             for g in range(rows.shape[2] // GROUP):
                 group = values[g * GROUP : (g + 1) * GROUP]
                 if search:
@@ -165,13 +173,24 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     flat_data = pages.data.view(-1, *pages.data.shape[2:]).view(torch.uint8).numpy()
     scales = float16_bits(pages.scales.view(-1, *pages.scales.shape[2:]))
     search = searches(pages.bits, pages.rotate)
+    # float32 rows of sink and recent pages (a float32 model's) are stored by the kernel too;
+    # others by the reference (~120 us per call of a decode step in torch ops: SmolLM2's 8
+    # rows, 30 layers x K and V, ~5% of q4's CPU decode time)
+    in_kernel = pages.sinks is not None and pages.sinks.dtype == torch.float32
+    sinks = pages.sinks.view(-1, *pages.sinks.shape[2:]).numpy() if in_kernel else None
+    if sinks is None:
+        sinks = _no_sinks(x.shape[1], x.shape[2])
+    sink_slots = pages.num_sink_pages * pages.sinks.shape[1] if in_kernel else 0
 
-    args = (rows, center, pages.rotate, pages.bits, search, slot_ids, flat_data, scales, _DIVISORS)
+    args = (
+        rows, center, pages.rotate, pages.bits, search, slot_ids, flat_data, scales, _DIVISORS,
+        sinks, sink_slots,
+    )  # fmt: skip
     if len(slot_ids) >= SHARED_ROWS:
         share(_write_rows, args, len(slot_ids))
     else:
         _write_rows(*args, 0, len(slot_ids))
-    if pages.sinks is not None:
+    if pages.sinks is not None and not in_kernel:
         write_sink_rows(pages, centered(pages, x), slots)
 
 
@@ -179,3 +198,9 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
 def _no_center(kv_heads: int, head_dim: int) -> np.ndarray:
     """A center of zeros for pages without one (the kernel's argument types stay fixed)."""
     return np.zeros((kv_heads, head_dim), np.float32)
+
+
+@functools.cache
+def _no_sinks(kv_heads: int, head_dim: int) -> np.ndarray:
+    """Sink rows for pages without float32 ones (never written: no slot is below 0)."""
+    return np.zeros((1, kv_heads, head_dim), np.float32)

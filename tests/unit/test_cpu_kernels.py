@@ -340,13 +340,22 @@ def test_float_kernel_pays_where_the_lengths_are_known_on_the_host():
 
 
 @pytest.mark.parametrize(
-    ("bits", "rotate", "center", "unquantized"),
-    [(8, False, False, 0), (8, True, True, 3), (4, False, True, 0), (4, True, False, 3)],
+    ("bits", "rotate", "center", "unquantized", "sink_dtype"),
+    [
+        (8, False, False, 0, torch.float32),
+        (8, True, True, 3, torch.float16),
+        (8, True, True, 3, torch.float32),
+        (4, False, True, 0, torch.float32),
+        (4, True, False, 3, torch.float16),
+        (4, True, False, 3, torch.float32),
+        (4, False, True, 3, torch.float32),
+    ],
 )
-def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unquantized):
+def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unquantized, sink_dtype):
     """Codes, float16 scales (their bits: signs of zero too) and unquantized rows as the
-    reference writes them, over rows that exercise the scale search's choices, all-zero
-    groups (+0 and -0), values far below and near float16's range."""
+    reference writes them (float32 ones by the kernel, others by the reference's code), over
+    rows that exercise the scale search's choices, all-zero groups (+0 and -0), values far
+    below and near float16's range."""
     gen = torch.Generator().manual_seed(bits + 2 * rotate + 4 * center)
     kv, dim, rows = 2, 2 * GROUP, 300
     x = torch.randn(rows, kv, dim, generator=gen)
@@ -359,7 +368,9 @@ def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unqua
     slots = torch.randperm(160 * PAGE, generator=gen)[:rows]
     written = []
     for write in (write_slots, write_slots_cpu):
-        pages = allocate_quant_pages(160, PAGE, kv, dim, bits, rotate, "cpu", c, unquantized)
+        pages = allocate_quant_pages(
+            160, PAGE, kv, dim, bits, rotate, "cpu", c, unquantized, sink_dtype
+        )
         write(pages, x, slots)
         written.append(pages)
     ref, got = written
@@ -369,6 +380,7 @@ def test_write_gives_the_reference_codes_bit_for_bit(bits, rotate, center, unqua
         assert (ref.scales.view(torch.int16) == -32768).any()
     if unquantized:
         assert torch.equal(got.sinks, ref.sinks)
+        assert got.sinks.abs().sum() > 0  # (some of the 300 slots lie in the 3 pages)
 
 
 def test_a_prompt_chunks_write_is_shared_among_threads_and_a_decode_steps_is_not(monkeypatch):
@@ -436,7 +448,7 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     quant_write._write_rows(
         x.reshape(64, 1, -1).numpy(), no_center, False, bits, search,
         torch.arange(64).numpy(), data.numpy(), scales.numpy().view("uint16"),
-        quant_write._DIVISORS, 0, 64,
+        quant_write._DIVISORS, np.zeros((1, 1, 4 * GROUP), np.float32), 0, 0, 64,
     )  # fmt: skip
     want_data, want_scales = quantize(x.reshape(64, 1, -1), bits, False, search)
     if search:
