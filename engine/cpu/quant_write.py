@@ -177,10 +177,11 @@ def write_slots_cpu(pages: QuantPages, x: torch.Tensor, slots: torch.Tensor) -> 
     # others by the reference (~120 us per call of a decode step in torch ops: SmolLM2's 8
     # rows, 30 layers x K and V, ~5% of q4's CPU decode time)
     in_kernel = pages.sinks is not None and pages.sinks.dtype == torch.float32
-    sinks = pages.sinks.view(-1, *pages.sinks.shape[2:]).numpy() if in_kernel else None
-    if sinks is None:
-        sinks = _no_sinks(x.shape[1], x.shape[2])
-    sink_slots = pages.num_sink_pages * pages.sinks.shape[1] if in_kernel else 0
+    if in_kernel:
+        sinks = pages.sinks.view(-1, *pages.sinks.shape[2:]).numpy()
+        sink_slots = pages.num_sink_pages * pages.sinks.shape[1]
+    else:
+        sinks, sink_slots = _no_sinks(x.shape[1], x.shape[2]), 0
 
     args = (
         rows, center, pages.rotate, pages.bits, search, slot_ids, flat_data, scales, _DIVISORS,

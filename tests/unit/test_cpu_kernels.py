@@ -448,7 +448,7 @@ def test_kernel_scales_and_codes_on_crafted_groups(bits, search):
     quant_write._write_rows(
         x.reshape(64, 1, -1).numpy(), no_center, False, bits, search,
         torch.arange(64).numpy(), data.numpy(), scales.numpy().view("uint16"),
-        quant_write._DIVISORS, np.zeros((1, 1, 4 * GROUP), np.float32), 0, 0, 64,
+        quant_write._DIVISORS, quant_write._no_sinks(1, 4 * GROUP), 0, 0, 64,
     )  # fmt: skip
     want_data, want_scales = quantize(x.reshape(64, 1, -1), bits, False, search)
     if search:
