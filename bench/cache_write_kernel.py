@@ -16,10 +16,11 @@ Prints a table and writes JSON to bench/results/cache_write_kernel.json (--outpu
     python bench/cache_write_kernel.py [--modes fp16,q8,q4,q4-norot] [--tokens 32,2048]
         [--threads auto,64,128]   # quantized modes also at blocks of 64 and 128 threads
 
-``--threads``: the quantized write's threads per block, ``auto`` its rule (256 at this shape).
-Its blocks run 64 registers a thread, so an SM holds 1024 of their threads whatever the
-block size, while the scale search keeps 2 warps of a block busy: whether smaller blocks pay
-on prompt-sized writes is what the extra rows time (fp16's write is rotary.py's, auto only).
+``--threads``: the quantized write's threads per block, ``auto`` its rule (a warp per group
+of 32 values: 256 at this shape). Fewer warps take the groups in turn: whether smaller
+blocks pay is what the extra rows time (fp16's write is rotary.py's, auto only). Stop 54's
+figures (H200, 2026-11-30, before stop 55's warp per group) are in
+bench/results/cache_write_kernel_h200_2026-11-30.json.
     ncu --kernel-name regex:kernel --launch-skip 2 --launch-count 1 \\
         python bench/cache_write_kernel.py --modes q4 --tokens 32 --iters 1
 """
