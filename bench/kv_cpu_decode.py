@@ -14,6 +14,14 @@ cache (the model's dtype here, float32) is the baseline of the same run.
 Modes: fp16, q8, q6, q4, and any of them with ``+sinks+recent`` (a sink page per sequence
 and recent pages for its last blocks, read unquantized; README, "KV cache").
 
+``--ngram``: the jobs decode with n-gram drafts (``use_ngram_draft``), on prompts that repeat
+a window of the fixed text of ``NGRAM_WINDOW`` tokens (each job its own window; a quarter of
+the shortest prompt if less), which the
+model goes on repeating, so nearly every draft is accepted; every step after the first
+tokens is timed, and tokens/s is the tokens those steps made over their time (ms/step: their
+mean). Each step verifies drafts of every job: over quantized pages, rows of a few tokens
+(engine/cpu/decode_attention.py ``VERIFY_ROWS``).
+
 ``--baseline REF`` also runs every mode with the engine at git ref REF (a temporary git
 worktree; this script, in a subprocess whose PYTHONPATH puts that tree first), mode by mode
 before this engine's, so both see the same load; the JSON then holds both (the printed table
@@ -91,6 +99,18 @@ def prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     return [ids[i * stride : i * stride + n] for i, n in enumerate(lengths)]
 
 
+NGRAM_WINDOW = 256  # --ngram: tokens of the fixed text each prompt repeats (at most)
+
+
+def repeated_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """--ngram's prompts: job i's window of the fixed text (NGRAM_WINDOW tokens, or a quarter
+    of its length if less), repeated to its length: the model continues the repetition, and
+    its n-grams draft it."""
+    window = min(NGRAM_WINDOW, max(min(lengths) // 4, 1))
+    windows = prompts(tokenizer, [window] * len(lengths))
+    return [(w * (n // window + 1))[:n] for w, n in zip(windows, lengths, strict=True)]
+
+
 def measure(
     model,
     tokenizer,
@@ -100,21 +120,25 @@ def measure(
     steps: int,
     ragged: bool = False,
     chunk: int = 0,
+    ngram: bool = False,
 ) -> DecodeResult:
     """One mode: the batch's prompts prefilled (in forwards of ``chunk`` tokens; 0: all in
-    one), then ``steps`` timed decode steps."""
+    one), then ``steps`` timed decode steps (``ngram``: steps with drafts until every job made
+    steps + 1 tokens)."""
     quant, exact = parse_mode(mode)
     extra = {"sink_pages": batch, "recent_pages": recent_pages_for(batch)} if exact else {}
     cache = PagedCache(model, max_num_tokens=batch * (context + steps + 64), quant=quant, **extra)
     chunk = chunk or batch * context  # (0: the whole prefill in one step)
-    gen = DynamicGenerator(model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk)
+    gen = DynamicGenerator(
+        model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk, use_ngram_draft=ngram
+    )
     greedy = SamplerSettings.greedy()
-    for ids in prompts(
-        tokenizer, context_lengths(batch, context, ragged)
-    ):  # (no stop: every job makes steps + 1 tokens)
+    lengths = context_lengths(batch, context, ragged)
+    made_by = repeated_prompts if ngram else prompts
+    for ids in made_by(tokenizer, lengths):  # (no stop: every job makes steps + 1 tokens)
         job = DynamicJob(ids, max_new_tokens=steps + 1, stop_conditions=[], gen_settings=greedy)
         gen.enqueue(job)
-    started, decode = time.perf_counter(), []
+    started, decode, tokens = time.perf_counter(), [], 0
     answered = set()  # jobs with a first token (in chunks, the first decode while others prefill)
     prefill_s = 0.0
     while gen.num_remaining_jobs():
@@ -125,27 +149,34 @@ def measure(
         if len(answered) < batch:
             answered.update(r["serial"] for r in made)
             prefill_s = time.perf_counter() - started
-        elif sum(r["token_ids"].numel() for r in made) == batch:  # a step of the whole batch
+        elif ngram or sum(r["token_ids"].numel() for r in made) == batch:  # the whole batch's
             decode.append(took)
+            tokens += sum(r["token_ids"].numel() for r in made)
     if not decode:
         raise RuntimeError(f"{mode}: no decode step of the whole batch was timed")
+    if ngram:
+        mean_ms = sum(decode) / len(decode) * 1e3
+        speed = tokens / sum(decode)
+        return DecodeResult(mode, cache.bytes_per_token(), prefill_s, len(decode), mean_ms, speed)
     median = statistics.median(decode)
     return DecodeResult(
         mode, cache.bytes_per_token(), prefill_s, len(decode), median * 1e3, batch / median
     )
 
 
-def median_of(runs: list[DecodeResult], batch: int) -> DecodeResult:
+def median_of(runs: list[DecodeResult], batch: int, ngram: bool = False) -> DecodeResult:
     """One mode's repeated runs as one result: the median prefill and step times, each run's
-    kept beside them (this box's single runs vary by 10-20%)."""
+    kept beside them (this box's single runs vary by 10-20%); with ``ngram`` the median
+    tokens/s (steps make different numbers of tokens)."""
     prefill = tuple(r.prefill_s for r in runs)
     steps = tuple(r.ms_per_step for r in runs)
     ms = statistics.median(steps)
+    speed = statistics.median(r.tokens_per_s for r in runs) if ngram else batch / ms * 1e3
     return dataclasses.replace(
         runs[0],
         prefill_s=statistics.median(prefill),
         ms_per_step=ms,
-        tokens_per_s=batch / ms * 1e3,
+        tokens_per_s=speed,
         prefill_runs=prefill,
         step_runs=steps,
     )
@@ -158,6 +189,7 @@ def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> tuple[Decod
         "--modes", mode, "--batch", str(args.batch), "--context", str(args.context),
         *("--steps", str(args.steps), "--threads", str(args.threads), "--repeats", "1"),
         *(["--ragged"] if args.ragged else []), "--chunk", str(args.chunk),
+        *(["--ngram"] if args.ngram else []),
     ]  # fmt: skip
     # (imported here: the baseline's own process runs this script with the tree's ``bench``
     # first on its path, and an older tree has no ``run_in_tree``)
@@ -203,6 +235,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats", type=int, default=1,
         help="runs per mode (each beside the baseline's), reported as medians",
     )  # fmt: skip
+    parser.add_argument("--ngram", action="store_true", help="n-gram drafts on repeated text")
     parser.add_argument("--baseline", metavar="REF", help="also run the engine at git ref REF")
     parser.add_argument("--quick", action="store_true", help="batch 2, 64 tokens, 4 steps")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -230,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     # (In chunks the first jobs decode while later ones prefill, and end after 1 + steps tokens:
     # a run of 1 step would have no step of the whole batch to time.)
     warm_steps = args.steps if args.chunk else 1
-    shape = (args.batch, args.context, warm_steps, args.ragged, args.chunk)
+    shape = (args.batch, args.context, warm_steps, args.ragged, args.chunk, args.ngram)
     measure(model, tokenizer, args.modes[0], *shape)
     results, baseline = [], {}
     no_tree = contextlib.nullcontext((None, None))
@@ -240,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):  # (interleaved: both see the same load)
                 if tree is not None:
                     baseline_runs.append(run_baseline(args, mode, tree))
-                shape = (args.batch, args.context, args.steps, args.ragged, args.chunk)
+                shape = (args.batch, args.context, args.steps, args.ragged, args.chunk, args.ngram)
                 runs.append(measure(model, tokenizer, mode, *shape))
-            results.append(median_of(runs, args.batch))
+            results.append(median_of(runs, args.batch, args.ngram))
             if baseline_runs:
-                merged = median_of([run for run, _ in baseline_runs], args.batch)
+                merged = median_of([run for run, _ in baseline_runs], args.batch, args.ngram)
                 baseline[mode] = {**dataclasses.asdict(merged), "engine": baseline_runs[0][1]}
             print(table(results[-1:], baseline), flush=True)
     print(table(results, baseline))
@@ -253,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
         engine=str(Path(engine.__file__).parent), model=gguf.name,
         batch=args.batch, context=args.context, steps=args.steps, repeats=args.repeats,
-        chunk=args.chunk or None,
+        chunk=args.chunk or None, ngram=args.ngram,
         contexts=context_lengths(args.batch, args.context, args.ragged),
         results=[dataclasses.asdict(r) for r in results],
         baseline={"ref": args.baseline, "commit": commit, "results": baseline} if tree else None,

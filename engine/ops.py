@@ -90,6 +90,7 @@ def cpu_ops() -> OpSet:
     (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
     cache), so runners warm them up."""
     from engine.cpu.decode_attention import (
+        VERIFY_ROWS,
         decode_attention_cpu,
         float_kernel_pays,
         quant_decode_attention_cpu,
@@ -111,7 +112,9 @@ def cpu_ops() -> OpSet:
         ),
         paged_attention=by_storage(
             decode_rows_on(decode_attention_cpu, paged_attention_reference, float_takes),
-            decode_rows_on(quant_decode_attention_cpu, quant_chunk_attention_cpu, supports),
+            decode_rows_on(
+                quant_decode_attention_cpu, quant_chunk_attention_cpu, supports, VERIFY_ROWS
+            ),
             pages_arg=1,
         ),
         compiles=True,
@@ -174,24 +177,28 @@ def by_query_length(kernel: Callable, reference: Callable) -> Callable:
 
 
 def decode_rows_on(
-    kernel: Callable, reference: Callable, takes: Callable | None = None
+    kernel: Callable, reference: Callable, takes: Callable | None = None, short: int = 1
 ) -> Callable:
-    """Attention whose one-token sequences go to ``kernel`` (a decode batch, or a mixed
-    batch's decode rows: ``decode_split``) and every other sequence to ``reference``.
-    ``takes(q, k_pages, decode_batch)``: whether the kernel takes these decode rows (None:
-    always); where it does not, the whole batch goes to ``reference`` in one call."""
+    """Attention whose decode rows go to ``kernel`` (a decode batch, or a batch's one-token
+    sequences and, with ``short`` > 1, each query token of its sequences of at most ``short``
+    tokens that are not prompt chunks, drafts to verify: ``decode_split``) and every other
+    sequence to ``reference``. ``takes(q, k_pages, decode_batch)``: whether the kernel takes
+    these decode rows (None: always); where it does not, the whole batch goes to
+    ``reference`` in one call."""
 
     def attention(q, k_pages, v_pages, batch, scale, sliding_window=None):
         if batch.max_query_len == 1:
             on_kernel = takes is None or takes(q, k_pages, batch)
             chosen = kernel if on_kernel else reference
             return chosen(q, k_pages, v_pages, batch, scale, sliding_window)
-        split = decode_split(batch)
+        split = decode_split(batch, short)
         if split is None or (takes is not None and not takes(q[split.rows], k_pages, split.decode)):
             return reference(q, k_pages, v_pages, batch, scale, sliding_window)
+        decoded = kernel(q[split.rows], k_pages, v_pages, split.decode, scale, sliding_window)
+        if split.rest is None:  # (every row, in order)
+            return decoded
         out = reference(q, k_pages, v_pages, split.rest, scale, sliding_window)
-        rows = split.rows
-        out[rows] = kernel(q[rows], k_pages, v_pages, split.decode, scale, sliding_window)
+        out[split.rows] = decoded
         return out
 
     attention.__name__ = getattr(kernel, "__name__", "attention")

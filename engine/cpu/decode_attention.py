@@ -364,6 +364,20 @@ def _kernel_args(
     )
 
 
+# A sequence of at most this many query tokens that is not a prompt chunk (drafts to verify:
+# num_draft_tokens + 1, 5 by default) has its tokens attended here over quantized pages, each
+# as a one-token row with its own causal limit (engine/cuda/attention.py ``decode_split``),
+# instead of by the prompt-chunk route, which dequantizes the sequence's whole context into
+# a tensor for SDPA every layer (engine/cpu/kv_gather.py). The kernel reads the keys once per
+# row, so its cost grows with the query; the route's mostly with the context. Per layer,
+# SmolLM2's heads, q4 rotated pages, 2 threads, route -> kernel (one run each): 1 x 4096
+# context, 5 tokens 3.91 -> 1.11 ms, 9 tokens 2.96 -> 2.07, 17 tokens 5.16 -> 3.80, 33 tokens
+# 5.35 -> 6.82; 8 x 1024, 5 tokens 5.66 -> 2.11, 17 tokens 11.08 -> 7.68, 33 tokens 9.60 ->
+# 13.62; 1 x 1024, 5 tokens 0.90 -> 0.33. (Float pages keep the reference's SDPA for such
+# rows: the kernel only matched it, 1.26 -> 1.11 ms at 1 x 4096 x 5 and 1.55 -> 2.07 at 9.)
+# Both read a draft's own rows through their codes, as the decode steps without drafts do.
+VERIFY_ROWS = 16
+
 # A decode batch's work items are shared among torch's threads when they read this many
 # (key, KV head) pairs or more; below, this thread alone is as fast. On torch's OpenMP team
 # (engine/cpu/team.py; SmolLM2, q4, 8 sequences, 2 threads, per layer after a torch matmul,

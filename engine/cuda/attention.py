@@ -320,49 +320,81 @@ def by_group(
 
 @dataclass(frozen=True, slots=True)
 class DecodeSplit:
-    """A batch with both one-token sequences (decode rows) and longer ones (prefill chunks,
-    drafts to verify), cut in two for the CUDA op set: the decode rows attended by the decode
-    kernel as a decode batch of their own, the rest by the torch reference."""
+    """A batch cut in two for an op set with a decode kernel: its decode rows attended by the
+    kernel as one-token rows of their own, the rest by the torch reference. The decode rows
+    are the one-token sequences' and, with ``short`` > 1, every query token of the sequences
+    of at most ``short`` tokens that are not prompt chunks (drafts to verify): token j of n,
+    in a sequence whose context ends at L, is a row whose context ends at L - n + 1 + j (its
+    causal limit), over the sequence's pages."""
 
-    rows: torch.Tensor  # [N] long: the decode rows' flat indices in the batch
-    decode: ForwardBatch  # those sequences as a decode batch
+    rows: torch.Tensor  # [N] long: the decode rows' flat indices in the batch, ascending
+    decode: ForwardBatch  # those rows as a decode batch
     # the batch itself (same tensors, so a quantized cache's exact_chunks stash still finds
-    # its rows) with a plan whose groups leave the decode rows out
-    rest: ForwardBatch
+    # its rows) with a plan whose groups leave the decode rows out; None: no row is left
+    rest: ForwardBatch | None
+    short: int = 1
 
 
-def decode_split(batch: ForwardBatch) -> DecodeSplit | None:
-    """The batch's ``DecodeSplit``, made once per forward (every layer reuses it); None when
-    the batch is not such a mix."""
-    if batch.attention.decode_split is None:
-        if min(batch.q_lens) != 1 or max(batch.q_lens) == 1:
-            return None
-        groups = attention_groups(batch)  # (by query length: the one-token group first)
-        rows = groups[0].rows
-        rest = dataclasses.replace(batch, attention=AttentionPlan(groups=groups[1:]))
-        batch.attention.decode_split = DecodeSplit(rows, _decode_batch(batch, rows), rest)
+def decode_split(batch: ForwardBatch, short: int = 1) -> DecodeSplit | None:
+    """The batch's ``DecodeSplit`` (decode rows: see there), made once per forward (every
+    layer reuses it); None when no row is a decode row, or every sequence is one token (a
+    decode batch: the kernel's as it is)."""
+    split = batch.attention.decode_split
+    if split is not None and split.short == short:
+        return split
+    if max(batch.q_lens) == 1:
+        return None
+    prompt = batch.prompt_chunks or (False,) * len(batch.q_lens)
+    taken = [
+        i
+        for i, q_len in enumerate(batch.q_lens)
+        if q_len == 1 or (q_len <= short and not prompt[i])
+    ]
+    if not taken:
+        return None
+    left = [i for i in range(len(batch.q_lens)) if i not in set(taken)]
+    rows, decode = _decode_batch(batch, taken)
+    rest = None
+    if left:
+        buckets: dict[int, list[int]] = {}  # (attention_groups' buckets, over the rest)
+        for i in left:
+            buckets.setdefault(batch.q_lens[i].bit_length(), []).append(i)
+        groups = [_group(batch, seqs) for _, seqs in sorted(buckets.items())]
+        rest = dataclasses.replace(batch, attention=AttentionPlan(groups=groups))
+    batch.attention.decode_split = DecodeSplit(rows, decode, rest, short)
     return batch.attention.decode_split
 
 
-def _decode_batch(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
-    """The batch's one-token sequences (their flat ``rows``) as a decode batch."""
-    seqs = [i for i, q_len in enumerate(batch.q_lens) if q_len == 1]
-    index = _to_device(seqs, rows.device)
-    seq_lens = tuple(batch.seq_lens_host[i] for i in seqs)
+def _decode_batch(batch: ForwardBatch, seqs: list[int]) -> tuple[torch.Tensor, ForwardBatch]:
+    """(flat rows, decode batch) of every query token of the sequences ``seqs`` (batch
+    indices, ascending), each a one-token row with its own causal limit."""
+    starts = [0]
+    for q_len in batch.q_lens:
+        starts.append(starts[-1] + q_len)
+    flat, index, seq_lens = [], [], []
+    for i in seqs:
+        n, end = batch.q_lens[i], batch.seq_lens_host[i]
+        for j in range(n):
+            flat.append(starts[i] + j)
+            index.append(i)
+            seq_lens.append(end - n + 1 + j)
+    device = batch.input_ids.device
+    rows = _to_device(flat, device)
     width = -(-max(seq_lens) // batch.page_size)
-    return ForwardBatch(
+    decode = ForwardBatch(
         input_ids=batch.input_ids[rows],
         positions=batch.positions[rows],
         slot_mapping=batch.slot_mapping[rows],
-        query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=rows.device),
-        seq_lens=batch.seq_lens[index],
-        block_tables=batch.block_tables[index, :width].contiguous(),
+        query_start_loc=torch.arange(len(flat) + 1, dtype=torch.int32, device=device),
+        seq_lens=_to_device(seq_lens, device).to(batch.seq_lens.dtype),
+        block_tables=batch.block_tables[_to_device(index, device), :width].contiguous(),
         logits_indices=rows.new_empty(0),
-        q_lens=(1,) * len(seqs),
-        seq_lens_host=seq_lens,
+        q_lens=(1,) * len(flat),
+        seq_lens_host=tuple(seq_lens),
         page_size=batch.page_size,
-        prompt_chunks=(False,) * len(seqs),
+        prompt_chunks=(False,) * len(flat),
     )
+    return rows, decode
 
 
 def attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:

