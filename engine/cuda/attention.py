@@ -352,7 +352,8 @@ def decode_split(batch: ForwardBatch, short: int = 1) -> DecodeSplit | None:
     ]
     if not taken:
         return None
-    left = [i for i in range(len(batch.q_lens)) if i not in set(taken)]
+    chosen = set(taken)
+    left = [i for i in range(len(batch.q_lens)) if i not in chosen]
     rows, decode = _decode_batch(batch, taken)
     rest = None
     if left:
