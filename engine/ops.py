@@ -194,11 +194,11 @@ def decode_rows_on(
         split = decode_split(batch, short)
         if split is None or (takes is not None and not takes(q[split.rows], k_pages, split.decode)):
             return reference(q, k_pages, v_pages, batch, scale, sliding_window)
-        decoded = kernel(q[split.rows], k_pages, v_pages, split.decode, scale, sliding_window)
+        rows = split.rows
         if split.rest is None:  # (every row, in order)
-            return decoded
+            return kernel(q[rows], k_pages, v_pages, split.decode, scale, sliding_window)
         out = reference(q, k_pages, v_pages, split.rest, scale, sliding_window)
-        out[split.rows] = decoded
+        out[rows] = kernel(q[rows], k_pages, v_pages, split.decode, scale, sliding_window)
         return out
 
     attention.__name__ = getattr(kernel, "__name__", "attention")

@@ -404,6 +404,8 @@ def quant_rotary_cache_write_cuda(
     # one warp, which takes every group in turn
     warps = 1 if _launch.SIMULATOR else min(2 * head_dim // GROUP, _MAX_THREADS // 32)
     threads = _FORCE_WRITE_THREADS or 32 * warps
+    if threads % 32:  # (a forced count: each warp takes whole groups)
+        raise ValueError(f"quant_rotary_cache_write_cuda: {threads} threads, not whole warps")
     centered = k_pages.center is not None
     sinks = k_pages.sinks is not None
     if sinks and (k_pages.sinks.dtype != q.dtype or v_pages.sinks is None):

@@ -184,6 +184,18 @@ def test_cache_write_is_the_same_at_other_block_sizes(monkeypatch, threads):
     assert outputs[0][3].abs().sum() > 0  # (the sink page's K rows were written)
 
 
+def test_cache_write_refuses_a_forced_block_of_part_of_a_warp(monkeypatch):
+    """A warp takes whole groups: a forced block size that is not whole warps is refused
+    before any launch (bench/cache_write_kernel.py --threads takes powers of two from 32)."""
+    monkeypatch.setattr(quant_kernels, "_FORCE_WRITE_THREADS", 48)
+    q, k, v, cos, sin, _, _ = make_inputs(1, 1, 1, GROUP, 1, 4, torch.float32)
+    k_pages, v_pages = _pages("q4", True, 1, 4, 1, GROUP)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="48 threads, not whole warps"):
+        quant_rotary_cache_write_cuda(q, k, v, cos, sin, k_pages, v_pages, slots)
+    assert k_pages.scales.abs().sum() == 0
+
+
 def _codes(p: QuantPages) -> torch.Tensor:
     if p.bits == 8:
         return p.data.int()
