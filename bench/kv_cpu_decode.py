@@ -66,8 +66,8 @@ class DecodeResult:
     bytes_per_token: int  # K/V storage per token, all layers (sink and recent pages apart)
     prefill_s: float  # the steps until every job had its first token
     decode_steps: int
-    ms_per_step: float  # median over the decode steps
-    tokens_per_s: float  # batch / median step
+    ms_per_step: float  # median over the decode steps (--ngram: their mean)
+    tokens_per_s: float  # batch / median step (--ngram: the steps' tokens / their time)
     # --repeats: each run's prefill_s and ms_per_step (the fields above: their medians)
     prefill_runs: tuple[float, ...] = ()
     step_runs: tuple[float, ...] = ()
