@@ -357,10 +357,7 @@ def decode_split(batch: ForwardBatch, short: int = 1) -> DecodeSplit | None:
     rows, decode = _decode_batch(batch, taken)
     rest = None
     if left:
-        buckets: dict[int, list[int]] = {}  # (attention_groups' buckets, over the rest)
-        for i in left:
-            buckets.setdefault(batch.q_lens[i].bit_length(), []).append(i)
-        groups = [_group(batch, seqs) for _, seqs in sorted(buckets.items())]
+        groups = [_group(batch, seqs) for seqs in _length_buckets(batch, left)]
         rest = dataclasses.replace(batch, attention=AttentionPlan(groups=groups))
     batch.attention.decode_split = DecodeSplit(rows, decode, rest, short)
     return batch.attention.decode_split
@@ -369,9 +366,7 @@ def decode_split(batch: ForwardBatch, short: int = 1) -> DecodeSplit | None:
 def _decode_batch(batch: ForwardBatch, seqs: list[int]) -> tuple[torch.Tensor, ForwardBatch]:
     """(flat rows, decode batch) of every query token of the sequences ``seqs`` (batch
     indices, ascending), each a one-token row with its own causal limit."""
-    starts = [0]
-    for q_len in batch.q_lens:
-        starts.append(starts[-1] + q_len)
+    starts = _row_offsets(batch.q_lens)
     flat, index, seq_lens = [], [], []
     for i in seqs:
         n, end = batch.q_lens[i], batch.seq_lens_host[i]
@@ -404,15 +399,30 @@ def attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
     at most doubles a group's query rows and a step has at most ~log2(chunk) groups."""
     if batch.attention.groups is not None:
         return batch.attention.groups
-    buckets: dict[int, list[int]] = {}
-    for i, q_len in enumerate(batch.q_lens):
-        buckets.setdefault(q_len.bit_length(), []).append(i)
+    buckets = _length_buckets(batch, range(len(batch.q_lens)))
     if len(buckets) == 1:
         groups = [_whole_batch_group(batch)]
     else:
-        groups = [_group(batch, seqs) for _, seqs in sorted(buckets.items())]
+        groups = [_group(batch, seqs) for seqs in buckets]
     batch.attention.groups = groups
     return groups
+
+
+def _length_buckets(batch: ForwardBatch, seqs) -> list[list[int]]:
+    """The sequences ``seqs`` (batch indices) by power-of-two bucket of their query length,
+    shortest first."""
+    buckets: dict[int, list[int]] = {}
+    for i in seqs:
+        buckets.setdefault(batch.q_lens[i].bit_length(), []).append(i)
+    return [buckets[key] for key in sorted(buckets)]
+
+
+def _row_offsets(q_lens: tuple[int, ...]) -> list[int]:
+    """Each sequence's first flat row, and the total (B + 1 values)."""
+    offsets = [0]
+    for q_len in q_lens:
+        offsets.append(offsets[-1] + q_len)
+    return offsets
 
 
 def _whole_batch_group(batch: ForwardBatch) -> AttentionGroup:
@@ -426,16 +436,11 @@ def _whole_batch_group(batch: ForwardBatch) -> AttentionGroup:
 def _group(batch: ForwardBatch, seqs: list[int]) -> AttentionGroup:
     """The sequences ``seqs`` (batch indices) as one group: their rows gathered in order."""
     device = batch.input_ids.device
-    offsets = [0]
-    for q_len in batch.q_lens:
-        offsets.append(offsets[-1] + q_len)
+    offsets = _row_offsets(batch.q_lens)
     rows = [r for i in seqs for r in range(offsets[i], offsets[i + 1])]
     q_lens = tuple(batch.q_lens[i] for i in seqs)
     seq_lens = tuple(batch.seq_lens_host[i] for i in seqs)
-    local_starts = [0]
-    for q_len in q_lens[:-1]:
-        local_starts.append(local_starts[-1] + q_len)
-    starts = _to_device(local_starts, device)
+    starts = _to_device(_row_offsets(q_lens)[:-1], device)
     layout = _padded_layout(batch, q_lens, seq_lens, starts)
     index = _to_device(seqs, device)
     table = batch.block_tables[index, : layout.num_blocks].long()
