@@ -18,9 +18,9 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from deployments.app import build_app  # noqa: E402
-from tests.serve.live import start_app  # noqa: E402
+from tests.serve.live import shared_serve, start_app  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -40,13 +40,8 @@ def _lines(body: bytes) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    return tmp_path_factory.mktemp("pagedserve-cache")
-
-
-@pytest.fixture(scope="module")
-def base_url(request: pytest.FixtureRequest, cache_dir) -> str:
-    return start_app(request, "configs/demo.yaml", "pagedserve", cache_dir)
+def base_url(request: pytest.FixtureRequest) -> str:
+    return start_app(request, "configs/demo.yaml", "pagedserve")
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +55,12 @@ def _check_usage(usage, max_tokens: int) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_health_and_models(base_url: str, client: openai.OpenAI, cache_dir) -> None:
+def test_health_and_models(base_url: str, client: openai.OpenAI) -> None:
     with urllib.request.urlopen(f"{base_url}/health", timeout=30) as r:
         assert r.status == 200
     assert [m.id for m in client.models.list().data] == ["demo"]
-    assert any(cache_dir.iterdir()), "the demo model should be built under PAGEDSERVE_CACHE"
+    built = any(shared_serve().cache_dir.iterdir())
+    assert built, "the demo model should be built under PAGEDSERVE_CACHE"
 
 
 def test_completion(client: openai.OpenAI) -> None:

@@ -27,7 +27,7 @@ from ray import serve  # noqa: E402
 from engine.request import GenerationRequest, SamplerSettings  # noqa: E402
 from tests.serve.live import start_app  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
 FULL = os.environ.get("PAGEDSERVE_FAULTS_FULL") == "1"
 STREAMS = 100 if FULL else 24
@@ -47,7 +47,7 @@ def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         "serving": {"num_replicas": 2, "torch_threads": 1, "stream_interval_s": 0.02},
     }
     config.write_text(yaml.safe_dump(preset))
-    return start_app(request, config, APP, tmp_path_factory.mktemp("pagedserve-cache"))
+    return start_app(request, config, APP)
 
 
 # -- a small streaming client --------------------------------------------------------------------

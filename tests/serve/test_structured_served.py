@@ -19,7 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from tests.serve.live import start_app  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 WEATHER = {
@@ -52,8 +52,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def client(request: pytest.FixtureRequest, tmp_path_factory) -> openai.OpenAI:
-    base = start_app(request, "configs/demo.yaml", "structured", tmp_path_factory.mktemp("c"))
+def client(request: pytest.FixtureRequest) -> openai.OpenAI:
+    base = start_app(request, "configs/demo.yaml", "structured")
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
