@@ -20,7 +20,9 @@
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
 #      (ENGINE_NUMBA_LAUNCH=numba);
 #   7. bench/gpu_decode.py on the 8B shape (default op set, and transformers' generate_batch
-#      on the same weights), merged into the same JSON; then fp16 and q4 pages with every
+#      on the same weights; its KV rows include a step verifying 4 drafts per sequence through
+#      the gather route and as decode-kernel rows, `verify_step_ms`, untimed on a GPU until
+#      then), merged into the same JSON; then fp16 and q4 pages with every
 #      decode batch on the CUDA-core kernel (ENGINE_TENSOR_CORE_DECODE=0; by default the
 #      decode batches a CUDA graph captures take the tensor-core kernel).
 # Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).

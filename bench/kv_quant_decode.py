@@ -23,6 +23,13 @@ already built by gpu_decode:
                          decode rows on the kernel, the chunk on the reference) and on CUDA
                          "reference_all" (the whole step through the torch reference, as the
                          CUDA op set ran such steps before it split them)
+    verify_step_ms       the attention of one step in which each of the B sequences verifies
+                         VERIFY_DRAFTS drafts (1 + VERIFY_DRAFTS query tokens at the end of its
+                         context), once per layer, eager; per route: "op_set" (as shipped),
+                         "gather" (the prompt-chunk route: dequantize the sequences' pages +
+                         SDPA) and "kernel_rows" (every query token a decode row with its own
+                         causal limit, on the decode kernel: what the CPU op set does for
+                         quantized pages; untimed on a GPU until this row runs there)
 
 Pages hold random K/V written through the cache-write op (quantized pages with real scales).
 On CUDA each timed step is captured once in a CUDA graph and replayed (``timing``:
@@ -56,6 +63,7 @@ def torch_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
 # "q4+sinks+recent": and recent pages (PagedCache(recent_pages=...)), each sequence's last
 # RECENT_BLOCKS blocks unquantized too (pages B..B + RECENT_BLOCKS * B - 1)
 MODES = ("fp16", "q8", "q6", "q4", "q4+sinks", "q4+sinks+recent")
+VERIFY_DRAFTS = 4  # drafts each sequence verifies in verify_step_ms (the generator's default)
 GOAL_ATTENTION_SPEEDUP = 1.5  # q4 decode attention tok/s / fp16's, batch 32 x 4k context
 GOAL_TOKENS_PER_BYTE = 3.5  # q4 tokens in fp16's bytes
 
@@ -156,6 +164,11 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     prompt_pages = list(range(batch * per_seq, batch * per_seq + chunk_pages))
     prompt = SequenceInput([5] * chunk, 0, prompt_pages, prompt_chunk=True)
     mixed = measure_mixed(model, kv, [*seqs, prompt], wl, timer)
+    verify = [  # (the same pages and total length as the decode rows)
+        SequenceInput([4 + b % 100] * (1 + VERIFY_DRAFTS), context - VERIFY_DRAFTS, s.pages)
+        for b, s in enumerate(seqs)
+    ]
+    verify_ms = measure_verify(model, quant, kv, verify, wl, timer)
     return {
         "quant": mode,
         "sink_pages": sinks,
@@ -172,12 +185,17 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
         "prefill_chunk_tokens": prefill.pop("tokens"),
         "prefill_chunk_ms": prefill,
         "mixed_step_ms": mixed,
+        "verify_tokens_per_sequence": 1 + VERIFY_DRAFTS,
+        "verify_step_ms": verify_ms,
     }
 
 
-def measure_mixed(model: Any, kv: list, seqs: list, wl: Any, timer: Any) -> dict:
+def measure_mixed(
+    model: Any, kv: list, seqs: list, wl: Any, timer: Any, routes: dict | None = None
+) -> dict:
     """ms of the attention (every layer) of one step over ``seqs`` (decode rows and a prompt
-    chunk), per route (eager: the reference's masks follow host values)."""
+    chunk), per route (eager: the reference's masks follow host values); ``routes``: name ->
+    paged attention (default: the op set's, and on CUDA the torch reference's)."""
     from engine.batch import AttentionPlan, build_forward_batch
 
     fwd = build_forward_batch(seqs, wl.page_size, model.device)
@@ -193,10 +211,44 @@ def measure_mixed(model: Any, kv: list, seqs: list, wl: Any, timer: Any) -> dict
 
         return run
 
-    routes = {"op_set": model.ops.paged_attention}
-    if model.device.type == "cuda":
-        routes["reference_all"] = torch_attention
+    if routes is None:
+        routes = {"op_set": model.ops.paged_attention}
+        if model.device.type == "cuda":
+            routes["reference_all"] = torch_attention
     return _route_ms(routes, step, wl, timer)
+
+
+def measure_verify(model: Any, quant: str, kv: list, seqs: list, wl: Any, timer: Any) -> dict:
+    """ms of the attention (every layer) of one step in which every sequence of ``seqs``
+    verifies drafts, per route (``verify_step_ms`` in the module's docstring)."""
+    from engine.ops import decode_rows_on
+
+    kernel, gather, takes = _decode_kernel_and_gather(model.device.type, quant)
+    rows = decode_rows_on(kernel, gather, takes, short=1 + VERIFY_DRAFTS)
+    routes = {"op_set": model.ops.paged_attention, "gather": gather, "kernel_rows": rows}
+    return measure_mixed(model, kv, seqs, wl, timer, routes)
+
+
+def _decode_kernel_and_gather(device: str, quant: str) -> tuple[Callable, Callable, Any]:
+    """(the decode attention kernel, the prompt-chunk route, which calls the kernel takes:
+    see ``decode_rows_on``) for pages of ``quant`` on ``device``, as its op set pairs them."""
+    from engine.cuda.attention import paged_attention_reference
+
+    if device == "cuda":
+        from engine.cuda.kv_gather import quant_chunk_attention_cuda
+
+        gather = paged_attention_reference if quant == "fp16" else quant_chunk_attention_cuda
+        return _attention_kernel(quant), gather, None
+    from engine.cpu.decode_attention import (
+        decode_attention_cpu,
+        quant_decode_attention_cpu,
+        supports,
+    )
+    from engine.cpu.kv_gather import quant_chunk_attention_cpu
+
+    if quant == "fp16":
+        return decode_attention_cpu, paged_attention_reference, supports
+    return quant_decode_attention_cpu, quant_chunk_attention_cpu, supports
 
 
 def _route_ms(routes: dict, step: Callable, wl: Any, timer: Any) -> dict[str, float]:
@@ -317,7 +369,9 @@ def measure_kv_quant(model: Any, wl: Any, timer: Any, free: Callable[[], None]) 
             f"{row['prefill_chunk_tokens']}: "
             + ", ".join(f"{k} {v:.2f} ms" for k, v in row["prefill_chunk_ms"].items())
             + ", mixed step: "
-            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["mixed_step_ms"].items()),
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["mixed_step_ms"].items())
+            + f", verifying {row['verify_tokens_per_sequence']} tokens: "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["verify_step_ms"].items()),
             flush=True,
         )
     return rows

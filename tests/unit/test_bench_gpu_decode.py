@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from bench import kv_quant_decode
 from tests.bench_scripts import run_bench
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,6 +89,11 @@ def test_dry_run_measures_every_kv_cache_mode(dry_run: tuple[dict, str]) -> None
         assert row["prefill_chunk_ms"]["reference"] > 0
         # a step of decode rows and a prompt chunk: the op set's route only without CUDA
         assert list(row["mixed_step_ms"]) == ["op_set"] and row["mixed_step_ms"]["op_set"] > 0
+        # a step verifying drafts: as shipped, through the prompt chunks' route, and as
+        # decode rows on the kernel
+        assert row["verify_tokens_per_sequence"] == 1 + kv_quant_decode.VERIFY_DRAFTS
+        assert list(row["verify_step_ms"]) == ["op_set", "gather", "kernel_rows"]
+        assert all(ms > 0 for ms in row["verify_step_ms"].values())
     sizes = [rows[q]["bytes_per_token"] for q in ("fp16", "q8", "q6", "q4")]
     assert sizes == sorted(sizes, reverse=True)
     assert rows["q4"]["tokens_vs_fp16"] >= 3.5  # fp32 on CPU: 7.1x
