@@ -20,7 +20,8 @@ from engine.cuda.quant_reference import (
     quant_paged_attention_reference,
     quant_rotary_cache_write_reference,
 )
-from tests.kernels.common import DEVICE, DTYPES
+from tests.kernels.common import DEVICE, DTYPES, TOL
+from tests.kernels.test_attention import rel_error
 
 PAGE, KV, D = 4, 2, 64
 
@@ -250,3 +251,35 @@ def test_the_mixed_step_profile_runs_both_chunk_routes():
         outs.append(attention(qr, k, v, batch, D**-0.5))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(outs[2], outs[0])  # (the torch route is the reference itself)
+
+
+@pytest.mark.parametrize("quant", ["fp16", "q4"])
+def test_the_verify_steps_cuda_routes_give_the_references_output(quant):
+    """bench/kv_quant_decode.py times a step verifying drafts on a GPU through the gather
+    route and as decode-kernel rows (its CUDA pairing is checked here, in the simulator): on
+    sequences of 1 + 4 tokens, over q4 pages with sink rows and over float pages, both give
+    the reference's output, the kernel's as every token a row of its own."""
+    from bench import kv_quant_decode
+    from engine.cuda.attention import decode_split, paged_attention_reference
+    from engine.ops import decode_rows_on
+
+    kernel, gather, takes = kv_quant_decode._decode_kernel_and_gather("cuda", quant)
+    assert kernel is kv_quant_decode._attention_kernel(quant)  # (the CUDA op set's kernel)
+    short = 1 + kv_quant_decode.VERIFY_DRAFTS
+    rows = decode_rows_on(kernel, gather, takes, short=short)
+    seqs = [SequenceInput([1] * short, num_cached=n, pages=p)
+            for n, p in ((7, [0, 6, 8, 9]), (2, [1, 5]))]  # fmt: skip
+    batch = build_forward_batch(seqs, PAGE, DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(batch.num_tokens, 4, D, generator=gen).to(DEVICE)
+    if quant == "fp16":
+        k, v = (torch.randn(10, PAGE, KV, D, generator=gen).to(DEVICE) for _ in range(2))
+        reference = paged_attention_reference
+    else:
+        k, v = _pages(4, 3, torch.float32), _pages(4, 3, torch.float32, seed=2)
+        reference = quant_paged_attention_reference
+    want = reference(q, k, v, batch, D**-0.5)
+    assert rel_error(gather(q, k, v, batch, D**-0.5), want) <= TOL[torch.float32]
+    assert rel_error(rows(q, k, v, batch, D**-0.5), want) <= TOL[torch.float32]
+    split = decode_split(batch, short)
+    assert split.rest is None and split.decode.seq_lens_host == (8, 9, 10, 11, 12, 3, 4, 5, 6, 7)
