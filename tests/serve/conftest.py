@@ -1,13 +1,28 @@
 """Live test modules marked ``shared_serve`` deploy their apps on one ``SharedServe``
-(tests/serve/live.py); it is stopped as soon as the next test is not marked so (another
-directory, a module that starts a cluster of its own, the end of the run), so no idle cluster
-takes CPU from the tests after it."""
+(tests/serve/live.py). They run first among tests/serve's modules (in their order), so one
+cluster serves them all; it is stopped as soon as the next test is not marked so (a module that
+starts a cluster of its own, another directory, the end of the run), so no idle cluster takes
+CPU from the tests after it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from tests.serve.live import stop_shared_serve
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    serve_dir = Path(__file__).parent
+    at = [i for i, item in enumerate(items) if serve_dir in item.path.parents]
+    if not at:
+        return
+    ours = [items[i] for i in at]
+    shared = [item for item in ours if item.get_closest_marker("shared_serve")]
+    others = [item for item in ours if not item.get_closest_marker("shared_serve")]
+    for i, item in zip(at, shared + others, strict=True):  # (stable: modules stay whole)
+        items[i] = item
 
 
 @pytest.hookimpl(wrapper=True)
