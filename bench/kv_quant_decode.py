@@ -230,8 +230,9 @@ def measure_verify(model: Any, quant: str, kv: list, seqs: list, wl: Any, timer:
 
 
 def _decode_kernel_and_gather(device: str, quant: str) -> tuple[Callable, Callable, Any]:
-    """(the decode attention kernel, the prompt-chunk route, which calls the kernel takes:
-    see ``decode_rows_on``) for pages of ``quant`` on ``device``, as its op set pairs them."""
+    """(decode attention kernel, prompt-chunk route, ``takes``: which calls the kernel takes,
+    None for all; see ``decode_rows_on``) for pages of ``quant`` on ``device``, as the op set
+    of that device pairs them."""
     from engine.cuda.attention import paged_attention_reference
 
     if device == "cuda":
