@@ -146,12 +146,13 @@ def measure(
         results = gen.iterate()
         took = time.perf_counter() - t
         made = [r for r in results if "token_ids" in r and r["token_ids"].numel()]
+        made_tokens = sum(r["token_ids"].numel() for r in made)
         if len(answered) < batch:
             answered.update(r["serial"] for r in made)
             prefill_s = time.perf_counter() - started
-        elif ngram or sum(r["token_ids"].numel() for r in made) == batch:  # the whole batch's
+        elif ngram or made_tokens == batch:  # (without drafts: a step of the whole batch)
             decode.append(took)
-            tokens += sum(r["token_ids"].numel() for r in made)
+            tokens += made_tokens
     if not decode:
         raise RuntimeError(f"{mode}: no decode step of the whole batch was timed")
     if ngram:
