@@ -5,14 +5,16 @@ a padded tensor for SDPA (engine/cuda/attention.py, engine/cuda/quant_reference.
 quantized cache it dequantizes all of it, every layer of every step, and for float pages the
 copy alone grows past the caches (SmolLM2, 8 x 4k context, 2 cores: 18 ms per layer).
 
-One work item per (sequence, KV head): its G = H / KV query heads (scaled; rotated into the
-pages' basis by the item when the pages are, by the write's butterflies, and the output
-rotated back at its end: as torch matmuls around the kernel the two rotations had cost ~1 ms
-of a q4 decode step's attention at 8 x 1k, 30 layers, one or two threads, 2-3%) are held in
-a small array, every key of the sequence's
-context is read once for all of them (scores in float32; for codes by group of 32: the codes'
-dot product times the group's scale), a softmax per head, then every value once, accumulated
-per head and divided by the softmax's sum. Float pages, and the sink and recent pages of a
+One work item per (group of rows, KV head), where a group is one decode row, or the rows of
+a sequence's tokens verifying drafts (each a row with its own causal limit, on one context:
+``_row_groups``): its rows' G = H / KV query heads each (scaled; rotated into the pages'
+basis by the item when the pages are, by the write's butterflies, and the output rotated
+back at its end: as torch matmuls around the kernel the two rotations had cost ~1 ms of a q4
+decode step's attention at 8 x 1k, 30 layers, one or two threads, 2-3%) are held in a small
+array, every key of the group's context is read once for all of them (scores in float32; for
+codes by group of 32: the codes' dot product times the group's scale), a softmax per query
+row over its own keys, then every value once, accumulated per query row and divided by the
+softmax's sum. Float pages, and the sink and recent pages of a
 quantized cache (ids below ``QuantPages.sinks``' rows), are read from their rows. The key
 center is not added back: ``q . c`` is the same for every key of a query, so the softmax does
 not see it (the references drop it the same way).
@@ -69,42 +71,75 @@ def _exp_nonpositive(x):
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _attend_items(
-    q,  # float32 [B, H, D]: scaled queries (rotated in place when ``rotate``)
+    q,  # float32 [R, H, D]: scaled queries, one row per query token
     k_data,  # uint8 [P, S, KV, W_k]
     v_data,  # uint8 [P, S, KV, W_v]
     k_scales,  # uint16 [P, S, KV, D / 32]: float16 bits
     v_scales,
     k_bits,
     v_bits,
-    k_rows,  # float32 [R, S, KV, D]: pages below R read here (R may be 0)
+    k_rows,  # float32 [Z, S, KV, D]: pages below Z read here (Z may be 0)
     v_rows,
-    tables,  # int32 [B, n]
-    seq_lens,  # int32 [B]
+    tables,  # int32 [R, n]
+    seq_lens,  # int32 [R]: each row's causal limit
+    groups,  # int32 [N + 1]: rows groups[i]..groups[i + 1] - 1 read one context (row_groups)
     window,  # keys within ``window`` positions of the query's (0: all)
     half,  # float32 [65536]: float16 bits -> value
     rotate,  # rotated pages: q into their basis, the output back (H is its own inverse)
-    out,  # float32 [B, H, D]
+    out,  # float32 [R, H, D]
     first,
-    last,  # work items [first, last) of B * KV
+    last,  # work items [first, last) of N * KV
 ):
     kv_heads = k_data.shape[2]
     heads = q.shape[1] // kv_heads
-    block = np.empty((k_data.shape[1], q.shape[2]), np.float32)
+    page_size = k_data.shape[1]
+    block = np.empty((page_size, q.shape[2]), np.float32)
     for item in range(first, last):
-        b = item // kv_heads
-        kvh = item - b * kv_heads
-        end = seq_lens[b]
-        start = end - window if 0 < window < end else 0
-        rows = slice(kvh * heads, (kvh + 1) * heads)
+        g = item // kv_heads
+        kvh = item - g * kv_heads
+        r0, r1 = groups[g], groups[g + 1]
+        limits = seq_lens[r0:r1]
+        # the group's context: from the window of its shortest row to its longest row's end
+        start = _window_start(limits[0], window)
+        end = limits[r1 - r0 - 1]
+        rows = _group_queries(q, r0, r1, kvh * heads, heads)
         if rotate:
-            _rotate_rows(q[b, rows])
+            _rotate_rows(rows)
         keys = (k_data, k_scales, k_bits, k_rows)
-        scores = _scores(q[b, rows], keys, half, tables[b], kvh, start, end, block)
-        sums = _softmax(scores, start % k_data.shape[1])
+        scores = _scores(rows, keys, half, tables[r0], kvh, start, end, block)
+        sums = _softmax(scores, heads, limits, window, start - start % page_size)
         values = (v_data, v_scales, v_bits, v_rows)
-        _weigh_values(scores, sums, values, half, tables[b], kvh, start, end, block, out[b, rows])
+        _weigh_values(scores, sums, values, half, tables[r0], kvh, start, end, block, rows)
         if rotate:
-            _rotate_rows(out[b, rows])
+            _rotate_rows(rows)
+        _scatter_rows(rows, out, r0, r1, kvh * heads, heads)
+
+
+@numba.njit(inline="always")
+def _window_start(end, window):
+    return end - window if 0 < window < end else 0
+
+
+@numba.njit(inline="always")
+def _group_queries(q, r0, r1, head0, heads):
+    """[T * G, D] copy of rows r0..r1-1's query heads head0..head0+G-1 (row t's head h at
+    t * G + h): the item's queries, read against each key at once."""
+    dim = q.shape[2]
+    rows = np.empty(((r1 - r0) * heads, dim), np.float32)
+    for t in range(r1 - r0):
+        for h in range(heads):
+            for d in range(dim):
+                rows[t * heads + h, d] = q[r0 + t, head0 + h, d]
+    return rows
+
+
+@numba.njit(inline="always")
+def _scatter_rows(rows, out, r0, r1, head0, heads):
+    """``_group_queries``' inverse, into ``out``."""
+    for t in range(r1 - r0):
+        for h in range(heads):
+            for d in range(rows.shape[1]):
+                out[r0 + t, head0 + h, d] = rows[t * heads + h, d]
 
 
 @numba.njit(inline="always")
@@ -118,9 +153,9 @@ def _rotate_rows(rows):
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
 def _scores(qg, keys, half, table, kvh, start, end, block):
-    """[G, span] scores of the item's query heads against keys start..end-1, by whole pages
-    from the window's first (entry i: key i + its first page's first key; entries before
-    ``start`` are written and ignored)."""
+    """[T * G, span] scores of the item's query rows against keys start..end-1, by whole
+    pages from the window's first (entry i: key i + its first page's first key; entries
+    before ``start``, and past a row's own limit, are written and ignored)."""
     data, scales, bits, rows = keys
     page_size = block.shape[0]
     first_block = start // page_size
@@ -139,17 +174,23 @@ def _scores(qg, keys, half, table, kvh, start, end, block):
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _softmax(scores, skip):
-    """Each row of ``scores`` from entry ``skip`` on -> exp(score - its max) (earlier entries
-    -> 0); returns the rows' sums."""
+def _softmax(scores, heads, limits, window, base):
+    """Each row of ``scores`` (``_scores``' entries: key ``base`` + i at entry i) over its
+    query token's keys, within the window and below its limit (row t * heads + h: token t,
+    limit ``limits[t]``) -> exp(score - their max), other entries -> 0; returns the rows'
+    sums."""
     sums = np.empty(scores.shape[0], np.float32)
     for h in range(scores.shape[0]):
+        end = limits[h // heads]
+        skip = _window_start(end, window) - base
+        stop = end - base
         top = scores[h, skip]
-        for t in range(skip + 1, scores.shape[1]):
+        for t in range(skip + 1, stop):
             top = max(top, scores[h, t])
         total = np.float32(0.0)
         for t in range(scores.shape[1]):
-            p = _exp_nonpositive(scores[h, t] - top) if t >= skip else np.float32(0.0)
+            live = skip <= t < stop
+            p = _exp_nonpositive(scores[h, t] - top) if live else np.float32(0.0)
             scores[h, t] = p
             total += p
         sums[h] = total
@@ -255,14 +296,16 @@ def decode_attention_cpu(
             f"{tuple(v_pages.shape)} {v_pages.dtype} differ"
         )
     _check_call(q, k_pages, batch, sliding_window, tuple(k_pages.shape))
-    args, out = _float_args(q, k_pages, v_pages, batch, scale, sliding_window)
-    kv_heads = k_pages.shape[2]
-    _run_items(args, q.shape[0] * kv_heads, _key_heads(batch, sliding_window, kv_heads))
+    args, items, out = _float_args(q, k_pages, v_pages, batch, scale, sliding_window)
+    _run_items(args, items, _key_heads(batch, sliding_window, k_pages.shape[2]))
     return out.to(q.dtype)
 
 
-def _float_args(q, k_pages, v_pages, batch, scale, sliding_window) -> tuple[tuple, torch.Tensor]:
-    """The kernel's arguments over float pages (but the work items), and its output."""
+def _float_args(
+    q, k_pages, v_pages, batch, scale, sliding_window
+) -> tuple[tuple, int, torch.Tensor]:
+    """The kernel's arguments over float pages (but the work items), their number, and the
+    kernel's output."""
     _, page_size, kv_heads, _ = k_pages.shape
     # no codes: every page id is below the rows' count, so the kernel reads only rows
     no_codes = np.zeros((0, page_size, kv_heads, 1), np.uint8)
@@ -271,7 +314,7 @@ def _float_args(q, k_pages, v_pages, batch, scale, sliding_window) -> tuple[tupl
     out = torch.empty_like(queries)
     codes = (no_codes, no_codes, no_scales, no_scales, 0, 0)
     rows = (_float_rows(k_pages), _float_rows(v_pages))
-    return _kernel_args(queries, codes, rows, batch, sliding_window, out), out
+    return *_kernel_args(queries, codes, rows, batch, sliding_window, out), out
 
 
 def warm_up_decode_attention_cpu(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
@@ -301,7 +344,7 @@ def quant_decode_attention_cpu(
     check_pair(k_pages, v_pages)
     _check_call(q, k_pages, batch, sliding_window, k_pages.shape)
     head_dim = k_pages.shape[3]
-    queries = q.float() * scale  # (a new tensor: the kernel rotates it in place)
+    queries = q.float() * scale
     out = torch.empty_like(queries)
     codes = (
         _bytes(k_pages),
@@ -312,9 +355,8 @@ def quant_decode_attention_cpu(
         v_pages.bits,
     )
     rows = (_rows(k_pages, head_dim), _rows(v_pages, head_dim))
-    args = _kernel_args(queries, codes, rows, batch, sliding_window, out, k_pages.rotate)
-    kv_heads = k_pages.shape[2]
-    _run_items(args, q.shape[0] * kv_heads, _key_heads(batch, sliding_window, kv_heads))
+    args, items = _kernel_args(queries, codes, rows, batch, sliding_window, out, k_pages.rotate)
+    _run_items(args, items, _key_heads(batch, sliding_window, k_pages.shape[2]))
     return out.to(q.dtype)
 
 
@@ -347,21 +389,56 @@ def _kernel_args(
     sliding_window: int | None,
     out: torch.Tensor,
     rotate: bool = False,
-) -> tuple:
-    """``_attend_items``' arguments but the work items: (K codes, V codes, K scales, V scales,
-    K bits, V bits) and the (K, V) rows read unquantized; ``rotate``: the pages are rotated
-    (the kernel rotates ``queries`` in place and the output back)."""
-    return (
+) -> tuple[tuple, int]:
+    """``_attend_items``' arguments but the work items, and their number: (K codes, V codes,
+    K scales, V scales, K bits, V bits) and the (K, V) rows read unquantized; ``rotate``: the
+    pages are rotated (the kernel rotates the queries into their basis and the output back)."""
+    tables = batch.block_tables.to(torch.int32).numpy()
+    seq_lens = batch.seq_lens.to(torch.int32).numpy()
+    groups = _row_groups(tables, seq_lens, batch.page_size)
+    args = (
         queries.contiguous().numpy(),
         *codes,
         *rows,
-        batch.block_tables.to(torch.int32).numpy(),
-        batch.seq_lens.to(torch.int32).numpy(),
+        tables,
+        seq_lens,
+        groups,
         sliding_window or 0,
         half_table(),
         rotate,
         out.numpy(),
     )
+    return args, (len(groups) - 1) * rows[0].shape[2]
+
+
+@numba.njit(cache=True)
+def _row_groups(tables, seq_lens, page_size):
+    """int32 [N + 1]: the decode rows' groups (rows groups[i]..groups[i + 1] - 1), each a run
+    of rows that read one context: each row's limit one past the previous row's, and their
+    tables the same over its pages. Those are a sequence's tokens verifying drafts, which
+    ``decode_split`` makes into rows of their own; the kernel reads each key once for a
+    group's rows instead of once per row (a decode batch's rows are groups of one)."""
+    n = seq_lens.shape[0]
+    groups = np.empty(n + 1, np.int32)
+    groups[0] = 0
+    count = 0
+    for r in range(1, n):
+        if not _same_context(tables, seq_lens, r, page_size):
+            count += 1
+            groups[count] = r
+    groups[count + 1] = n
+    return groups[: count + 2]
+
+
+@numba.njit(inline="always")
+def _same_context(tables, seq_lens, r, page_size):
+    """Whether row r reads row r - 1's context and one more key."""
+    if seq_lens[r] != seq_lens[r - 1] + 1:
+        return False
+    for page in range((seq_lens[r] + page_size - 1) // page_size):
+        if tables[r, page] != tables[r - 1, page]:
+            return False
+    return True
 
 
 # A sequence of at most this many query tokens that is not a prompt chunk (drafts to verify:

@@ -33,7 +33,7 @@ from engine.cpu.decode_attention import (
     quant_decode_attention_cpu,
 )
 from engine.cpu.quant_write import write_slots_cpu
-from engine.cuda.attention import paged_attention_reference
+from engine.cuda.attention import decode_split, paged_attention_reference
 from engine.cuda.quant_reference import quant_paged_attention_reference
 from engine.ops import cpu_ops
 from tests.call_records import record_calls
@@ -264,7 +264,9 @@ def test_cpu_ops_attend_drafts_to_verify_as_one_token_rows_of_the_kernel(monkeyp
     q = torch.randn(batch.num_tokens, 4, GROUP, generator=gen)
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25, window)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.25, window)
-    assert calls == [10]  # 5 rows (the decode row, the drafts' 4), 2 KV heads each
+    # 5 rows (the decode row, the drafts' 4) in 2 groups (the drafts' rows read their
+    # sequence's keys together), 2 KV heads each
+    assert calls == [4]
     assert _rel_error(out, ref) <= TOL
 
 
@@ -274,8 +276,73 @@ def test_a_batch_of_drafts_to_verify_is_the_kernels_alone(monkeypatch):
     q, k_pages, v_pages, batch = _case([9, 14], "q4", new=3)
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.3)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.3)
-    assert calls == [6]
+    assert calls == [2]  # a group of 3 rows per sequence
     assert _rel_error(out, ref) <= TOL
+
+
+def test_a_sequences_rows_verifying_drafts_are_one_group():
+    """The kernel reads a context once for the rows of one sequence's tokens (limits one
+    apart, one table), across a page boundary too; rows whose limits climb by one on other
+    pages, even sharing the first, are groups of their own, as every decode row is."""
+    seqs = [
+        SequenceInput([1], num_cached=6, pages=[0, 1]),  # a decode row
+        SequenceInput([1] * 4, num_cached=2, pages=[2, 3]),  # limits 3..6, across a page
+        SequenceInput([1] * 3, num_cached=4, pages=[4, 5]),  # limits 5..7
+        SequenceInput([1], num_cached=7, pages=[4, 6]),  # limit 8, the first page shared
+        SequenceInput([1], num_cached=8, pages=[7, 8, 9]),  # limit 9, other pages
+    ]
+    batch = build_forward_batch(seqs, PAGE)
+    split = decode_split(batch, VERIFY_ROWS)
+    tables = split.decode.block_tables.to(torch.int32).numpy()
+    limits = split.decode.seq_lens.to(torch.int32).numpy()
+    groups = decode_attention._row_groups(tables, limits, PAGE)
+    gen = torch.Generator().manual_seed(8)
+    k_pages, v_pages = (
+        allocate_quant_pages(10, PAGE, 1, GROUP, bits, True, "cpu") for bits in (4, 8)
+    )
+    for pages in (k_pages, v_pages):
+        write_slots(pages, torch.randn(10 * PAGE, 1, GROUP, generator=gen), torch.arange(10 * PAGE))
+    q = torch.randn(batch.num_tokens, 2, GROUP, generator=gen)
+    out = quant_decode_attention_cpu(q[split.rows], k_pages, v_pages, split.decode, 0.3)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, 0.3)
+    assert _rel_error(out, ref[split.rows]) <= TOL
+    assert groups.tolist() == [0, 1, 5, 8, 9, 10]
+
+
+@pytest.mark.parametrize(
+    ("quant", "heads", "kv_heads", "window", "unquantized"),
+    [
+        ("q4", 4, 2, None, True),  # GQA; the drafts' rows on a recent page
+        ("q4", 2, 1, 5, True),  # a window that starts later for each draft
+        ("q8", 3, 1, 9, False),  # a window across pages
+        (None, 4, 2, 6, False),  # float pages
+    ],
+)
+def test_grouped_rows_give_each_token_its_own_limit(quant, heads, kv_heads, window, unquantized):
+    """Rows verifying drafts, read as groups by the kernel itself (not through the op set):
+    each token attends to its own keys, up to its own position and within its own window,
+    as the reference's causal rule has it, over codes, sink and recent rows, and float pages."""
+    contexts, new = [13, 22, 7], [4, 5, 1]
+    q, k_pages, v_pages, batch = _case(
+        contexts, quant or "q4", True, heads, kv_heads, GROUP, unquantized, max(new)
+    )
+    seqs = [
+        SequenceInput([1] * n, num_cached=c - n, pages=batch.block_tables[i].tolist())
+        for i, (c, n) in enumerate(zip(contexts, new, strict=True))
+    ]
+    batch = build_forward_batch(seqs, PAGE)
+    q = q[: batch.num_tokens]
+    if quant is None:  # the same pages' values, as float32 rows
+        k_pages, v_pages = (
+            torch.randn(k_pages.data.shape[0], PAGE, kv_heads, GROUP, generator=gen)
+            for gen in (torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))
+        )
+    split = decode_split(batch, VERIFY_ROWS)
+    kernel = decode_attention_cpu if quant is None else quant_decode_attention_cpu
+    reference = paged_attention_reference if quant is None else quant_paged_attention_reference
+    out = kernel(q[split.rows], k_pages, v_pages, split.decode, 0.3, window)
+    ref = reference(q, k_pages, v_pages, batch, 0.3, window)
+    assert _rel_error(out, ref[split.rows]) <= TOL
 
 
 def _float_case(contexts: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0):
