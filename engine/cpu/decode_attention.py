@@ -395,7 +395,8 @@ def _kernel_args(
     pages are rotated (the kernel rotates the queries into their basis and the output back)."""
     tables = batch.block_tables.to(torch.int32).numpy()
     seq_lens = batch.seq_lens.to(torch.int32).numpy()
-    groups = _row_groups(tables, seq_lens, batch.page_size)
+    heads = queries.shape[1] // rows[0].shape[2]
+    groups = _row_groups(tables, seq_lens, batch.page_size, max(1, GROUP_QUERY_ROWS // heads))
     args = (
         queries.contiguous().numpy(),
         *codes,
@@ -412,22 +413,29 @@ def _kernel_args(
 
 
 @numba.njit(cache=True)
-def _row_groups(tables, seq_lens, page_size):
-    """int32 [N + 1]: the decode rows' groups (rows groups[i]..groups[i + 1] - 1), each a run
-    of rows that read one context: each row's limit one past the previous row's, and their
-    tables the same over its pages. Those are a sequence's tokens verifying drafts, which
-    ``decode_split`` makes into rows of their own; the kernel reads each key once for a
-    group's rows instead of once per row (a decode batch's rows are groups of one)."""
+def _row_groups(tables, seq_lens, page_size, most):
+    """int32 [N + 1]: the decode rows' groups (rows groups[i]..groups[i + 1] - 1), each at
+    most ``most`` rows of a run that read one context: each row's limit one past the
+    previous row's, and their tables the same over its pages. Those are a sequence's tokens
+    verifying drafts, which ``decode_split`` makes into rows of their own; the kernel reads
+    each key once for a group's rows instead of once per row. A run longer than ``most`` is
+    cut into near-equal groups (``GROUP_QUERY_ROWS``); a decode batch's rows are groups of
+    one."""
     n = seq_lens.shape[0]
     groups = np.empty(n + 1, np.int32)
     groups[0] = 0
     count = 0
-    for r in range(1, n):
-        if not _same_context(tables, seq_lens, r, page_size):
+    run = 0
+    for r in range(1, n + 1):
+        if r < n and _same_context(tables, seq_lens, r, page_size):
+            continue
+        length = r - run
+        parts = (length + most - 1) // most
+        for part in range(1, parts + 1):
             count += 1
-            groups[count] = r
-    groups[count + 1] = n
-    return groups[: count + 2]
+            groups[count] = run + length * part // parts
+        run = r
+    return groups[: count + 1]
 
 
 @numba.njit(inline="always")
@@ -441,19 +449,39 @@ def _same_context(tables, seq_lens, r, page_size):
     return True
 
 
+# The query rows (tokens x query heads per KV head) of one work item at most, when rows of a
+# sequence's tokens verifying drafts read their context together (``_row_groups``): each key
+# is then read once for the group's rows, but the group's scores, which the kernel keeps for
+# its whole context, grow with them. SmolLM2's heads (3 per KV head), rotated pages, 2
+# threads, per layer, tokens per group 1 (a row per item) / 3 / 4 / all (one run each):
+# q4 8 x 1024 x 5 tokens 2.05 / 1.70 / 1.70 / 2.12 ms, 1 x 4096 x 9 tokens 2.19 / 1.78 /
+# 1.82 / 2.05; fp16 8 x 1024 x 5 tokens 2.55 / 2.02 / 2.04 / 2.29. (On one thread all
+# tokens in one group were about as fast as 3: 3.67 vs 3.22 ms at 8 x 1024 x 5, q4.)
+GROUP_QUERY_ROWS = 9
+
 # A sequence of at most this many query tokens that is not a prompt chunk (drafts to verify:
 # num_draft_tokens + 1, 5 by default) has its tokens attended here over quantized pages, each
 # as a one-token row with its own causal limit (engine/cuda/attention.py ``decode_split``),
 # instead of by the prompt-chunk route, which dequantizes the sequence's whole context into
 # a tensor for SDPA every layer (engine/cpu/kv_gather.py). The kernel reads the keys once per
-# row, so its cost grows with the query; the route's mostly with the context. Per layer,
-# SmolLM2's heads, q4 rotated pages, 2 threads, route -> kernel (one run each): 1 x 4096
-# context, 5 tokens 3.91 -> 1.11 ms, 9 tokens 2.96 -> 2.07, 17 tokens 5.16 -> 3.80, 33 tokens
-# 5.35 -> 6.82; 8 x 1024, 5 tokens 5.66 -> 2.11, 17 tokens 11.08 -> 7.68, 33 tokens 9.60 ->
-# 13.62; 1 x 1024, 5 tokens 0.90 -> 0.33. (Float pages keep the reference's SDPA for such
-# rows: the kernel only matched it, 1.26 -> 1.11 ms at 1 x 4096 x 5 and 1.55 -> 2.07 at 9.)
-# Both read a draft's own rows through their codes, as the decode steps without drafts do.
+# group of rows (GROUP_QUERY_ROWS), so its cost grows with the query; the route's mostly with
+# the context. Per layer, SmolLM2's heads, q4 rotated pages, 2 threads, route -> kernel (one
+# run each), a row per work item (stop 55): 1 x 4096 context, 5 tokens 3.91 -> 1.11 ms, 9
+# tokens 2.96 -> 2.07, 17 tokens 5.16 -> 3.80, 33 tokens 5.35 -> 6.82; 8 x 1024, 5 tokens
+# 5.66 -> 2.11, 17 tokens 11.08 -> 7.68, 33 tokens 9.60 -> 13.62; 1 x 1024, 5 tokens 0.90 ->
+# 0.33. With the rows grouped: 1 x 4096, 5 tokens 3.14 -> 1.16, 17 tokens 6.22 -> 3.28, 25
+# tokens 6.52 -> 5.41, 33 tokens 7.80 -> 6.44; 8 x 1024, 17 tokens 9.44 -> 6.32 (the route's
+# own times spread by ~20% from run to run, so the limit stays where stop 55 set it). Both
+# read a draft's own rows through their codes, as the decode steps without drafts do.
 VERIFY_ROWS = 16
+
+# The same for float pages, whose other route is SDPA over the sequence's context as it lies
+# (no dequantization): the kernel pays for fewer tokens. Per layer, SmolLM2's heads, 2
+# threads, SDPA -> kernel with its rows grouped (GROUP_QUERY_ROWS; one run each): 1 x 4096
+# context, 5 tokens 2.51 -> 1.32 ms, 9 tokens 2.71 -> 1.90, 17 tokens 2.33 -> 3.97; 8 x 1024,
+# 5 tokens 2.77 -> 2.13, 17 tokens 7.66 -> 6.11. (Before the grouping, a row per work item,
+# stop 55: 1 x 4096 x 5 1.26 -> 1.11 ms, 9 tokens 1.55 -> 2.07, and SDPA was kept.)
+FLOAT_VERIFY_ROWS = 9
 
 # A decode batch's work items are shared among torch's threads when they read this many
 # (key, KV head) pairs or more; below, this thread alone is as fast. On torch's OpenMP team
