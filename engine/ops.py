@@ -90,7 +90,6 @@ def cpu_ops() -> OpSet:
     (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
     cache), so runners warm them up."""
     from engine.cpu.decode_attention import (
-        FLOAT_VERIFY_ROWS,
         VERIFY_ROWS,
         decode_attention_cpu,
         float_kernel_pays,
@@ -112,9 +111,7 @@ def cpu_ops() -> OpSet:
             pages_arg=5,
         ),
         paged_attention=by_storage(
-            decode_rows_on(
-                decode_attention_cpu, paged_attention_reference, float_takes, FLOAT_VERIFY_ROWS
-            ),
+            decode_rows_on(decode_attention_cpu, paged_attention_reference, float_takes),
             decode_rows_on(
                 quant_decode_attention_cpu, quant_chunk_attention_cpu, supports, VERIFY_ROWS
             ),

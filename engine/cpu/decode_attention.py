@@ -452,11 +452,13 @@ def _same_context(tables, seq_lens, r, page_size):
 # The query rows (tokens x query heads per KV head) of one work item at most, when rows of a
 # sequence's tokens verifying drafts read their context together (``_row_groups``): each key
 # is then read once for the group's rows, but the group's scores, which the kernel keeps for
-# its whole context, grow with them. SmolLM2's heads (3 per KV head), rotated pages, 2
-# threads, per layer, tokens per group 1 (a row per item) / 3 / 4 / all (one run each):
-# q4 8 x 1024 x 5 tokens 2.05 / 1.70 / 1.70 / 2.12 ms, 1 x 4096 x 9 tokens 2.19 / 1.78 /
-# 1.82 / 2.05; fp16 8 x 1024 x 5 tokens 2.55 / 2.02 / 2.04 / 2.29. (On one thread all
-# tokens in one group were about as fast as 3: 3.67 vs 3.22 ms at 8 x 1024 x 5, q4.)
+# its whole context, grow with them. SmolLM2's heads (3 per KV head), q4 rotated pages of 16
+# (the cache's default), 2 threads, per layer, medians of 5 interleaved, a row per item / 3
+# tokens a group (9 rows, as shipped) / every token in one: 1 x 4096 context, 5 tokens 1.38
+# / 1.25 / 1.22 ms, 9 tokens 1.97 / 1.59 / 2.09; 8 x 1024, 5 tokens 2.10 / 1.80 / 1.78; 32 x
+# 1024, 5 tokens 8.12 / 7.12 / 6.96 (float pages 8 x 1024 x 5 3.53 / 2.56 / 2.15, 1 x 4096 x
+# 9 2.11 / 1.69 / 2.29). End to end, n-gram decode at 1 x 4096 (q4, medians of 4 alternating
+# runs in one process), a verifying step's attention 38.2 -> 32.5 ms (stop 57).
 GROUP_QUERY_ROWS = 9
 
 # A sequence of at most this many query tokens that is not a prompt chunk (drafts to verify:
@@ -469,19 +471,17 @@ GROUP_QUERY_ROWS = 9
 # run each), a row per work item (stop 55): 1 x 4096 context, 5 tokens 3.91 -> 1.11 ms, 9
 # tokens 2.96 -> 2.07, 17 tokens 5.16 -> 3.80, 33 tokens 5.35 -> 6.82; 8 x 1024, 5 tokens
 # 5.66 -> 2.11, 17 tokens 11.08 -> 7.68, 33 tokens 9.60 -> 13.62; 1 x 1024, 5 tokens 0.90 ->
-# 0.33. With the rows grouped: 1 x 4096, 5 tokens 3.14 -> 1.16, 17 tokens 6.22 -> 3.28, 25
-# tokens 6.52 -> 5.41, 33 tokens 7.80 -> 6.44; 8 x 1024, 17 tokens 9.44 -> 6.32 (the route's
-# own times spread by ~20% from run to run, so the limit stays where stop 55 set it). Both
-# read a draft's own rows through their codes, as the decode steps without drafts do.
+# 0.33. With the rows grouped, pages of 256: 1 x 4096, 5 tokens 3.14 -> 1.16, 17 tokens
+# 6.22 -> 3.28, 25 tokens 6.52 -> 5.41, 33 tokens 7.80 -> 6.44; 8 x 1024, 17 tokens 9.44 ->
+# 6.32 (the route's own times spread by ~20% from run to run, so the limit stays where stop
+# 55 set it). Both read a draft's own rows through their codes, as the decode steps without
+# drafts do.
+# Float pages keep SDPA for such rows: per layer, with the pages in the caches, the grouped
+# kernel is the faster (pages of 16, 1 x 4096 context: 5 tokens 1.33 -> 0.94 ms, 9 tokens
+# 1.75 -> 1.99), but end to end, n-gram decode at 1 x 4096, a verifying step's attention
+# was 42 ms both ways in this box's quiet runs: each layer reads its 6 MB of float32 K/V
+# from memory, whichever reads it (stop 57).
 VERIFY_ROWS = 16
-
-# The same for float pages, whose other route is SDPA over the sequence's context as it lies
-# (no dequantization): the kernel pays for fewer tokens. Per layer, SmolLM2's heads, 2
-# threads, SDPA -> kernel with its rows grouped (GROUP_QUERY_ROWS; one run each): 1 x 4096
-# context, 5 tokens 2.51 -> 1.32 ms, 9 tokens 2.71 -> 1.90, 17 tokens 2.33 -> 3.97; 8 x 1024,
-# 5 tokens 2.77 -> 2.13, 17 tokens 7.66 -> 6.11. (Before the grouping, a row per work item,
-# stop 55: 1 x 4096 x 5 1.26 -> 1.11 ms, 9 tokens 1.55 -> 2.07, and SDPA was kept.)
-FLOAT_VERIFY_ROWS = 9
 
 # A decode batch's work items are shared among torch's threads when they read this many
 # (key, KV head) pairs or more; below, this thread alone is as fast. On torch's OpenMP team

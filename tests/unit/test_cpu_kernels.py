@@ -28,7 +28,6 @@ from engine.cache.quant import (
 )
 from engine.cpu import bits, decode_attention, quant_write, team, turns
 from engine.cpu.decode_attention import (
-    FLOAT_VERIFY_ROWS,
     VERIFY_ROWS,
     decode_attention_cpu,
     quant_decode_attention_cpu,
@@ -426,7 +425,7 @@ def test_cpu_ops_route_float_decode_rows_to_the_kernel(
     first, second = decode_contexts
     seqs = [
         SequenceInput([1], num_cached=first - 1, pages=[0, 1]),
-        SequenceInput([1] * 3, num_cached=2, pages=[2, 3], prompt_chunk=True),
+        SequenceInput([1] * 3, num_cached=2, pages=[2, 3]),
         SequenceInput([1], num_cached=second - 1, pages=[4, 5, 6, 7]),
     ]
     batch = build_forward_batch(seqs, PAGE)
@@ -435,32 +434,6 @@ def test_cpu_ops_route_float_decode_rows_to_the_kernel(
     out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25)
     ref = paged_attention_reference(q, k_pages, v_pages, batch, 0.25)
     assert calls == [4]  # the two decode rows' items, 2 KV heads each
-    assert _rel_error(out, ref) <= TOL
-
-
-@pytest.mark.parametrize("window", [None, 3])
-def test_cpu_ops_attend_drafts_over_float_pages_on_the_kernel_up_to_their_limit(
-    monkeypatch, window
-):
-    """Float pages: a sequence of at most FLOAT_VERIFY_ROWS tokens that is not a prompt chunk
-    goes to the kernel, its rows in groups; a longer one and a prompt chunk go to SDPA. The
-    op's output is the reference's."""
-    calls = record_calls(monkeypatch, decode_attention, "_run_items", 1)
-    gen = torch.Generator().manual_seed(6)
-    seqs = [
-        SequenceInput([1], num_cached=6, pages=[0, 1]),
-        SequenceInput([1] * FLOAT_VERIFY_ROWS, num_cached=2, pages=[2, 3, 4]),
-        SequenceInput([1] * 3, num_cached=2, pages=[5, 6], prompt_chunk=True),
-        SequenceInput([1] * (FLOAT_VERIFY_ROWS + 1), num_cached=2, pages=[7, 8, 9]),
-    ]
-    batch = build_forward_batch(seqs, PAGE)
-    k_pages, v_pages = torch.randn(2, 10, PAGE, 2, 24, generator=gen)
-    q = torch.randn(batch.num_tokens, 4, 24, generator=gen)
-    out = cpu_ops().paged_attention(q, k_pages, v_pages, batch, 0.25, window)
-    ref = paged_attention_reference(q, k_pages, v_pages, batch, 0.25, window)
-    # groups: the decode row, and the 9 drafts' rows at most 4 a group (9 // 2 query heads
-    # per KV head): 3; 2 KV heads each
-    assert calls == [(1 + 3) * 2]
     assert _rel_error(out, ref) <= TOL
 
 
