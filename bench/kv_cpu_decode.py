@@ -9,7 +9,10 @@ SmolLM2-135M (float32, ``--threads`` torch threads): ``--batch`` jobs with promp
 ``--context`` tokens of the fixed text (different windows of it, so no prefix is shared),
 prefilled in one step (or in forwards of ``--chunk`` tokens), then ``--steps`` greedy decode
 steps of the whole batch, each timed (prefill, scheduling, forward, sampling, text). The fp16
-cache (the model's dtype here, float32) is the baseline of the same run.
+cache (the model's dtype here, float32) is the baseline of the same run. Each mode also
+reports the part of a step spent in the model's paged attention (``attn ms``: every layer's
+call, timed by the host's clock around the op), where the page format counts and the
+matmuls do not.
 
 Modes: fp16, q8, q6, q4, and any of them with ``+sinks+recent`` (a sink page per sequence
 and recent pages for its last blocks, read unquantized; README, "KV cache").
@@ -71,6 +74,10 @@ class DecodeResult:
     # --repeats: each run's prefill_s and ms_per_step (the fields above: their medians)
     prefill_runs: tuple[float, ...] = ()
     step_runs: tuple[float, ...] = ()
+    # of ms_per_step, the time in the model's paged attention (every layer's call; taken as
+    # ms_per_step is), and each run's
+    attention_ms_per_step: float = 0.0
+    attention_runs: tuple[float, ...] = ()
 
 
 def parse_mode(mode: str) -> tuple[str, bool]:
@@ -97,6 +104,32 @@ def prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
         raise ValueError(f"--context {longest}: the fixed text has {len(ids)} tokens")
     stride = (len(ids) - longest) // len(lengths)
     return [ids[i * stride : i * stride + n] for i, n in enumerate(lengths)]
+
+
+class AttentionClock:
+    """The model's paged attention, timed: ``seconds`` sums its calls (on a CPU each op
+    returns when done, so the host's clock times it)."""
+
+    def __init__(self, attention):
+        self.attention = attention
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        out = self.attention(*args, **kwargs)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
+@contextlib.contextmanager
+def ops_of(model, ops):
+    """``model`` runs ``ops`` within: a generator made here keeps them (its runner takes the
+    model's op set when it is made)."""
+    kept, model.ops = model.ops, ops
+    try:
+        yield model
+    finally:
+        model.ops = kept
 
 
 NGRAM_WINDOW = 256  # --ngram: tokens of the fixed text each prompt repeats (at most)
@@ -129,20 +162,23 @@ def measure(
     extra = {"sink_pages": batch, "recent_pages": recent_pages_for(batch)} if exact else {}
     cache = PagedCache(model, max_num_tokens=batch * (context + steps + 64), quant=quant, **extra)
     chunk = chunk or batch * context  # (0: the whole prefill in one step)
-    gen = DynamicGenerator(
-        model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk, use_ngram_draft=ngram
-    )
+    clock = AttentionClock(model.ops.paged_attention)
+    with ops_of(model, dataclasses.replace(model.ops, paged_attention=clock)):
+        gen = DynamicGenerator(
+            model, cache, tokenizer, max_batch_size=batch, max_chunk_size=chunk,
+            use_ngram_draft=ngram,
+        )  # fmt: skip
     greedy = SamplerSettings.greedy()
     lengths = context_lengths(batch, context, ragged)
     made_by = repeated_prompts if ngram else prompts
     for ids in made_by(tokenizer, lengths):  # (no stop: every job makes steps + 1 tokens)
         job = DynamicJob(ids, max_new_tokens=steps + 1, stop_conditions=[], gen_settings=greedy)
         gen.enqueue(job)
-    started, decode, tokens = time.perf_counter(), [], 0
+    started, decode, attention, tokens = time.perf_counter(), [], [], 0
     answered = set()  # jobs with a first token (in chunks, the first decode while others prefill)
     prefill_s = 0.0
     while gen.num_remaining_jobs():
-        t = time.perf_counter()
+        t, attended = time.perf_counter(), clock.seconds
         results = gen.iterate()
         took = time.perf_counter() - t
         made = [r for r in results if "token_ids" in r and r["token_ids"].numel()]
@@ -152,17 +188,22 @@ def measure(
             prefill_s = time.perf_counter() - started
         elif ngram or made_tokens == batch:  # (without drafts: a step of the whole batch)
             decode.append(took)
+            attention.append(clock.seconds - attended)
             tokens += made_tokens
     if not decode:
         raise RuntimeError(f"{mode}: no decode step of the whole batch was timed")
+    size = cache.bytes_per_token()
     if ngram:
-        mean_ms = sum(decode) / len(decode) * 1e3
+        mean_ms, attention_ms = (sum(times) / len(times) * 1e3 for times in (decode, attention))
         speed = tokens / sum(decode)
-        return DecodeResult(mode, cache.bytes_per_token(), prefill_s, len(decode), mean_ms, speed)
+        return DecodeResult(
+            mode, size, prefill_s, len(decode), mean_ms, speed, attention_ms_per_step=attention_ms
+        )
     median = statistics.median(decode)
     return DecodeResult(
-        mode, cache.bytes_per_token(), prefill_s, len(decode), median * 1e3, batch / median
-    )
+        mode, size, prefill_s, len(decode), median * 1e3, batch / median,
+        attention_ms_per_step=statistics.median(attention) * 1e3,
+    )  # fmt: skip
 
 
 def median_of(runs: list[DecodeResult], batch: int, ngram: bool = False) -> DecodeResult:
@@ -171,6 +212,7 @@ def median_of(runs: list[DecodeResult], batch: int, ngram: bool = False) -> Deco
     tokens/s (steps make different numbers of tokens)."""
     prefill = tuple(r.prefill_s for r in runs)
     steps = tuple(r.ms_per_step for r in runs)
+    attention = tuple(r.attention_ms_per_step for r in runs)
     ms = statistics.median(steps)
     speed = statistics.median(r.tokens_per_s for r in runs) if ngram else batch / ms * 1e3
     return dataclasses.replace(
@@ -180,6 +222,8 @@ def median_of(runs: list[DecodeResult], batch: int, ngram: bool = False) -> Deco
         tokens_per_s=speed,
         prefill_runs=prefill,
         step_runs=steps,
+        attention_ms_per_step=statistics.median(attention),
+        attention_runs=attention,
     )
 
 
@@ -202,18 +246,19 @@ def run_baseline(args: argparse.Namespace, mode: str, tree: Path) -> tuple[Decod
 
 def table(results: list[DecodeResult], baseline: dict[str, dict[str, Any]]) -> str:
     fp16 = next((r for r in results if r.mode == "fp16"), None)
-    head = f"{'mode':18} {'bytes/token':>11} {'prefill s':>9} {'ms/step':>8} {'tok/s':>7}"
-    head += f" {'vs fp16':>7}"
+    head = f"{'mode':18} {'bytes/token':>11} {'prefill s':>9} {'ms/step':>8} {'attn ms':>7}"
+    head += f" {'tok/s':>7} {'vs fp16':>7}"
     extra = f" {'baseline tok/s':>14} {'speedup':>7} {'baseline prefill s':>18}"
+    extra += f" {'baseline attn ms':>16}"
     lines = [head + (extra if baseline else "")]
     for r in results:
         vs = f"{r.tokens_per_s / fp16.tokens_per_s:7.2f}" if fp16 else f"{'':7}"
         line = f"{r.mode:18} {r.bytes_per_token:11d} {r.prefill_s:9.2f} {r.ms_per_step:8.1f} "
-        line += f"{r.tokens_per_s:7.1f} {vs}"
+        line += f"{r.attention_ms_per_step:7.1f} {r.tokens_per_s:7.1f} {vs}"
         if r.mode in baseline:
-            old = baseline[r.mode]["tokens_per_s"]
-            line += f" {old:14.1f} {r.tokens_per_s / old:7.2f}"
-            line += f" {baseline[r.mode]['prefill_s']:18.2f}"
+            old = baseline[r.mode]
+            line += f" {old['tokens_per_s']:14.1f} {r.tokens_per_s / old['tokens_per_s']:7.2f}"
+            line += f" {old['prefill_s']:18.2f} {old['attention_ms_per_step']:16.1f}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -49,6 +49,9 @@ def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -
         assert r["decode_steps"] == report["steps"]  # every step after the prefill is timed
         assert r["tokens_per_s"] == pytest.approx(report["batch"] / r["ms_per_step"] * 1e3)
         assert r["prefill_runs"] == [r["prefill_s"]] and r["step_runs"] == [r["ms_per_step"]]
+        # the step's attention, every layer's, is a part of it
+        assert 0 < r["attention_ms_per_step"] < r["ms_per_step"]
+        assert r["attention_runs"] == [r["attention_ms_per_step"]]
     # SmolLM2: 30 layers x 3 KV heads x 64 dims x (K, V) x (4 bits + a 16-bit scale per 32)
     assert results["q4+sinks+recent"]["bytes_per_token"] == 30 * 3 * 64 * 2 * (4 + 16 / 32) // 8
     baseline = report["baseline"]
@@ -57,6 +60,7 @@ def test_quick_run_times_each_mode_beside_the_baseline(tmp_path: pathlib.Path) -
     for r in baseline["results"].values():  # from the worktree's engine, run as often
         assert r["decode_steps"] == report["steps"] and r["engine"] != report["engine"]
         assert len(r["prefill_runs"]) == 1
+        assert 0 < r["attention_ms_per_step"] < r["ms_per_step"]
 
 
 def test_repeats_interleave_with_the_baseline_and_report_medians(
@@ -68,7 +72,9 @@ def test_repeats_interleave_with_the_baseline_and_report_medians(
     calls: list[tuple[str, str]] = []
 
     def result(mode: str, ms: float) -> kv_cpu_decode.DecodeResult:
-        return kv_cpu_decode.DecodeResult(mode, 100, ms / 10, 4, ms, 2 / ms * 1e3)
+        return kv_cpu_decode.DecodeResult(
+            mode, 100, ms / 10, 4, ms, 2 / ms * 1e3, attention_ms_per_step=ms / 4
+        )
 
     def measure(model, tokenizer, mode, *shape):
         calls.append(("measure", mode))
@@ -97,11 +103,13 @@ def test_repeats_interleave_with_the_baseline_and_report_medians(
     report = json.loads(output.read_text())
     for r in report["results"]:
         assert r["step_runs"] == [30.0, 10.0, 20.0] and r["ms_per_step"] == 20.0
+        assert r["attention_runs"] == [7.5, 2.5, 5.0] and r["attention_ms_per_step"] == 5.0
         assert r["prefill_runs"] == [3.0, 1.0, 2.0] and r["prefill_s"] == 2.0
         assert r["tokens_per_s"] == pytest.approx(2 / 20.0 * 1e3)
     old = report["baseline"]["results"]
     assert [old[m]["step_runs"] for m in ("q4", "fp16")] == [[52.0, 54.0, 56.0], [58.0, 60.0, 62.0]]
     assert old["q4"]["ms_per_step"] == 54.0 and old["q4"]["engine"] == "/old/engine"
+    assert old["q4"]["attention_ms_per_step"] == 54.0 / 4
     assert report["baseline"]["commit"] == "c" * 40
 
 
@@ -116,6 +124,7 @@ def test_ngram_run_counts_the_tokens_its_drafting_steps_made() -> None:
     assert 0 < result.decode_steps < steps  # (6 tokens after each job's first)
     seconds = result.decode_steps * result.ms_per_step / 1e3  # (ms/step: the mean)
     assert result.tokens_per_s == pytest.approx(batch * steps / seconds)
+    assert 0 < result.attention_ms_per_step < result.ms_per_step  # (also a mean)
     slower = dataclasses.replace(result, ms_per_step=1e3, tokens_per_s=1.0)
     runs = [result, slower, dataclasses.replace(result, tokens_per_s=2.0)]
     assert kv_cpu_decode.median_of(runs, batch, ngram=True).tokens_per_s == 2.0
