@@ -492,7 +492,9 @@ SHARED_KEY_HEADS = 1024
 
 
 def _key_heads(batch: ForwardBatch, sliding_window: int | None, kv_heads: int) -> int:
-    """The (key, KV head) pairs a decode batch reads (within the window, if any)."""
+    """The (key, KV head) pairs a decode batch reads (within the window, if any), counting
+    each row's keys: a group of rows verifying drafts reads them once, so the count runs
+    high there, and such a batch is shared sooner."""
     lens = batch.seq_lens_host
     if not lens:  # (not known on the host: shared, as every batch was before)
         return SHARED_KEY_HEADS
