@@ -322,10 +322,13 @@ def test_a_sequences_rows_verifying_drafts_are_one_group():
         (None, 4, 2, 6, False),  # float pages
     ],
 )
-def test_grouped_rows_give_each_token_its_own_limit(quant, heads, kv_heads, window, unquantized):
+def test_grouped_rows_give_each_token_its_own_limit(
+    quant, heads, kv_heads, window, unquantized, monkeypatch, torch_threads
+):
     """Rows verifying drafts, read as groups by the kernel itself (not through the op set):
     each token attends to its own keys, up to its own position and within its own window,
-    as the reference's causal rule has it, over codes, sink and recent rows, and float pages."""
+    as the reference's causal rule has it, over codes, sink and recent rows, and float pages;
+    the groups' items shared among 2 threads give what one thread gives."""
     contexts, new = [13, 22, 7], [4, 5, 1]
     q, k_pages, v_pages, batch = _case(
         contexts, quant or "q4", True, heads, kv_heads, GROUP, unquantized, max(new)
@@ -347,6 +350,9 @@ def test_grouped_rows_give_each_token_its_own_limit(quant, heads, kv_heads, wind
     out = kernel(q[split.rows], k_pages, v_pages, split.decode, 0.3, window)
     ref = reference(q, k_pages, v_pages, batch, 0.3, window)
     assert _rel_error(out, ref[split.rows]) <= TOL
+    monkeypatch.setattr(decode_attention, "SHARED_KEY_HEADS", 0)  # (a small batch, shared)
+    torch_threads(2)
+    assert torch.equal(kernel(q[split.rows], k_pages, v_pages, split.decode, 0.3, window), out)
 
 
 def _float_case(contexts: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0):
