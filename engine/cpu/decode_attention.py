@@ -395,7 +395,8 @@ def _kernel_args(
     pages are rotated (the kernel rotates the queries into their basis and the output back)."""
     tables = batch.block_tables.to(torch.int32).numpy()
     seq_lens = batch.seq_lens.to(torch.int32).numpy()
-    heads = queries.shape[1] // rows[0].shape[2]
+    kv_heads = rows[0].shape[2]
+    heads = queries.shape[1] // kv_heads
     groups = _row_groups(tables, seq_lens, batch.page_size, max(1, GROUP_QUERY_ROWS // heads))
     args = (
         queries.contiguous().numpy(),
@@ -409,7 +410,7 @@ def _kernel_args(
         rotate,
         out.numpy(),
     )
-    return args, (len(groups) - 1) * rows[0].shape[2]
+    return args, (len(groups) - 1) * kv_heads
 
 
 @numba.njit(cache=True)
