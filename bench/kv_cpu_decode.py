@@ -124,7 +124,8 @@ class AttentionClock:
 @contextlib.contextmanager
 def ops_of(model, ops):
     """``model`` runs ``ops`` within: a generator made here keeps them (its runner takes the
-    model's op set when it is made)."""
+    model's op set when it is made). (Here, not in a shared bench module: a --baseline run
+    imports an older tree's ``bench`` package first, which may not have it.)"""
     kept, model.ops = model.ops, ops
     try:
         yield model
