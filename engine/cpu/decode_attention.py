@@ -42,7 +42,14 @@ from engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from engine.cache.quant import GROUP, QuantPages
 from engine.cpu.bits import float16_bits, float_from_bits
 from engine.cpu.hadamard import rotate_row
-from engine.cpu.simd import BYTES_4BIT, dequantize_4bit_group, dequantize_8bit_group
+from engine.cpu.simd import (
+    BYTES_4BIT,
+    LANES,
+    dequantize_4bit_group,
+    dequantize_8bit_group,
+    score_rows,
+    weigh_rows,
+)
 from engine.cpu.team import prepare, share
 from engine.cuda.quant_reference import check_pair
 
@@ -164,12 +171,8 @@ def _scores(qg, keys, half, table, kvh, start, end, block):
         count = min(page_size, end - blk * page_size)
         _load_block(data, scales, bits, rows, table[blk], kvh, count, half, block)
         at = (blk - first_block) * page_size
-        for slot in range(count):
-            for h in range(qg.shape[0]):
-                acc = np.float32(0.0)
-                for d in range(qg.shape[1]):
-                    acc += qg[h, d] * block[slot, d]
-                scores[h, at + slot] = acc
+        for h in range(qg.shape[0]):
+            score_rows(scores, (h, at), qg, (h, 0), block, count)
     return scores
 
 
@@ -184,9 +187,7 @@ def _softmax(scores, heads, limits, window, base):
         end = limits[h // heads]
         skip = _window_start(end, window) - base
         stop = end - base
-        top = scores[h, skip]
-        for t in range(skip + 1, stop):
-            top = max(top, scores[h, t])
+        top = _row_max(scores, h, skip, stop)
         total = np.float32(0.0)
         for t in range(scores.shape[1]):
             live = skip <= t < stop
@@ -195,6 +196,27 @@ def _softmax(scores, heads, limits, window, base):
             total += p
         sums[h] = total
     return sums
+
+
+@numba.njit(inline="always")
+def _row_max(scores, h, first, stop):
+    """max(scores[h, first:stop]) (first < stop) in eight running maxima: one maximum's chain
+    waited on each comparison, and without NaN assumed LLVM does not vectorize it."""
+    whole = first + (stop - first) // 8 * 8
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = scores[h, first]
+    for t in range(first, whole, 8):
+        m0 = max(m0, scores[h, t])
+        m1 = max(m1, scores[h, t + 1])
+        m2 = max(m2, scores[h, t + 2])
+        m3 = max(m3, scores[h, t + 3])
+        m4 = max(m4, scores[h, t + 4])
+        m5 = max(m5, scores[h, t + 5])
+        m6 = max(m6, scores[h, t + 6])
+        m7 = max(m7, scores[h, t + 7])
+    top = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    for t in range(whole, stop):
+        top = max(top, scores[h, t])
+    return top
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
@@ -209,11 +231,8 @@ def _weigh_values(weights, sums, values, half, table, kvh, start, end, block, ou
         count = min(page_size, end - blk * page_size)
         _load_block(data, scales, bits, rows, table[blk], kvh, count, half, block)
         at = (blk - first_block) * page_size
-        for slot in range(count):
-            for h in range(out.shape[0]):
-                p = weights[h, at + slot]
-                for d in range(out.shape[1]):
-                    acc[h, d] += p * block[slot, d]
+        for h in range(out.shape[0]):
+            weigh_rows(acc, (h, 0), weights, (h, at), block, count)
     for h in range(out.shape[0]):
         inv = np.float32(1.0) / sums[h]
         for d in range(out.shape[1]):
@@ -257,8 +276,9 @@ def supports(q: torch.Tensor, k_pages: torch.Tensor | QuantPages, batch: Forward
     """Whether the kernel takes this call: a CPU decode batch (one query row per sequence)
     whose rows read unquantized are float32 (the CPU build's run dtype): float pages, or a
     quantized cache's sink and recent rows, if any (a bfloat16 or float16 model's go to the
-    reference)."""
-    if q.device.type != "cpu" or batch.max_query_len != 1:
+    reference), with a head size its vector code takes: a multiple of ``LANES`` (a quantized
+    page's always is, a multiple of 32)."""
+    if q.device.type != "cpu" or batch.max_query_len != 1 or q.shape[-1] % LANES:
         return False
     if isinstance(k_pages, QuantPages):
         return k_pages.sinks is None or k_pages.sinks.dtype == torch.float32
@@ -371,8 +391,9 @@ def _check_call(
     if not supports(q, k_pages, batch):
         raise ValueError(
             "the CPU decode attention takes CPU decode batches (one query row per "
-            f"sequence, float32 rows); got max_query_len={batch.max_query_len}, "
-            f"device={q.device.type}"
+            f"sequence, float32 rows, a head size that is a multiple of {LANES}); got "
+            f"max_query_len={batch.max_query_len}, device={q.device.type}, head size "
+            f"{q.shape[-1]}"
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")

@@ -202,3 +202,185 @@ def rounding_error(typingctx, values, at, step, low, high):
         return _sum_lanes(builder, total)
 
     return types.float64(values, at, step, low, high), codegen
+
+
+# ---- a block of rows against query rows: decode attention's dot products and weighted sums
+
+
+def _fmuladd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a x b + c on float vectors, fused where the CPU can (LLVM's ``llvm.fmuladd``)."""
+    fnty = ir.FunctionType(a.type, [a.type] * 3)
+    name = f"llvm.fmuladd.v{a.type.count}f32"
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [a, b, c])
+
+
+def _float_pointer(context, builder, array_type, array, index_type, index) -> ir.Value:
+    """A float* to ``array[index]`` (no wraparound, no bounds check)."""
+    pointer = _element_pointer(context, builder, array_type, array, index_type, index, _F32, 1)
+    return builder.bitcast(pointer, _F32.as_pointer())
+
+
+def _block_rows(context, builder, array_type, array) -> tuple[ir.Value, ir.Value]:
+    """(a float* to a C-order float32 [S, D] array's first element, D)."""
+    block = context.make_array(array_type)(context, builder, array)
+    dim = cgutils.unpack_tuple(builder, block.shape, 2)[1]
+    return builder.bitcast(block.data, _F32.as_pointer()), dim
+
+
+def _is_block(block) -> bool:
+    return (
+        isinstance(block, types.Array)
+        and block.dtype == types.float32
+        and block.ndim == 2
+        and block.layout == "C"
+    )
+
+
+def _rows_typed(out, out_at, rows, rows_at, block, count) -> bool:
+    return (
+        _indexed(out, out_at, types.float32)
+        and _indexed(rows, rows_at, types.float32)
+        and _is_block(block)
+        and isinstance(count, types.Integer)
+    )
+
+
+def _load_lanes(builder, pointer, offset) -> ir.Value:
+    """LANES floats from ``pointer`` + ``offset`` (unaligned)."""
+    at = builder.gep(pointer, [offset])
+    return builder.load(builder.bitcast(at, ir.VectorType(_F32, LANES).as_pointer()), align=4)
+
+
+def _store_lanes(builder, value, pointer, offset) -> None:
+    at = builder.gep(pointer, [offset])
+    builder.store(value, builder.bitcast(at, ir.VectorType(_F32, LANES).as_pointer()), align=4)
+
+
+def _lane_sums(builder: ir.IRBuilder, vectors: list) -> ir.Value:
+    """[sum of vectors[0]'s lanes, ..., sum of vectors[7]'s] from LANES vectors: three rounds
+    of adding lanes pairwise across two vectors at a time (7 adds for 8 sums, where one
+    vector's sum alone takes 3 adds and 3 shuffles)."""
+    rounds = (
+        ([0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]),
+        ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]),
+        ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]),
+    )
+    for low, high in rounds:
+        vectors = [
+            builder.fadd(
+                builder.shuffle_vector(a, b, _vector(ir.IntType(32), low)),
+                builder.shuffle_vector(a, b, _vector(ir.IntType(32), high)),
+            )
+            for a, b in zip(vectors[::2], vectors[1::2], strict=True)
+        ]
+    return vectors[0]
+
+
+@intrinsic
+def score_rows(typingctx, scores, scores_at, query, query_at, block, count):
+    """scores[scores_at + s] = query[query_at : + D] . block[s] for each row s < ``count`` of
+    ``block`` (float32 [S, D], C order; D a multiple of LANES). Eight rows at a time, each
+    with its own vector of products, their eight lane sums made together (``_lane_sums``)
+    and stored as one vector; the query's vectors are loaded once for the eight rows."""
+    if not _rows_typed(scores, scores_at, query, query_at, block, count):
+        return None
+
+    def codegen(context, builder, signature, args):
+        kinds = signature.args
+        intp = context.get_value_type(types.intp)
+        out = _float_pointer(context, builder, kinds[0], args[0], kinds[1], args[1])
+        q = _float_pointer(context, builder, kinds[2], args[2], kinds[3], args[3])
+        rows, dim = _block_rows(context, builder, kinds[4], args[4])
+        count = context.cast(builder, args[5], kinds[5], types.intp)
+        lanes, zero = ir.Constant(intp, LANES), ir.Constant(ir.VectorType(_F32, LANES), None)
+        sums = [cgutils.alloca_once(builder, zero.type) for _ in range(LANES)]
+        whole = builder.mul(builder.sdiv(count, lanes), lanes)
+
+        def dots(first, rows_now):  # sums[i] = lane products of row first + i, i < rows_now
+            for total in sums[:rows_now]:
+                builder.store(zero, total)
+            start = builder.mul(first, dim)
+            with cgutils.for_range_slice(builder, ir.Constant(intp, 0), dim, lanes, intp) as (
+                d,
+                _,
+            ):
+                q_lanes = _load_lanes(builder, q, d)
+                for i, total in enumerate(sums[:rows_now]):
+                    row_at = builder.add(
+                        start, builder.add(builder.mul(ir.Constant(intp, i), dim), d)
+                    )
+                    row = _load_lanes(builder, rows, row_at)
+                    builder.store(_fmuladd(builder, q_lanes, row, builder.load(total)), total)
+
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), whole, lanes, intp) as (s, _):
+            dots(s, LANES)
+            _store_lanes(builder, _lane_sums(builder, [builder.load(t) for t in sums]), out, s)
+        with cgutils.for_range_slice(builder, whole, count, ir.Constant(intp, 1), intp) as (s, _):
+            dots(s, 1)
+            builder.store(_sum_lanes(builder, builder.load(sums[0])), builder.gep(out, [s]))
+        return context.get_dummy_value()
+
+    return types.void(scores, scores_at, query, query_at, block, count), codegen
+
+
+# vectors of an output row that ``weigh_rows`` keeps in registers at once: with rows taken in
+# pairs, 8 running sums, enough to cover a multiply-add's latency
+WEIGHED_VECTORS = 4
+
+
+@intrinsic
+def weigh_rows(typingctx, out, out_at, weights, weights_at, block, count):
+    """out[out_at : + D] += sum over rows s < ``count`` of weights[weights_at + s] x block[s]
+    (``block`` float32 [S, D], C order; D a multiple of LANES). The output's vectors stay in
+    registers over the rows (WEIGHED_VECTORS at a time, even and odd rows in sums of their
+    own), instead of being loaded and stored again for every row."""
+    if not _rows_typed(out, out_at, weights, weights_at, block, count):
+        return None
+
+    def codegen(context, builder, signature, args):
+        kinds = signature.args
+        intp = context.get_value_type(types.intp)
+        acc = _float_pointer(context, builder, kinds[0], args[0], kinds[1], args[1])
+        w = _float_pointer(context, builder, kinds[2], args[2], kinds[3], args[3])
+        rows, dim = _block_rows(context, builder, kinds[4], args[4])
+        count = context.cast(builder, args[5], kinds[5], types.intp)
+        vector = ir.VectorType(_F32, LANES)
+        even = [cgutils.alloca_once(builder, vector) for _ in range(WEIGHED_VECTORS)]
+        odd = [cgutils.alloca_once(builder, vector) for _ in range(WEIGHED_VECTORS)]
+        one, two = ir.Constant(intp, 1), ir.Constant(intp, 2)
+        pairs = builder.sdiv(count, two)
+
+        def add_row(s, d, sums):  # sums[i] += w[s] x block[s, d + i * LANES : + LANES]
+            weight = _splat(builder, builder.load(builder.gep(w, [s])), LANES)
+            start = builder.add(builder.mul(s, dim), d)
+            for i, total in enumerate(sums):
+                row = _load_lanes(builder, rows, builder.add(start, ir.Constant(intp, i * LANES)))
+                builder.store(_fmuladd(builder, weight, row, builder.load(total)), total)
+
+        def weigh(d, width):  # out[d : + width * LANES] over every row
+            for i in range(width):
+                builder.store(
+                    _load_lanes(builder, acc, builder.add(d, ir.Constant(intp, i * LANES))), even[i]
+                )
+                builder.store(ir.Constant(vector, None), odd[i])
+            with cgutils.for_range(builder, pairs, intp=intp) as loop:
+                s = builder.mul(loop.index, two)
+                add_row(s, d, even[:width])
+                add_row(builder.add(s, one), d, odd[:width])
+            last = builder.sub(count, one)
+            with builder.if_then(builder.icmp_signed("==", builder.mul(pairs, two), last)):
+                add_row(last, d, even[:width])
+            for i in range(width):
+                total = builder.fadd(builder.load(even[i]), builder.load(odd[i]))
+                _store_lanes(builder, total, acc, builder.add(d, ir.Constant(intp, i * LANES)))
+
+        span = ir.Constant(intp, WEIGHED_VECTORS * LANES)
+        whole = builder.mul(builder.sdiv(dim, span), span)
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), whole, span, intp) as (d, _):
+            weigh(d, WEIGHED_VECTORS)
+        lanes = ir.Constant(intp, LANES)
+        with cgutils.for_range_slice(builder, whole, dim, lanes, intp) as (d, _):
+            weigh(d, 1)
+        return context.get_dummy_value()
+
+    return types.void(out, out_at, weights, weights_at, block, count), codegen

@@ -31,6 +31,7 @@ from engine.cpu.decode_attention import (
     VERIFY_ROWS,
     decode_attention_cpu,
     quant_decode_attention_cpu,
+    supports,
 )
 from engine.cpu.quant_write import write_slots_cpu
 from engine.cuda.attention import decode_split, paged_attention_reference
@@ -215,6 +216,11 @@ def test_decode_refuses_what_it_does_not_take():
         quant_decode_attention_cpu(q, k_pages, v_pages, batch, 0.3, 0)
     with pytest.raises(ValueError, match="does not fit"):
         quant_decode_attention_cpu(q[..., :16], k_pages, v_pages, batch, 0.3)
+    # float pages of a head size the vector code does not take go to the reference
+    q, k_pages, v_pages, batch = _float_case([6, 9], 2, 1, 12)
+    assert not supports(q, k_pages, batch)
+    with pytest.raises(ValueError, match="head size 12"):
+        decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
 
 
 def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):

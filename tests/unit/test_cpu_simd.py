@@ -1,6 +1,8 @@
-"""The CPU kernels' vector dequantization (engine/cpu/simd.py): a group's values equal the
-cache's own unpacking (engine/cache/quant.py) times the scale, bit for bit, land where the
-index tuples say and nowhere else, and calls the intrinsics do not type are refused."""
+"""The CPU kernels' vector code (engine/cpu/simd.py): a group's values equal the cache's own
+unpacking (engine/cache/quant.py) times the scale, bit for bit, land where the index tuples say
+and nowhere else; a block's dot products and weighted sums are numpy's (float64) within float32
+rounding, for every row count and head size the kernels pass, written only where they belong;
+and calls the intrinsics do not type are refused."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from engine.cpu.simd import (
     dequantize_4bit_group,
     dequantize_8bit_group,
     rounding_error,
+    score_rows,
+    weigh_rows,
 )
 
 
@@ -146,3 +150,53 @@ def test_rounding_error_refuses_other_types() -> None:
 
     with pytest.raises(TypingError):
         float64_values(np.zeros(GROUP))
+
+
+@numba.njit
+def _score_and_weigh(scores, query, weights, out, block, count):
+    """Row 1 of each target from row 1 of query and weights (row 0 and 2 must stay as they
+    were), after slot 2 of the scores (slots 0, 1 and past 2 + count likewise)."""
+    score_rows(scores, (1, 2), query, (1, 0), block, count)
+    weigh_rows(out, (1, 0), weights, (1, 2), block, count)
+
+
+# head sizes: one vector, two, five (no whole pass of 32 floats in the weighted sum: its tail
+# alone), SmolLM2's, 8B's, 256; row counts: none, one, below, at and past a group of 8, pages
+@pytest.mark.parametrize("dim", [8, 16, 40, 64, 128, 256])
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 16, 17])
+def test_block_dot_products_and_weighted_sums_are_numpys(dim: int, count: int) -> None:
+    rng = np.random.default_rng(dim * 100 + count)
+    rows = max(count, 1)
+    block = rng.standard_normal((rows, dim)).astype(np.float32)
+    query = rng.standard_normal((3, dim)).astype(np.float32)
+    weights = rng.random((3, count + 4)).astype(np.float32)
+    scores = np.full((3, count + 4), np.nan, np.float32)
+    out = rng.standard_normal((3, dim)).astype(np.float32)
+    before = out.copy()
+    _score_and_weigh(scores, query, weights, out, block, count)
+
+    used = block[:count].astype(np.float64)
+    expected_scores = used @ query[1].astype(np.float64)
+    expected_out = before[1] + weights[1, 2 : 2 + count].astype(np.float64) @ used
+    tol = 1e-5 * (np.sqrt(dim) + np.sqrt(count) + 1)
+    np.testing.assert_allclose(scores[1, 2 : 2 + count], expected_scores, rtol=0, atol=tol)
+    np.testing.assert_allclose(out[1], expected_out, rtol=0, atol=tol)
+    assert np.isnan(scores[[0, 2]]).all() and np.isnan(scores[1, :2]).all()
+    assert np.isnan(scores[1, 2 + count :]).all()
+    assert np.array_equal(out[[0, 2]], before[[0, 2]])
+
+
+def test_block_calls_it_does_not_type_are_refused() -> None:
+    @numba.njit
+    def float64_block(out, rows, block):
+        score_rows(out, (0,), rows, (0,), block, 1)
+
+    @numba.njit
+    def strided_block(out, rows, block):
+        weigh_rows(out, (0,), rows, (0,), block[:, ::2], 1)
+
+    out, rows = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    with pytest.raises(TypingError):
+        float64_block(out, rows, np.zeros((2, 8)))
+    with pytest.raises(TypingError):
+        strided_block(out, rows, np.zeros((2, 16), np.float32))
