@@ -100,7 +100,7 @@ def _attend_items(
     kv_heads = k_data.shape[2]
     heads = q.shape[1] // kv_heads
     page_size = k_data.shape[1]
-    block = np.empty((page_size, q.shape[2]), np.float32)
+    block = np.empty((_tile_rows(page_size, q.shape[2]), q.shape[2]), np.float32)
     for item in range(first, last):
         g = item // kv_heads
         kvh = item - g * kv_heads
@@ -162,17 +162,22 @@ def _rotate_rows(rows):
 def _scores(qg, keys, half, table, kvh, start, end, block):
     """[T * G, span] scores of the item's query rows against keys start..end-1, by whole
     pages from the window's first (entry i: key i + its first page's first key; entries
-    before ``start``, and past a row's own limit, are written and ignored)."""
+    before ``start``, and past a row's own limit, are written and ignored), a tile of rows
+    (``block``) at a time."""
     data, scales, bits, rows = keys
-    page_size = block.shape[0]
+    page_size, tile = data.shape[1], block.shape[0]
     first_block = start // page_size
     scores = np.empty((qg.shape[0], end - first_block * page_size), np.float32)
-    for blk in range(first_block, (end + page_size - 1) // page_size):
-        count = min(page_size, end - blk * page_size)
-        _load_block(data, scales, bits, rows, table[blk], kvh, count, half, block)
-        at = (blk - first_block) * page_size
+    blk, first, at = first_block, 0, 0  # (one loop over tiles: a loop per page cost 7%)
+    while at < scores.shape[1]:
+        n = min(tile, scores.shape[1] - at)
+        _load_block(data, scales, bits, rows, table[blk], kvh, first, n, half, block)
         for h in range(qg.shape[0]):
-            score_rows(scores, (h, at), qg, (h, 0), block, count)
+            score_rows(scores, (h, at), qg, (h, 0), block, n)
+        at += n
+        first += n
+        if first == page_size:
+            blk, first = blk + 1, 0
     return scores
 
 
@@ -222,17 +227,21 @@ def _row_max(scores, h, first, stop):
 @numba.njit(inline="always", fastmath=_FASTMATH)
 def _weigh_values(weights, sums, values, half, table, kvh, start, end, block, out):
     """out [G, D] = the values start..end-1 weighted by ``weights`` (``_scores``' entries),
-    over ``sums``."""
+    over ``sums``, a tile of rows (``block``) at a time."""
     data, scales, bits, rows = values
-    page_size = block.shape[0]
+    page_size, tile = data.shape[1], block.shape[0]
     first_block = start // page_size
     acc = np.zeros(out.shape, np.float32)
-    for blk in range(first_block, (end + page_size - 1) // page_size):
-        count = min(page_size, end - blk * page_size)
-        _load_block(data, scales, bits, rows, table[blk], kvh, count, half, block)
-        at = (blk - first_block) * page_size
+    blk, first, at = first_block, 0, 0
+    while at < weights.shape[1]:
+        n = min(tile, weights.shape[1] - at)
+        _load_block(data, scales, bits, rows, table[blk], kvh, first, n, half, block)
         for h in range(out.shape[0]):
-            weigh_rows(acc, (h, 0), weights, (h, at), block, count)
+            weigh_rows(acc, (h, 0), weights, (h, at), block, n)
+        at += n
+        first += n
+        if first == page_size:
+            blk, first = blk + 1, 0
     for h in range(out.shape[0]):
         inv = np.float32(1.0) / sums[h]
         for d in range(out.shape[1]):
@@ -240,29 +249,49 @@ def _weigh_values(weights, sums, values, half, table, kvh, start, end, block, ou
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _load_block(data, scales, bits, rows, page, kvh, count, half, block):
-    """Rows 0..count-1 of one page for one KV head into ``block`` (float32 [S, D]): the
-    unquantized rows for pages below their count, else the codes times their groups' scales,
-    a group at a time in vector code (engine/cpu/simd.py). (Indices are unsigned so that
-    Numba emits no negative-index wraparound, which kept LLVM from vectorizing the loop; its
+def _load_block(data, scales, bits, rows, page, kvh, first, count, half, block):
+    """Rows first..first+count-1 of one page for one KV head into ``block`` (float32
+    [tile, D]): the unquantized rows for pages below their count, else the codes times their
+    groups' scales, a group at a time in vector code (engine/cpu/simd.py). (Indices are
+    unsigned so that Numba emits no negative-index wraparound, which kept LLVM from
+    vectorizing the loop, and with a signed row index cost the kernel 4-10%; the loop's
     bound is not a constant, so it is vectorized rather than unrolled: Numba turns LLVM's SLP
     vectorizer off.) The group loop is also kv_gather._dequantized's: one njit helper for
     both, even with inline="always", made this kernel 1.75x slower (SmolLM2 heads, q4, 8 x
     1k, one thread: 0.87 -> 1.53 ms per layer, stop 54), so each keeps its own."""
     dim = np.uintp(block.shape[1])
+    first = np.uintp(first)
     if page < rows.shape[0]:
-        for slot in range(count):
+        for i in range(np.uintp(count)):
             for d in range(dim):
-                block[slot, d] = rows[page, slot, kvh, d]
+                block[i, d] = rows[page, first + i, kvh, d]
         return
-    for slot in range(count):
+    for i in range(np.uintp(count)):
+        slot = first + i
         for grp in range(scales.shape[3]):
             scale = half[scales[page, slot, kvh, grp]]
-            at = (slot, grp * GROUP)
+            at = (i, grp * GROUP)
             if bits == 8:
                 dequantize_8bit_group(data, (page, slot, kvh, grp * GROUP), block, at, scale)
             else:
                 dequantize_4bit_group(data, (page, slot, kvh, grp * BYTES_4BIT), block, at, scale)
+
+
+# floats of the tile of keys or values the kernel makes at a time (a page's rows, or part of a
+# page's): 8 KB, which stays in the L1 cache beside the scores it feeds. A whole page of 256
+# rows had been 64 KB for SmolLM2's heads (q4, 32 x 4096, 2 threads: 8.4 against 6.9 ms per
+# layer at pages of 16, the same keys).
+TILE_FLOATS = 2048
+
+
+@numba.njit(inline="always")
+def _tile_rows(page_size, dim):
+    """Rows of a tile: a page's, or the page's halved while they fill more than TILE_FLOATS
+    (down to LANES rows), so that tiles divide pages."""
+    rows = page_size
+    while rows * dim > TILE_FLOATS and rows % 2 == 0 and rows > LANES:
+        rows //= 2
+    return rows
 
 
 @functools.cache

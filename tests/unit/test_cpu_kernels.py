@@ -53,13 +53,14 @@ def _case(
     unquantized: bool = False,
     new: int = 1,
     seed: int = 0,
+    page: int = PAGE,
 ):
     """Sequences of ``contexts`` tokens (the last ``new`` of each new in this forward) on a
     shuffled subset of a pool of pages holding random rows (a wrong page read shows). With
     ``unquantized`` (sink and recent pages: the lowest ids, read from their rows), each
     sequence's first and last pages are such pages, and every such page is one of them."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [-(-c // PAGE) for c in contexts]
+    needed = [-(-c // page) for c in contexts]
     unquantized = sum(min(n, 2) for n in needed) if unquantized else 0
     pool = unquantized + sum(needed) + 3
     exact = torch.randperm(unquantized, generator=gen).tolist()
@@ -70,18 +71,18 @@ def _case(
         for block in {0, n_pages - 1} if unquantized else ():
             pages[block] = exact.pop()
         seqs.append(SequenceInput([1] * new, num_cached=context - new, pages=pages))
-    batch = build_forward_batch(seqs, PAGE)
+    batch = build_forward_batch(seqs, page)
     k_bits, v_bits = QUANT_BITS[quant]
     center = torch.randn(kv_heads, head_dim, generator=gen)
     k_pages, v_pages = (
         allocate_quant_pages(
-            pool, PAGE, kv_heads, head_dim, bits, rotate, "cpu", c, unquantized, torch.float32
+            pool, page, kv_heads, head_dim, bits, rotate, "cpu", c, unquantized, torch.float32
         )
         for bits, c in ((k_bits, center), (v_bits, None))
     )
-    slots = torch.arange(pool * PAGE)
+    slots = torch.arange(pool * page)
     for pages in (k_pages, v_pages):
-        rows = 3 * torch.randn(pool * PAGE, kv_heads, head_dim, generator=gen)
+        rows = 3 * torch.randn(pool * page, kv_heads, head_dim, generator=gen)
         rows[::5, :, 3] *= 10  # an outlier channel in some rows
         write_slots(pages, rows, slots)
     q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
@@ -113,6 +114,31 @@ def test_decode_matches_reference(
     out = quant_decode_attention_cpu(q, k_pages, v_pages, batch, scale, window)
     ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert _rel_error(out, ref) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("quant", "page", "head_dim", "window", "unquantized"),
+    [
+        ("q4", 64, 2 * GROUP, None, True),  # tiles of 32 rows, sink and recent pages among them
+        ("q8", 64, 2 * GROUP, 40, False),  # a window that starts inside a page's second tile
+        ("q6", 16, 8 * GROUP, 21, False),  # head size 256: tiles of 8 rows
+    ],
+)
+def test_pages_larger_than_a_tile_are_read_a_tile_at_a_time(
+    quant, page, head_dim, window, unquantized
+):
+    """A page whose rows fill more than TILE_FLOATS is read in tiles that divide it: every
+    key of every tile counts once, a context ending inside a tile, or a window starting
+    inside one, as the reference has it."""
+    assert decode_attention._tile_rows(page, head_dim) < page
+    contexts = [70, 33, 100, 1, 64]
+    q, k_pages, v_pages, batch = _case(
+        contexts, quant, True, 4, 2, head_dim, unquantized, page=page
+    )
+    scale = head_dim**-0.5
+    out = quant_decode_attention_cpu(q, k_pages, v_pages, batch, scale, window)
+    ref = quant_paged_attention_reference(q, k_pages, v_pages, batch, scale, window)
     assert _rel_error(out, ref) <= TOL
 
 
