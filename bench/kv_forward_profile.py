@@ -44,7 +44,7 @@ def profile_mode(model, mode: str, batch: int, context: int, forwards: int, rows
     sinks = batch if mode != quant else 0
     per_seq = -(-(context + 1) // PAGE)
     kv = model.allocate_kv(batch * per_seq, PAGE, quant, num_sink_pages=sinks)
-    pages = kv_quant_decode._page_lists(batch, per_seq, sinks)
+    pages = kv_quant_decode.page_lists(batch, per_seq, sinks)
     seqs = [SequenceInput([4 + b], num_cached=context, pages=p) for b, p in enumerate(pages)]
     fwd = build_forward_batch(seqs, PAGE, model.device)
 
@@ -101,7 +101,7 @@ def profile_mixed(
     per_seq = -(-(context + 1) // PAGE)
     chunk_pages = -(-chunk // PAGE)
     kv = model.allocate_kv(batch * per_seq + chunk_pages, PAGE, quant, num_sink_pages=sinks)
-    pages = kv_quant_decode._page_lists(batch, per_seq, sinks)
+    pages = kv_quant_decode.page_lists(batch, per_seq, sinks)
     seqs = [SequenceInput([4 + b], num_cached=context, pages=p) for b, p in enumerate(pages)]
     prompt_pages = list(range(batch * per_seq, batch * per_seq + chunk_pages))
     seqs.append(SequenceInput([5] * chunk, 0, prompt_pages, prompt_chunk=True))

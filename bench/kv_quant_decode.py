@@ -68,7 +68,7 @@ GOAL_ATTENTION_SPEEDUP = 1.5  # q4 decode attention tok/s / fp16's, batch 32 x 4
 GOAL_TOKENS_PER_BYTE = 3.5  # q4 tokens in fp16's bytes
 
 
-def _fill(model: Any, kv: list, pages: int, page_size: int, chunk: int = 8192) -> None:
+def fill_pages(model: Any, kv: list, pages: int, page_size: int, chunk: int = 8192) -> None:
     """Random K/V in every slot of every layer, through the op set's cache write (so the
     quantized pages hold real scales), ``chunk`` slots per call to bound the scratch memory."""
     cfg, device, dtype = model.config, model.device, model.dtype
@@ -134,10 +134,10 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     chunk_pages = -(-chunk // size)  # after the decode rows' pages: the mixed step's prompt
     pool = batch * per_seq + chunk_pages + recent  # (recent pages: beside the ordinary ones)
     kv = model.allocate_kv(pool, size, quant, num_sink_pages=sinks + recent)
-    _fill(model, kv, pool, size)
+    fill_pages(model, kv, pool, size)
     seqs = [
         SequenceInput([4 + b % 100], num_cached=context, pages=pages)
-        for b, pages in enumerate(_page_lists(batch, per_seq, sinks, recent))
+        for b, pages in enumerate(page_lists(batch, per_seq, sinks, recent))
     ]
     fwd = build_forward_batch(seqs, size, model.device)
     cfg = model.config
@@ -270,7 +270,7 @@ def measure_prefill(model: Any, quant: str, context: int, chunk: int, wl: Any, t
     size = wl.page_size
     pages = -(-(context + chunk) // size)
     kv = model.allocate_kv(pages, size, quant)
-    _fill(model, kv, pages, size)
+    fill_pages(model, kv, pages, size)
     row = SequenceInput([5] * chunk, context, list(range(pages)), 1, prompt_chunk=True)
     fwd = build_forward_batch([row], size, model.device)
     q, k, v, cos, sin = _random_rows(model, chunk, seed=2)
@@ -326,7 +326,7 @@ def _random_rows(model: Any, n: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k.to(dtype), v.to(dtype), angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def _page_lists(batch: int, per_seq: int, sinks: int, recent: int = 0) -> list[list[int]]:
+def page_lists(batch: int, per_seq: int, sinks: int, recent: int = 0) -> list[list[int]]:
     """Each sequence's pages: consecutive runs, or with sink pages its first page below
     ``sinks`` and the rest after them, and with recent pages its last RECENT_BLOCKS blocks on
     pages sinks..sinks + recent - 1 (as engine/cache/page_table.py hands them out)."""

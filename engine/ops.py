@@ -15,6 +15,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -82,25 +83,21 @@ TORCH_OPS = OpSet(
 
 
 @functools.cache
-def cpu_ops() -> OpSet:
+def cpu_ops(decode: ModuleType | None = None) -> OpSet:
     """The CPU's op set: the torch references, with Numba kernels (imported on first use:
     they load numba) for decode rows' attention, which reads a quantized cache's codes in
     place, and float pages too (engine/cpu/decode_attention.py ``float_kernel_pays``), and
     for a quantized cache's write, which makes its rows' codes and scales in one pass
     (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
-    cache), so runners warm them up."""
-    from engine.cpu.decode_attention import (
-        VERIFY_ROWS,
-        decode_attention_cpu,
-        float_kernel_pays,
-        quant_decode_attention_cpu,
-        supports,
-    )
+    cache), so runners warm them up. ``decode``: the decode kernel's module (by default
+    engine.cpu.decode_attention; bench/cpu_decode_kernel.py passes an older version's)."""
+    if decode is None:
+        from engine.cpu import decode_attention as decode
     from engine.cpu.kv_gather import quant_chunk_attention_cpu
     from engine.cpu.quant_write import write_slots_cpu
 
     def float_takes(q, k_pages, batch) -> bool:
-        return supports(q, k_pages, batch) and float_kernel_pays(batch)
+        return decode.supports(q, k_pages, batch) and decode.float_kernel_pays(batch)
 
     return dataclasses.replace(
         TORCH_OPS,
@@ -111,9 +108,12 @@ def cpu_ops() -> OpSet:
             pages_arg=5,
         ),
         paged_attention=by_storage(
-            decode_rows_on(decode_attention_cpu, paged_attention_reference, float_takes),
+            decode_rows_on(decode.decode_attention_cpu, paged_attention_reference, float_takes),
             decode_rows_on(
-                quant_decode_attention_cpu, quant_chunk_attention_cpu, supports, VERIFY_ROWS
+                decode.quant_decode_attention_cpu,
+                quant_chunk_attention_cpu,
+                decode.supports,
+                decode.VERIFY_ROWS,
             ),
             pages_arg=1,
         ),

@@ -11,10 +11,12 @@ a sequence's tokens verifying drafts (each a row with its own causal limit, on o
 basis by the item when the pages are, by the write's butterflies, and the output rotated
 back at its end: as torch matmuls around the kernel the two rotations had cost ~1 ms of a q4
 decode step's attention at 8 x 1k, 30 layers, one or two threads, 2-3%) are held in a small
-array, every key of the group's context is read once for all of them (scores in float32; for
-codes by group of 32: the codes' dot product times the group's scale), a softmax per query
-row over its own keys, then every value once, accumulated per query row and divided by the
-softmax's sum. Float pages, and the sink and recent pages of a
+array. The group's context is read a tile at a time (a page's rows, at most ``TILE_FLOATS``
+floats: codes dequantized, or float rows copied, into a block that stays in the L1 cache),
+each key once for all of the group's query rows: their scores in float32, eight keys at a
+time (engine/cpu/simd.py ``score_rows``), a softmax per query row over its own keys, then
+every value once, accumulated per query row in registers across the tile (``weigh_rows``)
+and divided by the softmax's sum. Float pages, and the sink and recent pages of a
 quantized cache (ids below ``QuantPages.sinks``' rows), are read from their rows. The key
 center is not added back: ``q . c`` is the same for every key of a query, so the softmax does
 not see it (the references drop it the same way).

@@ -168,11 +168,11 @@ def test_merge_keeps_models_and_op_sets_not_measured_now() -> None:
 
 
 def test_kv_quant_page_lists_lay_out_sink_and_recent_pages_as_the_table_does() -> None:
-    from bench.kv_quant_decode import _page_lists
+    from bench.kv_quant_decode import page_lists
     from engine.cache.page_table import RECENT_BLOCKS
 
     batch, per_seq = 3, 5
-    lists = _page_lists(batch, per_seq, sinks=batch, recent=RECENT_BLOCKS * batch)
+    lists = page_lists(batch, per_seq, sinks=batch, recent=RECENT_BLOCKS * batch)
     flat = [p for pages in lists for p in pages]
     assert len(flat) == len(set(flat)) == batch * per_seq
     for b, pages in enumerate(lists):
