@@ -118,7 +118,7 @@ def _attend_items(
         scores = _scores(rows, keys, half, tables[r0], kvh, start, end, block)
         sums = _softmax(scores, heads, limits, window, start - start % page_size)
         values = (v_data, v_scales, v_bits, v_rows)
-        _weigh_values(scores, sums, values, half, tables[r0], kvh, start, end, block, rows)
+        _weigh_values(scores, sums, values, half, tables[r0], kvh, start, block, rows)
         if rotate:
             _rotate_rows(rows)
         _scatter_rows(rows, out, r0, r1, kvh * heads, heads)
@@ -227,9 +227,9 @@ def _row_max(scores, h, first, stop):
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _weigh_values(weights, sums, values, half, table, kvh, start, end, block, out):
-    """out [G, D] = the values start..end-1 weighted by ``weights`` (``_scores``' entries),
-    over ``sums``, a tile of rows (``block``) at a time."""
+def _weigh_values(weights, sums, values, half, table, kvh, start, block, out):
+    """out [G, D] = the values of ``_scores``' entries (from the first key of ``start``'s
+    page on) weighted by ``weights``, over ``sums``, a tile of rows (``block``) at a time."""
     data, scales, bits, rows = values
     page_size, tile = data.shape[1], block.shape[0]
     first_block = start // page_size
@@ -371,8 +371,8 @@ def _float_args(
 def warm_up_decode_attention_cpu(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
     """Compile (or load from Numba's cache) the kernel, on two pages of float rows, and its
     callback for torch's team (engine/cpu/team.py); quantized pages take the same compiled
-    code. Nothing for a run dtype the kernel does not take."""
-    if dtype != torch.float32:
+    code. Nothing for a run dtype or head size the kernel does not take."""
+    if dtype != torch.float32 or head_dim % LANES:
         return
     seqs = [SequenceInput([0], num_cached=0, pages=[0]), SequenceInput([0], 0, pages=[1])]
     batch = build_forward_batch(seqs, 1)

@@ -247,6 +247,7 @@ def test_decode_refuses_what_it_does_not_take():
     assert not supports(q, k_pages, batch)
     with pytest.raises(ValueError, match="head size 12"):
         decode_attention_cpu(q, k_pages, v_pages, batch, 0.3)
+    decode_attention.warm_up_decode_attention_cpu(torch.float32, 2, 1, 12)  # (nothing to warm)
 
 
 def test_cpu_ops_route_decode_rows_to_the_kernel(monkeypatch):
