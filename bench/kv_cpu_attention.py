@@ -4,10 +4,11 @@ a mixed step) for the installed SmolLM2 (float32, ``--threads`` torch threads), 
 sequences of ``--context`` cached tokens each (default 32 x 4096, as bench/gpu_decode.py runs
 on a GPU), every step eager. The pages hold random K/V written through the cache-write op.
 
-Decode attention alone is where the page format counts (a quantized cache reads its codes in
-place, engine/cpu/decode_attention.py; fp16 pages of equal lengths go to the torch reference,
-which copies the batch's context for SDPA); the forward adds the model's matmuls, the same for
-every mode.
+Decode attention alone is where the page format counts (the decode kernel,
+engine/cpu/decode_attention.py, reads a quantized cache's codes in place, and since stop 53 fp16
+pages' rows too); the forward adds the model's matmuls, the same for every mode. Pages hold 256
+slots unless ``--page-size`` says (the cache's own default is 16), which keeps this bench's
+earlier results comparable; bench/cpu_decode_kernel.py compares two kernels in one process.
 
     python bench/kv_cpu_attention.py [--modes fp16 q8 q4] [--batch 32] [--context 4096]
         # writes bench/results/kv_cpu_attention.json
