@@ -90,7 +90,8 @@ def cpu_ops(decode: ModuleType | None = None) -> OpSet:
     for a quantized cache's write, which makes its rows' codes and scales in one pass
     (engine/cpu/quant_write.py). Their first call compiles them (or loads them from Numba's
     cache), so runners warm them up. ``decode``: the decode kernel's module (by default
-    engine.cpu.decode_attention; bench/cpu_decode_kernel.py passes an older version's)."""
+    engine.cpu.decode_attention; bench/cpu_decode_kernel.py passes an older version's, which
+    the op set's warm-up, this tree's, does not compile)."""
     if decode is None:
         from engine.cpu import decode_attention as decode
     from engine.cpu.kv_gather import quant_chunk_attention_cpu

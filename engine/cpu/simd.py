@@ -275,7 +275,8 @@ def _store_lanes(builder, value, pointer, offset) -> None:
 def _lane_sums(builder: ir.IRBuilder, vectors: list) -> ir.Value:
     """[sum of vectors[0]'s lanes, ..., sum of vectors[7]'s] from LANES vectors: three rounds
     of adding lanes pairwise across two vectors at a time (7 adds for 8 sums, where one
-    vector's sum alone takes 3 adds and 3 shuffles)."""
+    vector's sum alone takes 3 adds and 3 shuffles). The rounds' lane masks are for LANES =
+    8."""
     rounds = (
         ([0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]),
         ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]),
@@ -311,10 +312,8 @@ def score_rows(typingctx, scores, scores_at, query, query_at, block, count):
             for total in sums[:rows_now]:
                 builder.store(zero, total)
             start = builder.mul(first, dim)
-            with cgutils.for_range_slice(builder, ir.Constant(intp, 0), dim, lanes, intp) as (
-                d,
-                _,
-            ):
+            along_row = (ir.Constant(intp, 0), dim, lanes, intp)
+            with cgutils.for_range_slice(builder, *along_row) as (d, _):
                 q_lanes = _load_lanes(builder, q, d)
                 for i, total in enumerate(sums[:rows_now]):
                     row_at = builder.add(
