@@ -36,7 +36,7 @@ import engine  # noqa: E402, F401  (before torch: engine/cpu/spin.py)
 from bench import kv_quant_decode  # noqa: E402
 from bench import kv_quant_quality as quality  # noqa: E402
 from bench.record import write_record  # noqa: E402
-from engine.batch import AttentionPlan, SequenceInput, build_forward_batch  # noqa: E402
+from engine.batch import SequenceInput, build_forward_batch  # noqa: E402
 from engine.ops import cpu_ops  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "cpu_decode_kernel.json"
@@ -82,18 +82,7 @@ def decode_step(model, mode: str, batch: int, context: int, page_size: int) -> d
     q = torch.randn(
         (batch, cfg.num_heads, cfg.head_dim), generator=torch.Generator().manual_seed(0)
     )
-
-    def forward() -> None:
-        fwd.attention = AttentionPlan()  # planned per forward, as a fresh batch is
-        with torch.inference_mode():
-            model.forward(fwd, kv)
-
-    def attention() -> None:
-        fwd.attention = AttentionPlan()
-        for k_pages, v_pages in kv:
-            model.ops.paged_attention(q, k_pages, v_pages, fwd, cfg.head_dim**-0.5)
-
-    return {"forward": forward, "attention": attention}
+    return dict(zip(PARTS, kv_quant_decode.decode_calls(model, kv, fwd, q), strict=True))
 
 
 def seconds(step: Callable[[], None], calls: int) -> float:

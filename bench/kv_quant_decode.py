@@ -121,8 +121,31 @@ def _captured(step: Callable[[], None]) -> Any:
         return None
 
 
+def decode_calls(
+    model: Any, kv: list, fwd: Any, q: torch.Tensor
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(one decode forward of the batch ``fwd`` over ``kv``, and every layer's paged attention
+    of that step alone for queries ``q``, on whatever op set the model holds when called),
+    each planning the batch afresh, as a new step's batch is."""
+    from engine.batch import AttentionPlan
+
+    scale = model.config.head_dim**-0.5
+
+    def forward() -> None:
+        fwd.attention = AttentionPlan()
+        with torch.inference_mode():
+            model.forward(fwd, kv)
+
+    def attention() -> None:
+        fwd.attention = AttentionPlan()
+        for k_pages, v_pages in kv:
+            model.ops.paged_attention(q, k_pages, v_pages, fwd, scale)
+
+    return forward, attention
+
+
 def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, timer: Any) -> dict:
-    from engine.batch import AttentionPlan, SequenceInput, build_forward_batch
+    from engine.batch import SequenceInput, build_forward_batch
     from engine.cache.kv_cache import kv_bytes_per_token, recent_pages_for
 
     size = wl.page_size
@@ -142,18 +165,7 @@ def measure_mode(model: Any, quant: str, batch: int, context: int, wl: Any, time
     fwd = build_forward_batch(seqs, size, model.device)
     cfg = model.config
     q = torch.randn((batch, cfg.num_heads, cfg.head_dim), device=model.device).to(model.dtype)
-    scale = cfg.head_dim**-0.5
-
-    def forward() -> None:
-        fwd.attention = AttentionPlan()  # planned per forward, as a fresh batch is
-        with torch.inference_mode():
-            model.forward(fwd, kv)
-
-    def attention() -> None:
-        fwd.attention = AttentionPlan()
-        for k_pages, v_pages in kv:
-            model.ops.paged_attention(q, k_pages, v_pages, fwd, scale)
-
+    forward, attention = decode_calls(model, kv, fwd, q)
     write = _cache_write_step(model, kv, fwd.slot_mapping.to(model.device))
 
     tokens = batch * wl.decode_steps
