@@ -22,11 +22,21 @@ from deployments.app import build_app
 PORTS = range(20000, 32000)
 
 
+# Ports free_port has handed out in this process: a port nothing listens on yet is still taken
+# once given to a process about to start. (Two of the ports one `ray start` was given, its
+# dashboard's and its runtime-env agent's, were once the same, and it exited.)
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on, from ``PORTS``."""
+    """A loopback port nothing listens on, from ``PORTS``, and not handed out before by this
+    process."""
     rng = random.Random()
     for _ in range(200):
         port = rng.choice(PORTS)
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
