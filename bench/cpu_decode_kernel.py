@@ -56,7 +56,12 @@ def baseline_module(ref: str, folder: Path) -> tuple[ModuleType, str]:
         return done.stdout
 
     commit = git("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
-    source = git("show", f"{commit}:{KERNEL}").replace("cache=True", "cache=False")
+    source = git("show", f"{commit}:{KERNEL}")
+    # Numba's cache off for the baseline: a ref's kernel with ``cache=True`` (before stop 59)
+    # or ``cached_njit`` (engine/numba_cache.py) compiles as plain njit
+    source = source.replace("cache=True", "cache=False").replace(
+        "from engine.numba_cache import cached_njit", "from numba import njit as cached_njit"
+    )
     path = folder / f"decode_attention_{commit[:12]}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -42,10 +42,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 
+from engine.numba_cache import cached_njit
 from engine.sampling_candidates import BLOCK
 
 logger = logging.getLogger(__name__)
@@ -55,15 +55,9 @@ LINE = 16  # float32 values per 64-byte cache line
 
 
 def _jit(fn=None, **options):
-    """``numba.njit`` without the GIL, cached on disk where numba can write; ``options``:
-    more of njit's (``@_jit(fastmath=...)``)."""
-    if fn is None:
-        return lambda f: _jit(f, **options)
-    try:
-        return numba.njit(nogil=True, cache=True, **options)(fn)
-    except RuntimeError:  # no writable cache location: compile in each process
-        logger.info("numba cannot cache %s here; compiling it in each process", fn.__name__)
-        return numba.njit(nogil=True, **options)(fn)
+    """``numba.njit`` without the GIL, cached on disk where numba can write
+    (``engine.numba_cache``); ``options``: more of njit's (``@_jit(fastmath=...)``)."""
+    return cached_njit(fn, nogil=True, **options)
 
 
 def greedy(x: torch.Tensor, limit: int, maxima: torch.Tensor, row_max: torch.Tensor):

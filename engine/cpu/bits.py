@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import platform
 
-import numba
 import numpy as np
 import torch
 from llvmlite import binding, ir
 from numba.core import config, types
 from numba.extending import intrinsic
+
+from engine.numba_cache import cached_njit
 
 
 @intrinsic
@@ -76,7 +77,7 @@ def float16_by_conversion(typingctx, value):
     return types.Tuple((types.float32, types.int32))(types.float32), codegen
 
 
-@numba.njit(cache=True)
+@cached_njit
 def float16_by_bits(x):
     """``float16_by_conversion`` on the float32's bits (for CPUs without the conversion; the
     13, or below float16's normal range more, low significand bits dropped, rounding up past
@@ -99,7 +100,7 @@ def float16_by_bits(x):
     return np.float32(-value if sign else value), np.int32(bits)
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _round_shift(n, shift):
     """round(n / 2^shift) to nearest even, for a non-negative integer n."""
     kept = n >> shift

@@ -54,6 +54,7 @@ from engine.cpu.simd import (
 )
 from engine.cpu.team import prepare, share
 from engine.cuda.quant_reference import check_pair
+from engine.numba_cache import cached_njit
 
 # reassociation lets LLVM vectorize the dot products and sums; no assumption about NaN or inf
 _FASTMATH = {"reassoc", "contract", "nsz"}
@@ -78,7 +79,7 @@ def _exp_nonpositive(x):
     return p * float_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
-@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@cached_njit(nogil=True, fastmath=_FASTMATH)
 def _attend_items(
     q,  # float32 [R, H, D]: scaled queries, one row per query token
     k_data,  # uint8 [P, S, KV, W_k]
@@ -465,7 +466,7 @@ def _kernel_args(
     return args, (len(groups) - 1) * kv_heads
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _row_groups(tables, seq_lens, page_size, most):
     """int32 [N + 1]: the decode rows' groups (rows groups[i]..groups[i + 1] - 1), each at
     most ``most`` rows of a run that read one context: each row's limit one past the

@@ -10,6 +10,7 @@ import numba
 import numpy as np
 
 from engine.cache.quant import BUTTERFLY_NORM, GROUP
+from engine.numba_cache import cached_njit
 
 _NORM = np.float32(BUTTERFLY_NORM)
 
@@ -23,7 +24,7 @@ def _stage(row, base, h):
             row[i], row[i + h] = a + b, a - b
 
 
-@numba.njit(cache=True)
+@cached_njit
 def rotate_row(row):
     """Each group of 32 of the float32 ``row`` [D] times H, in place: (x_i, x_i+h) ->
     (x_i + x_i+h, x_i - x_i+h) for h = 1, 2, 4, 8, 16, the last stage times 1 / sqrt(32).

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 import torch
 
@@ -49,11 +48,12 @@ from engine.cuda.quant_reference import (
     own_slot_index,
     quant_paged_attention_reference,
 )
+from engine.numba_cache import cached_njit
 
-_own_index = numba.njit(cache=True)(own_slot_index)
+_own_index = cached_njit(own_slot_index)
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _own_row(values, r, cos, sin, center, keys, centered, h, out):
     """out [D] = the write's row r ``values`` [T, KV, D] at head h as its codes were made
     from: keys with rotary from tables [T, D / 2] (x_i cos_i - x_i+D/2 sin_i below D/2,
@@ -72,7 +72,7 @@ def _own_row(values, r, cos, sin, center, keys, centered, h, out):
         out[d] = x
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _dequantized(data, scales, page, s, h, table, bits, out):
     """out [D] = the codes data[page, s, h] [W] times their groups' float16 scales
     scales[page, s, h] [D / 32] (bits; 4-bit: byte j of a group holds element j in its low
@@ -86,7 +86,7 @@ def _dequantized(data, scales, page, s, h, table, bits, out):
             dequantize_4bit_group(data, (page, s, h, g * BYTES_4BIT), out, (g * GROUP,), scale)
 
 
-@numba.njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _gather_items(
     index, data, scales, table, bits, rows, num_rows_pages,
     own_slots, own_rows, own_values, cos, sin, center, keys, centered, rotate_own, unrotate,

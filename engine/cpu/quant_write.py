@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numba
 import numpy as np
 import torch
 
@@ -44,25 +43,26 @@ from engine.cpu.bits import float16_bits, float16_rounded
 from engine.cpu.hadamard import rotate_row
 from engine.cpu.simd import rounding_error
 from engine.cpu.team import share
+from engine.numba_cache import cached_njit
 
 _DIVISORS = np.array(SEARCH_DIVISORS, np.float32)
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _step(scale):
     """The divisor a scale quantizes by: the scale, or 1 for a zero scale (an all-zero group,
     or one below float16's range: every code 0), as ``quant._codes`` takes it."""
     return np.float32(scale) if scale != 0 else np.float32(1.0)
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _code(x, step, low, high):
     """``floor(x / step + 0.5)`` in float32 steps, clamped to [low, high]."""
     q = math.floor(np.float32(np.float32(x / step) + np.float32(0.5)))
     return min(max(q, low), high)
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _searched_scale(group, low, high, divisors, errors):
     """quant.search_scales for one group: (scale value, float16 bits). Every candidate's
     error first (into ``errors``), then the first least: with the choice inside the loop each
@@ -85,7 +85,7 @@ def _searched_scale(group, low, high, divisors, errors):
     return _candidate_scale(m, divisors[best])
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _candidate_scale(top, divisor):
     """The scale ``top / -divisor``, within float16's range, rounded to float16: (value,
     bits)."""
@@ -93,7 +93,7 @@ def _candidate_scale(top, divisor):
     return float16_rounded(min(max(c, np.float32(-FP16_MAX)), np.float32(FP16_MAX)))
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _absmax_scale(group, high):
     top = np.float32(0.0)
     for j in range(group.shape[0]):
@@ -101,7 +101,7 @@ def _absmax_scale(group, high):
     return float16_rounded(min(np.float32(top / np.float32(high)), np.float32(FP16_MAX)))
 
 
-@numba.njit(cache=True)
+@cached_njit
 def _centered_rotated(row, center, rotate, out):
     """out [D] = row [D] less center [D] (zeros for pages without one: x - 0 is x, signed
     zeros included), each group of 32 then times H (``rotate``): ``quant.centered`` and
@@ -113,7 +113,7 @@ def _centered_rotated(row, center, rotate, out):
         rotate_row(out)
 
 
-@numba.njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _write_rows(
     rows, center, rotate, bits, search, slots, data, scales, divisors, sinks, sink_slots,
     first, last,

@@ -43,6 +43,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
 from engine.cpu.turns import CHUNKS_PER_THREAD, in_turns
+from engine.numba_cache import cached_njit
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ _callbacks: dict[tuple, Any] = {}
 _compiling = threading.Lock()
 
 
-@numba.njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _launch(runtime, callback, threads, items, chunk, args):
     frame = np.empty(_HEAD + SLOT * len(args), np.int64)
     frame[_NEXT] = 0
