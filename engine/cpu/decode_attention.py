@@ -177,11 +177,20 @@ def _scores(qg, keys, half, table, kvh, start, end, block):
         _load_block(data, scales, bits, rows, table[blk], kvh, first, n, half, block)
         for h in range(qg.shape[0]):
             score_rows(scores, (h, at), qg, (h, 0), block, n)
-        at += n
-        first += n
-        if first == page_size:
-            blk, first = blk + 1, 0
+        blk, first, at = _next_tile(blk, first, at, n, page_size)
     return scores
+
+
+@numba.njit(inline="always")
+def _next_tile(blk, first, at, n, page_size):
+    """The next tile's (index in the page table, first row in its page, first entry in the
+    scores) after a tile of ``n`` rows at those (``_scores``' and ``_weigh_values``' walk; as
+    a helper it costs nothing measurable: SmolLM2's heads, 32 x 1024 q4, 2.37 -> 2.27 ms per
+    layer on one thread, 1.110 -> 1.105 on two, within this box's noise)."""
+    first += n
+    if first == page_size:
+        return blk + 1, 0, at + n
+    return blk, first, at + n
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
@@ -241,10 +250,7 @@ def _weigh_values(weights, sums, values, half, table, kvh, start, block, out):
         _load_block(data, scales, bits, rows, table[blk], kvh, first, n, half, block)
         for h in range(out.shape[0]):
             weigh_rows(acc, (h, 0), weights, (h, at), block, n)
-        at += n
-        first += n
-        if first == page_size:
-            blk, first = blk + 1, 0
+        blk, first, at = _next_tile(blk, first, at, n, page_size)
     for h in range(out.shape[0]):
         inv = np.float32(1.0) / sums[h]
         for d in range(out.shape[1]):
