@@ -11,7 +11,8 @@ sign of it (a stale ``__pycache__``; a fresh clone or install was not affected).
 module imports from its own top-level package, followed through the modules that themselves
 compile code (import numba) and ending at the others (which can lend only constants). A
 change to any of them makes the cached entry stale, and Numba compiles the kernel again and
-replaces it. Where Numba finds nowhere to write a cache, the kernel compiles in each process.
+replaces it. Where Numba finds nowhere to write a cache, or keeps its index where this module
+does not look (its attributes, not an API), the kernel compiles in each process.
 """
 
 from __future__ import annotations
@@ -38,9 +39,18 @@ def cached_njit(fn=None, **options):
     except RuntimeError:  # Numba's "no locator available": no writable place for a cache
         logger.info("numba cannot cache %s here; compiling it in each process", fn.__name__)
         return numba.njit(**options)(fn)
-    index = kernel._cache._cache_file  # Numba's index of the cached overloads of ``fn``
-    # the index keeps entries whose stored stamp equals this one, and stores this one
-    index._source_stamp = (index._source_stamp, source_digest(fn.__module__))
+    try:
+        index = kernel._cache._cache_file  # Numba's index of the cached overloads of ``fn``
+        # the index keeps entries whose stored stamp equals this one, and stores this one
+        index._source_stamp = (index._source_stamp, source_digest(fn.__module__))
+    except AttributeError:  # (Numba's own attributes, not an API: 0.68 has them)
+        logger.warning(
+            "numba %s keeps its cache index elsewhere: %s compiles in each process rather "
+            "than load code its cache cannot tell is stale",
+            numba.__version__,
+            fn.__name__,
+        )
+        return numba.njit(**options)(fn)
     return kernel
 
 

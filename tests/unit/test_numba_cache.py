@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numba
 import pytest
 
+from engine import numba_cache
 from engine.numba_cache import cached_njit, compiled_sources, source_digest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,3 +133,28 @@ def test_a_function_numba_cannot_cache_still_compiles():
     exec(compile("def f(x):\n    return x + 1\n", "<string>", "exec"), scope)
     assert cached_njit(scope["f"])(1) == 2
     assert cached_njit(fastmath=True)(scope["f"])(2.0) == 3.0
+
+
+def test_a_numba_whose_cache_index_moved_compiles_uncached(monkeypatch, caplog):
+    """Where a Numba release keeps its cache index under other names, the kernel is not
+    cached on disk (it could not be keyed on its sources) rather than failing the import."""
+
+    class MovedIndex:  # numba, but its cached kernels lack ``_cache._cache_file``
+        def __getattr__(self, name):
+            return getattr(numba, name)
+
+        @staticmethod
+        def njit(**options):
+            if options.pop("cache", False):
+                return lambda fn: types.SimpleNamespace(py_func=fn, _cache=object())
+            return numba.njit(**options)
+
+    monkeypatch.setattr(numba_cache, "numba", MovedIndex())
+    kernel = cached_njit(fastmath=True)(_plus_one)
+    assert kernel(1.0) == 2.0
+    assert isinstance(kernel._cache, numba.core.caching.NullCache)
+    assert "compiles in each process" in caplog.text
+
+
+def _plus_one(x):
+    return x + 1
