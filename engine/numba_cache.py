@@ -68,7 +68,7 @@ def source_digest(module: str) -> str:
 def compiled_sources(module: str) -> tuple[Path, ...]:
     """The source files whose contents can end up in ``module``'s compiled kernels, sorted:
     its own, and those of the modules of its top-level package it imports, followed through
-    the ones that import numba."""
+    the ones that compile code (``_compiles_with``)."""
     package = module.partition(".")[0]
     seen: dict[str, Path] = {}
     pending = [module]
@@ -112,7 +112,7 @@ def _imports_of(path: Path, module: str) -> tuple[tuple[str, ...], bool]:
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = _absolute(node, module)
+            base = _absolute(node, module, path.name == "__init__.py")
             names.append(base)
             names.extend(f"{base}.{alias.name}" for alias in node.names)
     return tuple(names), any(_compiles_with(name) for name in names)
@@ -124,8 +124,12 @@ def _compiles_with(module: str) -> bool:
     return module.partition(".")[0] in ("numba", "llvmlite") or module == __name__
 
 
-def _absolute(node: ast.ImportFrom, module: str) -> str:
+def _absolute(node: ast.ImportFrom, module: str, package: bool) -> str:
+    """The module a ``from ... import`` in ``module`` (a package's ``__init__`` if
+    ``package``) names, relative levels resolved."""
     if not node.level:
         return node.module or ""
-    parent = module.rsplit(".", node.level)[0]
-    return f"{parent}.{node.module}" if node.module else parent
+    base = module if package else module.rpartition(".")[0]
+    if node.level > 1:
+        base = base.rsplit(".", node.level - 1)[0]
+    return f"{base}.{node.module}" if node.module else base

@@ -4,6 +4,7 @@ keyed."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import subprocess
@@ -20,9 +21,9 @@ from engine.numba_cache import cached_njit, compiled_sources, source_digest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# a package whose kernel compiles in an njit helper of another file (imported as a module) and
-# a constant of a third (which does not import numba); a fourth file is imported by the
-# constants' file only
+# a package whose kernel compiles in an njit helper of another file (imported as a module, by a
+# relative import) and a constant of a third (which does not import numba); a fourth file is
+# imported by the constants' file only
 _PACKAGE = {
     "__init__.py": "",
     "helper.py": """
@@ -40,8 +41,9 @@ _PACKAGE = {
     "unrelated.py": "NOTE = 'a'\n",
     "kernel.py": """
         from engine.numba_cache import cached_njit
-        from kpkg import helper
         from kpkg.consts import OFFSET
+
+        from . import helper
 
         @cached_njit
         def kernel():
@@ -158,3 +160,19 @@ def test_a_numba_whose_cache_index_moved_compiles_uncached(monkeypatch, caplog):
 
 def _plus_one(x):
     return x + 1
+
+
+@pytest.mark.parametrize(
+    ("statement", "module", "package", "named"),
+    [
+        ("from . import x", "a.b.c", False, "a.b"),
+        ("from . import x", "a.b", True, "a.b"),  # a package's __init__: its own level
+        ("from .y import x", "a.b", True, "a.b.y"),
+        ("from .. import x", "a.b.c", False, "a"),
+        ("from ..y import x", "a.b.c", False, "a.y"),
+        ("from a.q import x", "a.b", False, "a.q"),
+    ],
+)
+def test_relative_imports_name_their_module(statement, module, package, named):
+    node = ast.parse(statement).body[0]
+    assert numba_cache._absolute(node, module, package) == named
