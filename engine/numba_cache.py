@@ -60,7 +60,7 @@ def source_digest(module: str) -> str:
     digest = hashlib.sha256()
     for path in compiled_sources(module):
         digest.update(str(path).encode() + b"\0")
-        digest.update(path.read_bytes())
+        digest.update(_source(path))
     return digest.hexdigest()
 
 
@@ -103,12 +103,18 @@ def _source_file(module: str) -> Path | None:
 
 
 @functools.cache
+def _source(path: Path) -> bytes:
+    """A file's bytes, read once per process for both its imports and the digest."""
+    return path.read_bytes()
+
+
+@functools.cache
 def _imports_of(path: Path, module: str) -> tuple[tuple[str, ...], bool]:
     """(the modules the file of ``module`` imports anywhere in it, relative imports resolved,
     with ``a.b.y`` for each ``from a.b import y`` in case y is a module; whether it compiles
     code: ``_compiles_with``)."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(_source(path))):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -39,7 +39,6 @@ can write its cache.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,8 +46,6 @@ import torch
 
 from engine.numba_cache import cached_njit
 from engine.sampling_candidates import BLOCK
-
-logger = logging.getLogger(__name__)
 
 SORT_IN_PLACE = 96  # candidates ordered by insertion up to this many (usually ~n + a few)
 LINE = 16  # float32 values per 64-byte cache line
