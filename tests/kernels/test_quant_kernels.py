@@ -480,11 +480,11 @@ def test_cuda_op_set_attends_a_mixed_batchs_decode_rows_with_the_kernel(bits):
     from engine.ops import by_query_length
     from tests.unit.test_exact_chunks import SCALE, _filled
 
-    k_pages, v_pages, batch, q, _, _ = _filled(bits, exact_chunks=True)
+    k_pages, v_pages, batch, q, _, _ = _filled(bits, exact_chunks=True, device=DEVICE)
     op = by_query_length(paged_attention_quant_cuda, quant_paged_attention_reference)
     out = op(q, k_pages, v_pages, batch, SCALE)
     assert batch.attention.decode_split.decode.q_lens == (1,)
     assert k_pages.written.rows is None  # the reference took the chunk's rows
-    k_ref, v_ref, batch_ref, q_ref, _, _ = _filled(bits, exact_chunks=True)
+    k_ref, v_ref, batch_ref, q_ref, _, _ = _filled(bits, exact_chunks=True, device=DEVICE)
     want = quant_paged_attention_reference(q_ref, k_ref, v_ref, batch_ref, SCALE)
     assert rel_error(out, want) <= TOL[torch.float32]

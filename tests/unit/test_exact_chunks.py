@@ -29,35 +29,38 @@ VERIFY = ([7, 4], 5, 3, False)
 ROWS = (CHUNK, DECODE, VERIFY)
 
 
-def _inputs(seed: int, tokens: int):
+def _inputs(seed: int, tokens: int, device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen) * 2 + 1  # off-center keys
     v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen)
     theta = torch.rand(tokens, HEAD_DIM // 2, generator=gen) * 6.0
-    return q, k, v, theta.cos(), theta.sin()
+    return tuple(t.to(device) for t in (q, k, v, theta.cos(), theta.sin()))
 
 
-def _pages(bits: int, exact_chunks: bool):
-    center = torch.linspace(-1, 1, KV_HEADS * HEAD_DIM).reshape(KV_HEADS, HEAD_DIM)
+def _pages(bits: int, exact_chunks: bool, device: str = "cpu"):
+    center = torch.linspace(-1, 1, KV_HEADS * HEAD_DIM, device=device)
+    center = center.reshape(KV_HEADS, HEAD_DIM)
     shape = (NUM_PAGES, PAGE, KV_HEADS, HEAD_DIM)
-    k = allocate_quant_pages(*shape, bits, True, "cpu", center, exact_chunks=exact_chunks)
-    return k, allocate_quant_pages(*shape, bits, True, "cpu")
+    k = allocate_quant_pages(*shape, bits, True, device, center, exact_chunks=exact_chunks)
+    return k, allocate_quant_pages(*shape, bits, True, device)
 
 
 def _write(k_pages, v_pages, seqs, seed: int):
-    """One forward's write of new rows for ``seqs``: (its batch, rotated q, rotated k, v)."""
-    batch = _batch(seqs)
-    q, k, v, cos, sin = _inputs(seed, batch.slot_mapping.shape[0])
+    """One forward's write of new rows for ``seqs`` (on the pages' device): (its batch,
+    rotated q, rotated k, v)."""
+    device = k_pages.data.device
+    batch = _batch(seqs, device)
+    q, k, v, cos, sin = _inputs(seed, batch.slot_mapping.shape[0], device)
     q_rot = quant_rotary_cache_write_reference(
         q, k, v, cos, sin, k_pages, v_pages, batch.slot_mapping
     )
     return batch, q_rot, rotary_reference(q, k, cos, sin)[1], v
 
 
-def _batch(seqs):
+def _batch(seqs, device: torch.device | str = "cpu"):
     inputs = [SequenceInput([0] * n, c, p, prompt_chunk=prompt) for p, c, n, prompt in seqs]
-    return build_forward_batch(inputs, PAGE)
+    return build_forward_batch(inputs, PAGE, device)
 
 
 def _stored(k_pages, v_pages):
@@ -67,10 +70,10 @@ def _stored(k_pages, v_pages):
     return k, rotate_groups(dequantize_pages(v_pages, index, torch.float32))
 
 
-def _filled(bits: int, exact_chunks: bool):
+def _filled(bits: int, exact_chunks: bool, device: str = "cpu"):
     """Pages where an earlier forward wrote every position the second forward reads, then
     the second forward's write: (k pages, v pages, its batch, q, exact k, exact v)."""
-    k_pages, v_pages = _pages(bits, exact_chunks)
+    k_pages, v_pages = _pages(bits, exact_chunks, device)
     _write(k_pages, v_pages, [(p, 0, c, True) for p, c, _, _ in ROWS], seed=1)
     return (k_pages, v_pages, *_write(k_pages, v_pages, ROWS, seed=2))
 
