@@ -17,7 +17,8 @@ Prints a table and writes JSON to bench/results/cache_write_kernel.json (--outpu
         [--threads auto,64,128]   # quantized modes also at blocks of 64 and 128 threads
 
 ``--threads``: the quantized write's threads per block, ``auto`` its rule (a warp per group
-of 32 values: 256 at this shape). Fewer warps take the groups in turn: whether smaller
+of 32 values, 256 at this shape, and 64 from 8 blocks per SM up: engine/cuda/quant_kernels.py
+``write_warps``, since stop 60). Fewer warps take the groups in turn: whether smaller
 blocks pay is what the extra rows time (fp16's write is rotary.py's, auto only). Stop 54's
 figures (H200, 2026-11-30, before stop 55's warp per group) are in
 bench/results/cache_write_kernel_h200_2026-11-30.json.

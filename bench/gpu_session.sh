@@ -20,9 +20,11 @@
 #      attention in the kernel (ENGINE_PREFILL_ATTENTION=kernel) and Numba's own launches
 #      (ENGINE_NUMBA_LAUNCH=numba);
 #   7. bench/gpu_decode.py on the 8B shape (default op set, and transformers' generate_batch
-#      on the same weights; its KV rows include a step verifying 4 drafts per sequence through
-#      the gather route and as decode-kernel rows, `verify_step_ms`, untimed on a GPU until
-#      then), merged into the same JSON; then fp16 and q4 pages with every
+#      on the same weights; its KV rows, fp16 and q4 unless KV_MODES_8B names others, include
+#      a step verifying 4 drafts per sequence through the gather route and as decode-kernel
+#      rows, `verify_step_ms`: all six modes and transformers overran 240 s on 2026-11-30,
+#      two modes without transformers took ~100 s), merged into the same JSON; then fp16 and
+#      q4 pages with every
 #      decode batch on the CUDA-core kernel (ENGINE_TENSOR_CORE_DECODE=0; by default the
 #      decode batches a CUDA graph captures take the tensor-core kernel).
 # Writes run.log, pytest.log and the benchmarks' JSON under $OUT (or ./gpu-out).
@@ -151,7 +153,7 @@ step gpu-decode-1b-numba "${DECODE_1B_CAP:-90}" env ENGINE_NUMBA_LAUNCH=numba \
 # the 8B shape last, with transformers' generate_batch on the same weights (slow to build)
 step gpu-decode-8b "${DECODE_8B_CAP:-150}" $PY bench/gpu_decode.py $dry \
   --models "$large" --ops default --decode-batches 1,32 \
-  --prefill-batches 1 --decode-steps 32 --merge \
+  --prefill-batches 1 --decode-steps 32 --kv-modes "${KV_MODES_8B:-fp16,q4}" --merge \
   --output "$OUT/gpu_decode.json"
 
 # the same 8B decode with every decode batch on the CUDA-core kernel (by default those a CUDA

@@ -145,8 +145,10 @@ def cuda_ops() -> OpSet:
             rotary_cache_write_cuda, quant_rotary_cache_write_cuda, pages_arg=5
         ),
         paged_attention=by_storage(
-            by_query_length(paged_attention_cuda, paged_attention_reference),
-            by_query_length(paged_attention_quant_cuda, quant_chunk_attention_cuda),
+            by_query_length(paged_attention_cuda, paged_attention_reference, CUDA_VERIFY_ROWS),
+            by_query_length(
+                paged_attention_quant_cuda, quant_chunk_attention_cuda, CUDA_VERIFY_ROWS
+            ),
             pages_arg=1,
         ),
         silu_mul=silu_mul_cuda,
@@ -157,24 +159,38 @@ def cuda_ops() -> OpSet:
     )
 
 
-def by_query_length(kernel: Callable, reference: Callable) -> Callable:
+# The CUDA op set's draft verification: a sequence of at most this many query tokens that is
+# not a prompt chunk (a token and its drafts) goes to the decode kernel, each query token a
+# row with its own causal limit, rather than through the prompt-chunk route (its pages
+# gathered, quantized ones dequantized, then SDPA). H200, 8B shape, 32 sequences x 4k context,
+# 1 + 4 drafts each, one step's attention in 32 layers, eager as the generator runs a
+# verify step, so on the CUDA-core kernel (bench/kv_quant_decode.py's verify_step_ms;
+# bench/results/gpu_decode_h200_2026-11-30_8b_kv_verify.json): q4 pages 53.5 -> 20.9 ms,
+# fp16 31.9 -> 27.3 ms. The kernel reads a sequence's context once per row,
+# the gather once per sequence, so longer verifies are left to the gather: by that run's
+# rates fp16 would break even near 6 rows and q4 near 12 (not measured).
+CUDA_VERIFY_ROWS = 5
+
+
+def by_query_length(kernel: Callable, reference: Callable, short: int = 1) -> Callable:
     """Attention: decode batches (one query token per sequence) on the Numba kernel, which
-    CUDA graphs capture; sequences with a longer query (prefill, chunked prefill, draft
-    verification) on the torch reference, whose SDPA uses the tensor cores. In a batch with
-    both, the one-token sequences still go to the kernel (``decode_split``), so a decode
-    row reads its context the same way in every step and a quantized cache is not
-    dequantized for it (not timed on a GPU yet). Measured on an
+    CUDA graphs capture; sequences with a longer query (prefill, chunked prefill, and draft
+    verification of more than ``short`` tokens) on the torch reference, whose SDPA uses the
+    tensor cores. In a batch with both, the one-token sequences (and each query token of the
+    sequences of at most ``short`` tokens that are not prompt chunks: ``decode_rows_on``)
+    still go to the kernel (``decode_split``), so a decode row reads its context the same way
+    in every step and a quantized cache is not dequantized for it. Measured on an
     H200 for fp16/fp32 pages (bench/kernel_launch.py, 1B shape): prefill of 2048 tokens
     2.66 ms in the kernel (CUDA cores, one key per lane group per step) vs 0.18 ms; decode at
-    batch 64 x 1k about equal (138 vs 135 us). Quantized pages go the same way (not timed on a
-    GPU yet): the pages the batch names are dequantized into one buffer for SDPA, as
-    ExLlamaV2 does for every step (one kernel launch per K and V: engine/cuda/kv_gather.py),
-    and a prompt chunk reads its own K/V exactly (engine/cuda/quant_reference.py), which the
-    kernel does not. ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel for every
-    batch (a quantized prompt chunk then reads its own K/V through their codes)."""
+    batch 64 x 1k about equal (138 vs 135 us). Quantized pages go the same way: the pages the
+    batch names are dequantized into one buffer for SDPA, as ExLlamaV2 does for every step
+    (one kernel launch per K and V: engine/cuda/kv_gather.py), and a prompt chunk reads its
+    own K/V exactly (engine/cuda/quant_reference.py), which the kernel does not.
+    ``ENGINE_PREFILL_ATTENTION=kernel`` keeps the kernel for every batch (a quantized prompt
+    chunk then reads its own K/V through their codes)."""
     if prefill_attention_choice() == "kernel":
         return kernel
-    return decode_rows_on(kernel, reference)
+    return decode_rows_on(kernel, reference, short=short)
 
 
 def decode_rows_on(

@@ -34,7 +34,7 @@ from engine.cache.quant import (
 )
 from engine.cuda import _launch, attention_mma
 from engine.cuda._launch import device_function
-from engine.cuda.attention import KVArgs, launch_attention
+from engine.cuda.attention import KVArgs, _num_sms, launch_attention
 from engine.cuda.mma import warp_shfl_xor, warp_shfl_xor_all
 from engine.cuda.quant_reference import check_pair
 
@@ -45,6 +45,16 @@ float16 = nbt.float16
 float64 = nbt.float64
 int32 = nbt.int32
 _MAX_THREADS = 256
+# From this many blocks per SM up (prompt-sized writes) the quantized write runs 2 warps per
+# block, each taking its share of the groups in turn; below, a warp per group. H200, 8B shape
+# (8 KV heads x 128: 8 groups; bench/results/cache_write_kernel_h200_2026-11-30_stop60.json):
+# at 32 tokens (256 blocks) a warp per group was the fastest for every mode (q4 7.3 us, 9.0
+# at 4 warps, 12.7 at 2); at 2048 tokens (16384 blocks) 2 warps were (q4 214 -> 173 us, q6
+# 179 -> 119, q8 120 -> 73, fp16's own write 60). Where between the two it turns is not
+# measured: 8 blocks per SM is a guess that keeps decode batches (at most 132 tokens at 8
+# KV heads on an H200) on a warp per group.
+_WIDE_GRID_BLOCKS_PER_SM = 8
+_WIDE_GRID_WARPS = 2
 # Threads per block of the quantized write, forced (bench/cache_write_kernel.py --threads, the
 # tests; None: a warp per group, up to _MAX_THREADS). A multiple of 32: each warp takes whole
 # groups. Fewer warps than groups run the groups in turn.
@@ -379,6 +389,23 @@ def _check_write(q, k, v, cos, sin, k_pages, v_pages, slot_mapping) -> None:
         raise ValueError(f"{name}: slot_mapping must be [T] int32/int64")
 
 
+def write_warps(blocks: int, head_dim: int, sms: int) -> int:
+    """Warps per block of the quantized write on ``blocks`` (token, KV head) blocks over
+    ``sms`` SMs: a warp per group of the KV head (K and V), up to ``_MAX_THREADS``, and
+    ``_WIDE_GRID_WARPS`` on a grid of ``_WIDE_GRID_BLOCKS_PER_SM`` blocks per SM or more."""
+    per_group = min(2 * head_dim // GROUP, _MAX_THREADS // 32)
+    if blocks >= _WIDE_GRID_BLOCKS_PER_SM * sms:
+        return min(per_group, _WIDE_GRID_WARPS)
+    return per_group
+
+
+def _write_warps(blocks: int, head_dim: int, device: torch.device) -> int:
+    if _launch.SIMULATOR:  # (it runs one warp, which takes every group in turn)
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return write_warps(blocks, head_dim, _num_sms(index))
+
+
 def quant_rotary_cache_write_cuda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -400,10 +427,7 @@ def quant_rotary_cache_write_cuda(
     if tokens == 0:
         return out
     kv_heads = k.shape[1]
-    # a warp per group of the KV head (K and V), up to a block's 32 warps; the simulator runs
-    # one warp, which takes every group in turn
-    warps = 1 if _launch.SIMULATOR else min(2 * head_dim // GROUP, _MAX_THREADS // 32)
-    threads = _FORCE_WRITE_THREADS or 32 * warps
+    threads = _FORCE_WRITE_THREADS or 32 * _write_warps(tokens * kv_heads, head_dim, q.device)
     if threads % 32:  # (a forced count: each warp takes whole groups)
         raise ValueError(f"quant_rotary_cache_write_cuda: {threads} threads, not whole warps")
     centered = k_pages.center is not None

@@ -65,9 +65,11 @@ def test_longer_queries_take_the_reference_and_decode_rows_the_kernel(monkeypatc
     from engine.batch import SequenceInput, build_forward_batch
     from engine.ops import by_query_length
 
-    def batch(*specs):  # (cached, new) per sequence, pages 0.. each
-        seqs = [SequenceInput([1] * n, c, list(range(-(-(c + n) // 4)))) for c, n in specs]
-        return build_forward_batch(seqs, 4)
+    def inputs(*specs):  # (cached, new) per sequence, pages 0.. each
+        return [SequenceInput([1] * n, c, list(range(-(-(c + n) // 4)))) for c, n in specs]
+
+    def batch(*specs):
+        return build_forward_batch(inputs(*specs), 4)
 
     calls: list[tuple[str, tuple[int, ...]]] = []
     kernel, reference = _Spy("kernel", calls), _Spy("reference", calls)
@@ -86,6 +88,15 @@ def test_longer_queries_take_the_reference_and_decode_rows_the_kernel(monkeypatc
     out = attention(q(mixed), "k", "v", mixed, 0.5)
     assert calls == [("reference", (1, 4, 1)), ("kernel", (1, 1))]
     assert out[:, 0, 0].tolist() == [1, 2, 2, 2, 2, 1]
+    # with ``short`` (the CUDA op set's CUDA_VERIFY_ROWS): the 4 tokens of a sequence that
+    # verifies drafts take the kernel too, a row each; a prompt chunk as short, or a longer
+    # sequence, stays with the reference
+    calls.clear()
+    chunk = SequenceInput([1] * 4, 3, [0, 1], prompt_chunk=True)
+    mixed = build_forward_batch([chunk, *inputs((5, 1), (3, 4), (2, 7))], 4)
+    out = by_query_length(kernel, reference, 4)(q(mixed), "k", "v", mixed, 0.5)
+    assert calls == [("reference", (4, 1, 4, 7)), ("kernel", (1, 1, 1, 1, 1))]
+    assert out[:, 0, 0].tolist() == [2] * 4 + [1] * 5 + [2] * 7
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
     assert by_query_length(kernel, reference) is kernel
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")

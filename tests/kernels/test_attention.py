@@ -198,7 +198,8 @@ def test_cuda_op_set_attends_a_mixed_batchs_decode_rows_with_the_kernel():
     """Decode rows beside a prefill chunk and a multi-token row go to the kernel as a decode
     batch of their own, the rest to the reference; together they are the reference's
     attention over the whole batch (a sliding window too)."""
-    from engine.ops import by_query_length
+    from engine.batch import AttentionPlan
+    from engine.ops import by_query_length, cuda_ops
 
     specs = [(5, 1), (3, 6), (12, 1), (2, 3)]
     q, k, v, batch = make_case(specs, 4, 2, 16, torch.float32, seed=9)
@@ -210,6 +211,17 @@ def test_cuda_op_set_attends_a_mixed_batchs_decode_rows_with_the_kernel():
     split = batch.attention.decode_split
     assert split.decode.q_lens == (1, 1)
     assert split.rows.tolist() == [0, 7]
+    # the CUDA op set (CUDA_VERIFY_ROWS): the 3-token sequence (drafts to verify, no prompt
+    # chunk) takes the kernel too, a row per token; the 6-token one stays with the reference
+    op = cuda_ops().paged_attention
+    for window in (None, 4):
+        batch.attention = AttentionPlan()
+        out = op(q, k, v, batch, 0.25, window)
+        ref = paged_attention_reference(q, k, v, batch, 0.25, window)
+        assert rel_error(out, ref) <= TOL[torch.float32]
+    split = batch.attention.decode_split
+    assert split.decode.q_lens == (1,) * 5
+    assert split.rows.tolist() == [0, 7, 8, 9, 10]
 
 
 def test_mixed_gqa8_sliding_window_fp32():

@@ -185,6 +185,21 @@ def test_cache_write_is_the_same_at_other_block_sizes(monkeypatch, threads):
     assert outputs[0][3].abs().sum() > 0  # (the sink page's K rows were written)
 
 
+def test_the_write_takes_a_warp_per_group_on_small_grids_and_two_on_prompt_sized_ones():
+    """The quantized write's block size (``write_warps``; on a GPU only, the simulator runs
+    one warp): the H200's timings (8B shape, 132 SMs) had a warp per group fastest for a
+    decode batch of 32 tokens and 2 warps for a 2048-token prompt."""
+    from engine.cuda.quant_kernels import write_warps
+
+    heads, sms = 8, 132
+    assert write_warps(32 * heads, 128, sms) == 8  # (2 x 128 / 32 groups of K and V)
+    assert write_warps(2048 * heads, 128, sms) == 2
+    assert write_warps(132 * heads, 128, sms) == 2 and write_warps(131 * heads, 128, sms) == 8
+    assert write_warps(32 * heads, 64, sms) == 4  # (the 1B shape's head_dim)
+    assert write_warps(2048 * heads, 32, sms) == 2  # (never more warps than groups)
+    assert write_warps(256, 512, sms) == 8  # (a block of at most _MAX_THREADS)
+
+
 def test_cache_write_refuses_a_forced_block_of_part_of_a_warp(monkeypatch):
     """A warp takes whole groups: a forced block size that is not whole warps is refused
     before any launch (bench/cache_write_kernel.py --threads takes powers of two from 32)."""
@@ -475,15 +490,15 @@ def test_cache_write_fills_sink_pages_like_the_reference(quant, dtype):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cuda_op_set_attends_a_mixed_batchs_decode_rows_with_the_kernel(bits):
     """A prompt chunk, a decode row and a row with drafts to verify in one forward, with
-    exact_chunks: the CUDA op set gives the decode row to the kernel as a decode batch of its
-    own and the rest to the reference, which still reads the chunk's own rows exactly."""
-    from engine.ops import by_query_length
-    from tests.unit.test_exact_chunks import SCALE, _filled
+    exact_chunks: the CUDA op set gives the decode row and each token of the verifying row
+    (engine/ops.py ``CUDA_VERIFY_ROWS``) to the kernel as a decode batch of their own and the
+    chunk to the prompt-chunk route, which still reads the chunk's own rows exactly."""
+    from engine.ops import cuda_ops
+    from tests.unit.test_exact_chunks import SCALE, VERIFY, _filled
 
     k_pages, v_pages, batch, q, _, _ = _filled(bits, exact_chunks=True, device=DEVICE)
-    op = by_query_length(paged_attention_quant_cuda, quant_paged_attention_reference)
-    out = op(q, k_pages, v_pages, batch, SCALE)
-    assert batch.attention.decode_split.decode.q_lens == (1,)
+    out = cuda_ops().paged_attention(q, k_pages, v_pages, batch, SCALE)
+    assert batch.attention.decode_split.decode.q_lens == (1,) * (1 + VERIFY[2])
     assert k_pages.written.rows is None  # the reference took the chunk's rows
     k_ref, v_ref, batch_ref, q_ref, _, _ = _filled(bits, exact_chunks=True, device=DEVICE)
     want = quant_paged_attention_reference(q_ref, k_ref, v_ref, batch_ref, SCALE)
