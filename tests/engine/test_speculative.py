@@ -248,6 +248,42 @@ def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, 
         assert gen.stats()["spec_draft_tokens_proposed"] > 0, kwargs
 
 
+def test_speculation_on_q4_pages_through_cuda_kernels_matches_plain(
+    tiny, tmp_path_factory, monkeypatch
+):
+    """q4 pages through the CUDA op set (simulator): a verify step's rows take the decode
+    kernel (engine/ops.py ``CUDA_VERIFY_ROWS``), each token a row, as a plain decode step's
+    do, so n-gram speculation gives the plain greedy tokens."""
+    from engine import ops
+    from engine.ops import OPS_ENV
+
+    folder = simulator_model_folder(tiny, tmp_path_factory.mktemp("sim_q4"), hidden_size=64)
+    monkeypatch.setenv(OPS_ENV, "cuda")
+    model = Model.from_pretrained(folder)
+    all_on_kernel = []
+
+    def split(batch, short=1):
+        found = ops_split(batch, short)
+        all_on_kernel.append(found is not None and found.rest is None)
+        return found
+
+    ops_split = ops.decode_split
+    monkeypatch.setattr(ops, "decode_split", split)
+
+    def generator(**kwargs) -> DynamicGenerator:
+        return DynamicGenerator(model, PagedCache(model, 256, 4, "q4"), tiny.tokenizer, **kwargs)
+
+    base = tiny.tokenizer.encode("the cat sat on the mat")[0].tolist()
+    (first,) = _tokens(_run(generator(), [base], 4))
+    prompts = [base + first + base, [200, 7]]  # (n-grams propose the continuation)
+    plain = _tokens(_run(generator(), prompts, 6))
+    gen = generator(use_ngram_draft=True, num_draft_tokens=2)
+    gen.speculator.policy.adaptive = False
+    assert _tokens(_run(gen, prompts, 6)) == plain
+    assert gen.stats()["spec_draft_tokens_proposed"] > 0
+    assert any(all_on_kernel)  # (a step of verifying rows only, every row on the kernel)
+
+
 def test_jobs_with_per_token_extras_or_banned_strings_decode_plainly(tiny):
     """Probabilities, logprobs and banned strings are per-token mechanisms: those jobs get no
     drafts (and the same tokens), while a plain job beside them speculates."""
