@@ -31,7 +31,10 @@ already built by gpu_decode:
                          causal limit, on the decode kernel: what the CPU op set does for
                          quantized pages, and since stop 60 the CUDA op set for sequences of
                          up to engine/ops.py CUDA_VERIFY_ROWS tokens, after the H200 timed
-                         q4 53.5 -> 20.9 ms and fp16 31.9 -> 27.3 at 8B, 32 x 4k, 5 tokens)
+                         q4 53.5 -> 20.9 ms and fp16 31.9 -> 27.3 at 8B, 32 x 4k, 5 tokens),
+                         and on CUDA "kernel_tiles" (the whole step on the kernel as a prefill:
+                         a block per tile of a sequence's query tokens, reading its context
+                         once per tile, not once per row; ENGINE_PREFILL_ATTENTION=kernel)
 
 Pages hold random K/V written through the cache-write op (quantized pages with real scales).
 On CUDA each timed step is captured once in a CUDA graph and replayed (``timing``:
@@ -240,6 +243,8 @@ def measure_verify(model: Any, quant: str, kv: list, seqs: list, wl: Any, timer:
     kernel, gather, takes = _decode_kernel_and_gather(model.device.type, quant)
     rows = decode_rows_on(kernel, gather, takes, short=1 + VERIFY_DRAFTS)
     routes = {"op_set": model.ops.paged_attention, "gather": gather, "kernel_rows": rows}
+    if model.device.type == "cuda":  # (the CPU kernels take decode rows only)
+        routes["kernel_tiles"] = kernel
     return measure_mixed(model, kv, seqs, wl, timer, routes)
 
 
