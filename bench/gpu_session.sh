@@ -99,8 +99,11 @@ if [ -z "$DRY" ]; then  # (GPU only) decode attention per cache mode vs keys per
     --output "$OUT/attention_keys_per_step.json"
   # the rotary + cache write per cache mode (stop 39: butterfly Hadamard, a block per
   # (token, KV head): cache_write_kernel_h200_2026-11-30), its quantized modes also at blocks
-  # of 64 and 128 threads (stop 54: prompt-sized writes, q4 407 us vs fp16 60 at 2048 tokens)
-  step cache-write "${WRITE_CAP:-90}" $PY bench/cache_write_kernel.py --threads auto,64,128 \
+  # of 64 and 256 threads (stop 54: prompt-sized writes, q4 407 us vs fp16 60 at 2048 tokens;
+  # stop 60: 2 warps per block from 8 blocks per SM up, i.e. 132 tokens at 8 KV heads on an
+  # H200, a guess between 32 and 2048 tokens that the middle counts here check)
+  step cache-write "${WRITE_CAP:-90}" $PY bench/cache_write_kernel.py --threads auto,64,256 \
+    --tokens 32,64,128,256,512,2048 \
     --output "$OUT/cache_write_kernel.json"
   # the prompt-chunk route's context gather, the kv_gather kernel (stop 42: 8 threads per
   # group, 8-byte stores) beside the torch gather, against the copy bandwidth
