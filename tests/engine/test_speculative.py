@@ -233,11 +233,13 @@ def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, 
     from engine.ops import OPS_ENV
 
     folder = simulator_model_folder(tiny, tmp_path_factory.mktemp("sim_spec"))
+    monkeypatch.setenv(OPS_ENV, "torch")  # (a quick continuation to build the prompt from)
+    reference = Model.from_pretrained(folder)
     monkeypatch.setenv(OPS_ENV, "cuda")
     model, draft = Model.from_pretrained(folder), Model.from_pretrained(folder)
     assert model.ops.name == "cuda"
     base = tiny.tokenizer.encode("the cat sat on the mat")[0].tolist()
-    (first,) = _tokens(_run(_generator(model, tiny.tokenizer, 256), [base], 4))
+    (first,) = _tokens(_run(_generator(reference, tiny.tokenizer, 256), [base], 4))
     # the prompt, its continuation, the prompt again: n-grams propose that continuation
     prompts = [base + first + base, [200, 7]]
     plain = _tokens(_run(_generator(model, tiny.tokenizer, 256), prompts, 6))
@@ -258,6 +260,8 @@ def test_speculation_on_q4_pages_through_cuda_kernels_matches_plain(
     from engine.ops import OPS_ENV
 
     folder = simulator_model_folder(tiny, tmp_path_factory.mktemp("sim_q4"), hidden_size=64)
+    monkeypatch.setenv(OPS_ENV, "torch")  # (a quick continuation to build the prompt from)
+    reference = Model.from_pretrained(folder)
     monkeypatch.setenv(OPS_ENV, "cuda")
     model = Model.from_pretrained(folder)
     all_on_kernel = []
@@ -270,11 +274,11 @@ def test_speculation_on_q4_pages_through_cuda_kernels_matches_plain(
     ops_split = ops.decode_split
     monkeypatch.setattr(ops, "decode_split", split)
 
-    def generator(**kwargs) -> DynamicGenerator:
+    def generator(model=model, **kwargs) -> DynamicGenerator:
         return DynamicGenerator(model, PagedCache(model, 256, 4, "q4"), tiny.tokenizer, **kwargs)
 
     base = tiny.tokenizer.encode("the cat sat on the mat")[0].tolist()
-    (first,) = _tokens(_run(generator(), [base], 4))
+    (first,) = _tokens(_run(generator(reference), [base], 4))
     prompts = [base + first + base, [200, 7]]  # (n-grams propose the continuation)
     plain = _tokens(_run(generator(), prompts, 6))
     gen = generator(use_ngram_draft=True, num_draft_tokens=2)
