@@ -28,7 +28,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from loadgen.app_process import free_port
 from loadgen.client import LoadRun, RequestResult, check_loopback_url, run_load, run_request
 from loadgen.plot import plot_latencies
 from loadgen.report import build_report, print_table, write_json
@@ -141,12 +141,6 @@ def app_preset(args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def own_app(args: argparse.Namespace) -> Iterator[str]:
     """Start the app on a local Ray cluster (loopback, a free port); shut both down after."""
@@ -169,7 +163,7 @@ def own_app(args: argparse.Namespace) -> Iterator[str]:
         log_to_driver=False,
     )
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"config": str(config)}), name="load", route_prefix="/")
         yield f"http://127.0.0.1:{port}"

@@ -28,7 +28,6 @@ import logging
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # (last: a baseline's
 
 import deployments
 from bench.host_overhead import baseline_tree
+from bench.loadgen.app_process import free_port
 from deployments.app import build_app
 
 RESULTS = Path(__file__).parent / "results" / "routing.json"
@@ -131,12 +131,6 @@ def stream_completion(base_url: str, prompt: list[int], max_tokens: int) -> dict
     return {"ttft": ttft, "seconds": time.perf_counter() - start, "usage": usage}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _replica_requests(base_url: str) -> list[int]:
     with urllib.request.urlopen(f"{base_url}/v1/stats", timeout=60) as r:
         return sorted(int(s["requests_served"]) for s in json.loads(r.read())["replicas"])
@@ -145,7 +139,7 @@ def _replica_requests(base_url: str) -> list[int]:
 def run_router(router: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     config = folder / f"{router}.yaml"
     config.write_text(yaml.safe_dump(preset(router, args)))
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from deployments.batch_records import (
 )
 from deployments.preset import Preset
 from engine.request import GenerationRequest
+from tests.serve.live import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
@@ -252,12 +252,6 @@ RAY_INPUT = [
     {"id": "hot", "prompt": "too hot", "temperature": 5},
 ]
 GOOD_IDS = {"fox-1", "fox-2", 3, "pair"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
