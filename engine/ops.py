@@ -166,9 +166,9 @@ def cuda_ops() -> OpSet:
 # 1 + 4 drafts each, one step's attention in 32 layers, eager as the generator runs a
 # verify step, so on the CUDA-core kernel (bench/kv_quant_decode.py's verify_step_ms;
 # bench/results/gpu_decode_h200_2026-11-30_8b_kv_verify.json): q4 pages 53.5 -> 20.9 ms,
-# fp16 31.9 -> 27.3 ms. The kernel reads a sequence's context once per row,
-# the gather once per sequence, so longer verifies are left to the gather: by that run's
-# rates fp16 would break even near 6 rows and q4 near 12 (not measured).
+# fp16 31.9 -> 27.3 ms. The kernel reads a sequence's context once per row, the gather once
+# per sequence, so longer verifies are left to the gather: by that run's rates fp16 would
+# break even near 6 rows and q4 near 12 (not measured).
 CUDA_VERIFY_ROWS = 5
 
 

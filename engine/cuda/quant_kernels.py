@@ -51,8 +51,8 @@ _MAX_THREADS = 256
 # at 32 tokens (256 blocks) a warp per group was the fastest for every mode (q4 7.3 us, 9.0
 # at 4 warps, 12.7 at 2); at 2048 tokens (16384 blocks) 2 warps were (q4 214 -> 173 us, q6
 # 179 -> 119, q8 120 -> 73, fp16's own write 60). Where between the two it turns is not
-# measured: 8 blocks per SM is a guess that keeps decode batches (at most 132 tokens at 8
-# KV heads on an H200) on a warp per group.
+# measured: 8 blocks per SM is a guess that keeps decode batches of up to 131 sequences (at
+# 8 KV heads on an H200's 132 SMs) on a warp per group.
 _WIDE_GRID_BLOCKS_PER_SM = 8
 _WIDE_GRID_WARPS = 2
 # Threads per block of the quantized write, forced (bench/cache_write_kernel.py --threads, the
