@@ -210,11 +210,11 @@ def test_chunk_attention_through_the_gather_dispatches_a_seventh_of_the_torch_op
     host time on a GPU): a mixed batch's prompt chunk (exact chunks) and 4 decode rows over q4
     pages with sink pages, the rest of the split (engine/cuda/attention.py ``decode_split``)
     as the op set hands it over: 206 torch ops by the reference, 15 here (2026-11-30, SDPA
-    counted as one; 118 and 15 on 2026-11-28: the reference's torch gather has since traded
-    ops for CPU time, e.g. 399ffa3's in-place dequantization, 118 -> 126; 38 here before the
-    kernel made the own rows (rotary, center and their order were torch ops per layer), the
-    attention mask was kept additive (SDPA converted a boolean one per call) and q's padding
-    rows took row 0 (no zero row appended per call))."""
+    counted as one; 118 and 15 on 2026-11-28: 399ffa3's in-place dequantization, which made
+    the CPU's route faster, took the reference to 126, and later steps to 138 and 206 were
+    not traced; 38 here before the kernel made the own rows (rotary, center and their order
+    were torch ops per layer), the attention mask was kept additive (SDPA converted a boolean
+    one per call) and q's padding rows took row 0 (no zero row appended per call))."""
     from engine.cuda.attention import decode_split
 
     k = _pages(4, 3, torch.float32, exact_chunks=True)
