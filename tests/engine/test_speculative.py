@@ -253,9 +253,10 @@ def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, 
 def test_speculation_on_q4_pages_through_cuda_kernels_matches_plain(
     tiny, tmp_path_factory, monkeypatch
 ):
-    """q4 pages through the CUDA op set (simulator): a verify step's rows take the decode
-    kernel (engine/ops.py ``CUDA_VERIFY_ROWS``), each token a row, as a plain decode step's
-    do, so n-gram speculation gives the plain greedy tokens."""
+    """q4 pages through the CUDA op set (simulator): n-gram speculation gives the plain
+    greedy tokens, and its verify steps' rows take the decode kernel (engine/ops.py
+    ``CUDA_VERIFY_ROWS``), each token a row (the gather route gave the same tokens: both are
+    exact up to rounding)."""
     from engine import ops
     from engine.ops import OPS_ENV
 
