@@ -1279,6 +1279,12 @@ def _keys_per_step(q_tile: int, group: int, words: bool) -> int:
     return _WIDE_GROUP_KEYS_PER_STEP
 
 
+def num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA ``device`` (the current one when it names no index)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -1287,8 +1293,7 @@ def _num_sms(device_index: int) -> int:
 def _auto_splits(blocks: int, max_span: int, device: torch.device) -> int:
     if SIMULATOR:
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    want = -(-_BLOCKS_PER_SM * _num_sms(index) // blocks)
+    want = -(-_BLOCKS_PER_SM * num_sms(device) // blocks)
     return max(1, min(want, max_span // _MIN_SPLIT_KEYS, _MAX_SPLITS))
 
 

@@ -885,10 +885,9 @@ def _auto_splits(num_seqs: int, kv_heads: int, max_len: int, device: torch.devic
     ``_MIN_SPLIT_KEYS`` keys of the longest context."""
     if SIMULATOR:
         return 1
-    from engine.cuda.attention import _num_sms  # (cached per device)
+    from engine.cuda.attention import num_sms  # (cached per device)
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return split_count(num_seqs * kv_heads, max_len, _num_sms(index))
+    return split_count(num_seqs * kv_heads, max_len, num_sms(device))
 
 
 def split_count(items: int, max_len: int, sms: int) -> int:

@@ -34,7 +34,7 @@ from engine.cache.quant import (
 )
 from engine.cuda import _launch, attention_mma
 from engine.cuda._launch import device_function
-from engine.cuda.attention import KVArgs, _num_sms, launch_attention
+from engine.cuda.attention import KVArgs, launch_attention, num_sms
 from engine.cuda.mma import warp_shfl_xor, warp_shfl_xor_all
 from engine.cuda.quant_reference import check_pair
 
@@ -402,8 +402,7 @@ def write_warps(blocks: int, head_dim: int, sms: int) -> int:
 def _write_warps(blocks: int, head_dim: int, device: torch.device) -> int:
     if _launch.SIMULATOR:  # (it runs one warp, which takes every group in turn)
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return write_warps(blocks, head_dim, _num_sms(index))
+    return write_warps(blocks, head_dim, num_sms(device))
 
 
 def quant_rotary_cache_write_cuda(
