@@ -227,6 +227,14 @@ def test_constructor_checks(tiny, shapes):
     assert DynamicGenerator(model, cache, tok).num_draft_tokens == 0
 
 
+def _repeating_prompts(generator, tokenizer) -> list[list[int]]:
+    """A prompt, its continuation by ``generator``, the prompt again (n-grams propose that
+    continuation), and a short unrelated prompt beside it."""
+    base = tokenizer.encode("the cat sat on the mat")[0].tolist()
+    (first,) = _tokens(_run(generator, [base], 4))
+    return [base + first + base, [200, 7]]
+
+
 def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, monkeypatch):
     """Kernel path (simulator on CPU): 1 + k verification rows through the Numba attention
     and cache-write kernels give the plain greedy tokens, with n-grams and a draft model."""
@@ -238,10 +246,7 @@ def test_speculation_through_cuda_kernels_matches_plain(tiny, tmp_path_factory, 
     monkeypatch.setenv(OPS_ENV, "cuda")
     model, draft = Model.from_pretrained(folder), Model.from_pretrained(folder)
     assert model.ops.name == "cuda"
-    base = tiny.tokenizer.encode("the cat sat on the mat")[0].tolist()
-    (first,) = _tokens(_run(_generator(reference, tiny.tokenizer, 256), [base], 4))
-    # the prompt, its continuation, the prompt again: n-grams propose that continuation
-    prompts = [base + first + base, [200, 7]]
+    prompts = _repeating_prompts(_generator(reference, tiny.tokenizer, 256), tiny.tokenizer)
     plain = _tokens(_run(_generator(model, tiny.tokenizer, 256), prompts, 6))
     for kwargs in ({"use_ngram_draft": True}, {"draft": draft}):
         gen = _generator(model, tiny.tokenizer, 256, num_draft_tokens=2, **kwargs)
@@ -278,9 +283,7 @@ def test_speculation_on_q4_pages_through_cuda_kernels_matches_plain(
     def generator(model=model, **kwargs) -> DynamicGenerator:
         return DynamicGenerator(model, PagedCache(model, 256, 4, "q4"), tiny.tokenizer, **kwargs)
 
-    base = tiny.tokenizer.encode("the cat sat on the mat")[0].tolist()
-    (first,) = _tokens(_run(generator(reference), [base], 4))
-    prompts = [base + first + base, [200, 7]]  # (n-grams propose the continuation)
+    prompts = _repeating_prompts(generator(reference), tiny.tokenizer)
     plain = _tokens(_run(generator(), prompts, 6))
     gen = generator(use_ngram_draft=True, num_draft_tokens=2)
     gen.speculator.policy.adaptive = False

@@ -29,7 +29,7 @@ VERIFY = ([7, 4], 5, 3, False)
 ROWS = (CHUNK, DECODE, VERIFY)
 
 
-def _inputs(seed: int, tokens: int, device: str = "cpu"):
+def _inputs(seed: int, tokens: int, device: torch.device | str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen) * 2 + 1  # off-center keys
@@ -38,7 +38,7 @@ def _inputs(seed: int, tokens: int, device: str = "cpu"):
     return tuple(t.to(device) for t in (q, k, v, theta.cos(), theta.sin()))
 
 
-def _pages(bits: int, exact_chunks: bool, device: str = "cpu"):
+def _pages(bits: int, exact_chunks: bool, device: torch.device | str = "cpu"):
     center = torch.linspace(-1, 1, KV_HEADS * HEAD_DIM, device=device)
     center = center.reshape(KV_HEADS, HEAD_DIM)
     shape = (NUM_PAGES, PAGE, KV_HEADS, HEAD_DIM)
@@ -70,7 +70,7 @@ def _stored(k_pages, v_pages):
     return k, rotate_groups(dequantize_pages(v_pages, index, torch.float32))
 
 
-def _filled(bits: int, exact_chunks: bool, device: str = "cpu"):
+def _filled(bits: int, exact_chunks: bool, device: torch.device | str = "cpu"):
     """Pages where an earlier forward wrote every position the second forward reads, then
     the second forward's write: (k pages, v pages, its batch, q, exact k, exact v)."""
     k_pages, v_pages = _pages(bits, exact_chunks, device)
