@@ -1,0 +1,35 @@
+"""The CPU op set (engine/ops.py ``cpu_ops``: Numba kernels for decode rows, verify rows and a
+quantized cache's write, the context gather for prompt chunks) against the torch references on
+random batches and page layouts (tests/op_set_fuzz.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from engine.ops import TORCH_OPS, cpu_ops
+from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
+
+TRIALS = 80
+# float32 on both sides, the same codes (the write kernel's are the reference's bit for bit):
+# only the order of the sums differs
+TOL = 1e-5
+
+
+def test_cpu_op_set_attends_random_batches_as_the_references_do():
+    ops = cpu_ops()
+    seen: Counter[str] = Counter()
+    for seed in range(TRIALS):
+        rng = random.Random(seed)
+        case = draw_case(rng)
+        layout = draw_layout(case, rng)
+        out = attend(case, layout, seed, ops)
+        ref = attend(case, layout, seed, TORCH_OPS)
+        assert row_error(out, ref) <= TOL, (seed, case, layout)
+        seen.update({case.quant, *layout.features, *(row.kind for row in case.rows)})
+        seen.update(["window"] if case.window else [])
+        seen.update(["mixed"] if len({row.kind for row in case.rows}) > 1 else [])
+    # (the seeds' draws do cover every format, kind of row and page layout)
+    wanted = ["fp16", "q8", "q6", "q4", "decode", "verify", "chunk", "prompt", "mixed", "window"]
+    wanted += ["sink page", "recent page", "shared prefix"]
+    assert all(seen[name] >= 5 for name in wanted), seen
