@@ -1,0 +1,81 @@
+"""The CUDA op set (engine/ops.py ``cuda_ops``) against the torch references on random batches
+and page layouts (tests/op_set_fuzz.py): its CUDA-core kernels for decode and verify rows, the
+context gather for prompt chunks, its cache-write kernels, and the tensor-core decode kernel
+(engine/cuda/attention_mma.py) as a CUDA graph's decode steps take it. The simulator runs a few
+small cases; a GPU runs many more (bench/gpu_session.sh's kernel tests)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.cuda import attention_mma
+from engine.cuda._launch import SIMULATOR
+from engine.ops import TORCH_OPS, cuda_ops
+from tests.kernels.common import DEVICE
+from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
+
+# The simulator's seeds, picked for what their draws hold and for their speed there (a GPU
+# takes the first 60): 11, q4, a prompt chunk, a fresh prompt and a decode row, a sink page and
+# two recent ones; 20, q8, two decode rows, a window, a shared prefix, two recent pages; 79,
+# q8, a verifying row beside a decode row, a sink page; 45, q6, a chunk and a verifying row, a
+# recent page; 72, fp16, two verifying rows and a decode row, a shared prefix. For the tensor
+# cores: 5, q4, a verifying and a decode row, two recent pages; 8, q8, the same with a sink
+# page; 30, q4, a window of 2 keys, a sink page.
+SEEDS = (11, 20, 79, 45, 72) if SIMULATOR else range(60)
+MMA_SEEDS = (5, 8, 30) if SIMULATOR else range(60)
+# float32 pages: the same codes (the write kernel's are the reference's), sums in another order
+TOL = 1e-5
+# the tensor cores' fp16 operands (q, the weights, and values times their scales) round to 11
+# bits: a quarter of a percent of a row's largest value leaves room for the sums over 70 keys
+MMA_TOL = 4e-3
+
+
+def test_cuda_op_set_attends_random_batches_as_the_references_do():
+    ops = cuda_ops()
+    for seed in SEEDS:
+        rng = random.Random(seed)
+        case = draw_case(rng, max_rows=3, max_cached=40)  # (the simulator's speed)
+        layout = draw_layout(case, rng)
+        out = attend(case, layout, seed, ops, device=DEVICE)
+        ref = attend(case, layout, seed, TORCH_OPS, device=DEVICE)
+        assert row_error(out, ref) <= TOL, (seed, case, layout)
+
+
+def test_tensor_core_decode_attends_random_batches_as_the_references_do(monkeypatch):
+    """Decode and verify rows over q8, q6 and q4 pages (float16, as the kernel takes them) in
+    ``graph_steps``: every such batch goes to the tensor-core kernel. For 4-bit keys the kernel
+    rounds q to bytes; q arrives on both sides already rounded so (``round_q_bytes``, which the
+    kernel's own rounding leaves as it is), and the sink and recent rows it reads exactly see
+    that same q."""
+    if attention_mma.MODE == "0":
+        pytest.skip("ENGINE_TENSOR_CORE_DECODE=0 sends no batch to the tensor-core kernel")
+    calls = []
+    kernel = attention_mma.decode_attention_mma
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mma, "decode_attention_mma", counted)
+    ops = cuda_ops()
+    for seed in MMA_SEEDS:
+        rng = random.Random(seed)
+        case = draw_case(
+            rng, max_rows=3, kinds=("decode", "decode", "verify"), page_sizes=(16,),
+            head_dims=(64,), groups=(1, 2, 4, 8), quants=("q8", "q6", "q4"), max_verify=5,
+        )  # fmt: skip
+        layout = draw_layout(case, rng)
+        bytes_q = case.quant == "q4"
+
+        def round_q(q, rotate=case.rotate):
+            return attention_mma.round_q_bytes(q, rotate)
+
+        args = {"device": DEVICE, "dtype": torch.float16, "round_q": round_q if bytes_q else None}
+        before = len(calls)
+        out = attend(case, layout, seed, ops, around=attention_mma.graph_steps, **args)
+        assert len(calls) == before + 1, (seed, case)  # (the kernel took the batch)
+        ref = attend(case, layout, seed, TORCH_OPS, **args)
+        assert row_error(out, ref) <= MMA_TOL, (seed, case, layout)
