@@ -6,6 +6,7 @@ small cases; a GPU runs many more (bench/gpu_session.sh's kernel tests)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -18,14 +19,25 @@ from tests.kernels.common import DEVICE
 from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
 
 # The simulator's seeds, picked for what their draws hold and for their speed there (a GPU
-# takes the first 60): 11, q4, a prompt chunk, a fresh prompt and a decode row, a sink page and
+# takes the first 30): 11, q4, a prompt chunk, a fresh prompt and a decode row, a sink page and
 # two recent ones; 20, q8, two decode rows, a window, a shared prefix, two recent pages; 79,
 # q8, a verifying row beside a decode row, a sink page; 45, q6, a chunk and a verifying row, a
 # recent page; 72, fp16, two verifying rows and a decode row, a shared prefix. For the tensor
 # cores: 5, q4, a verifying and a decode row, two recent pages; 8, q8, the same with a sink
 # page; 30, q4, a window of 2 keys, a sink page.
-SEEDS = (11, 20, 79, 45, 72) if SIMULATOR else range(60)
-MMA_SEEDS = (5, 8, 30) if SIMULATOR else range(60)
+
+
+def _seeds(picked: tuple[int, ...]) -> tuple[int, ...] | range:
+    """``picked`` in the simulator, the first 30 on a GPU; PAGEDSERVE_FUZZ_TRIALS=N: the
+    first N on either (a longer hunt)."""
+    trials = os.environ.get("PAGEDSERVE_FUZZ_TRIALS")
+    if trials:
+        return range(int(trials))
+    return picked if SIMULATOR else range(30)
+
+
+SEEDS = _seeds((11, 20, 79, 45, 72))
+MMA_SEEDS = _seeds((5, 8, 30))
 # float32 pages: the same codes (the write kernel's are the reference's), sums in another order
 TOL = 1e-5
 # the tensor cores' fp16 operands (q, the weights, and values times their scales) round to 11

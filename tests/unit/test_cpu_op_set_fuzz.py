@@ -4,13 +4,15 @@ random batches and page layouts (tests/op_set_fuzz.py)."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 
 from engine.ops import TORCH_OPS, cpu_ops
 from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
 
-TRIALS = 60
+# (PAGEDSERVE_FUZZ_TRIALS=N: the first N seeds instead, for a longer hunt)
+TRIALS = int(os.environ.get("PAGEDSERVE_FUZZ_TRIALS", 60))
 # float32 on both sides, the same codes (the write kernel's are the reference's bit for bit):
 # only the order of the sums differs
 TOL = 1e-5
