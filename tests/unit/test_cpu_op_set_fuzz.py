@@ -14,8 +14,9 @@ from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
 # (PAGEDSERVE_FUZZ_TRIALS=N: the first N seeds instead, for a longer hunt)
 TRIALS = int(os.environ.get("PAGEDSERVE_FUZZ_TRIALS", 60))
 # float32 on both sides, the same codes (the write kernel's are the reference's bit for bit):
-# only the order of the sums differs
-TOL = 1e-5
+# only the order of the sums differs (5.3e-6 at worst over 2300 seeds of wider shapes here; a
+# wrong key read or mask moves a row by 3e-4 to 1)
+TOL = 3e-5
 
 
 def test_cpu_op_set_attends_random_batches_as_the_references_do():
