@@ -24,7 +24,8 @@ from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
 # q8, a verifying row beside a decode row, a sink page; 45, q6, a chunk and a verifying row, a
 # recent page; 72, fp16, two verifying rows and a decode row, a shared prefix. For the tensor
 # cores: 5, q4, a verifying and a decode row, two recent pages; 8, q8, the same with a sink
-# page; 30, q4, a window of 2 keys, a sink page.
+# page; 30, q4, a window of 2 keys, a sink page; over fp16 pages 3, three verifying rows, a
+# window, a shared prefix.
 
 
 def _seeds(picked: tuple[int, ...]) -> tuple[int, ...] | range:
@@ -37,7 +38,7 @@ def _seeds(picked: tuple[int, ...]) -> tuple[int, ...] | range:
 
 
 SEEDS = _seeds((11, 20, 79, 45, 72))
-MMA_SEEDS = _seeds((5, 8, 30))
+MMA_SEEDS = {"quantized": _seeds((5, 8, 30)), "fp16": _seeds((3,))}
 # float32 pages: the same codes (the write kernel's are the reference's), sums in another order
 # and, on a GPU, fused multiply-adds (a wrong key read or mask moves a row by 1e-3 to 1)
 TOL = 1e-4
@@ -57,28 +58,25 @@ def test_cuda_op_set_attends_random_batches_as_the_references_do():
         assert row_error(out, ref) <= TOL, (seed, case, layout)
 
 
-def test_tensor_core_decode_attends_random_batches_as_the_references_do(monkeypatch):
-    """Decode and verify rows over q8, q6 and q4 pages (float16, as the kernel takes them) in
-    ``graph_steps``: every such batch goes to the tensor-core kernel. For 4-bit keys the kernel
-    rounds q to bytes; q arrives on both sides already rounded so (``round_q_bytes``, which the
-    kernel's own rounding leaves as it is), and the sink and recent rows it reads exactly see
-    that same q."""
+@pytest.mark.parametrize("pages", ["quantized", "fp16"])
+def test_tensor_core_decode_attends_random_batches_as_the_references_do(pages, monkeypatch):
+    """Decode and verify rows over q8, q6 and q4 pages, or fp16 ones (float16, as the kernel
+    takes them), in ``graph_steps``: every such batch goes to the tensor-core kernel. For 4-bit
+    keys the kernel rounds q to bytes; q arrives on both sides already rounded so
+    (``round_q_bytes``, which the kernel's own rounding leaves as it is), and the sink and
+    recent rows it reads exactly see that same q."""
     if attention_mma.MODE == "0":
         pytest.skip("ENGINE_TENSOR_CORE_DECODE=0 sends no batch to the tensor-core kernel")
     calls = []
-    kernel = attention_mma.decode_attention_mma
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(attention_mma, "decode_attention_mma", counted)
+    for name in ("decode_attention_mma", "decode_attention_mma_fp16"):
+        monkeypatch.setattr(attention_mma, name, _counted(getattr(attention_mma, name), calls))
     ops = cuda_ops()
-    for seed in MMA_SEEDS:
+    quants = ("q8", "q6", "q4") if pages == "quantized" else ("fp16",)
+    for seed in MMA_SEEDS[pages]:
         rng = random.Random(seed)
         case = draw_case(
             rng, max_rows=3, kinds=("decode", "decode", "verify"), page_sizes=(16,),
-            head_dims=(64,), groups=(1, 2, 4, 8), quants=("q8", "q6", "q4"), max_verify=5,
+            head_dims=(64,), groups=(1, 2, 4, 8), quants=quants, max_verify=5,
         )  # fmt: skip
         layout = draw_layout(case, rng)
         bytes_q = case.quant == "q4"
@@ -92,3 +90,11 @@ def test_tensor_core_decode_attends_random_batches_as_the_references_do(monkeypa
         assert len(calls) == before + 1, (seed, case)  # (the kernel took the batch)
         ref = attend(case, layout, seed, TORCH_OPS, **args)
         assert row_error(out, ref) <= MMA_TOL, (seed, case, layout)
+
+
+def _counted(kernel, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(kernel)
+        return kernel(*args, **kwargs)
+
+    return counted
