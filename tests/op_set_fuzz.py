@@ -131,7 +131,8 @@ def draw_layout(case: Case, rng: random.Random) -> Layout:
             for b in range(blocks - 1, max(blocks - 1 - rng.randint(1, RECENT_BLOCKS), -1), -1):
                 if table[b] is None:
                     table[b], next_recent, tail = next_recent, next_recent + 1, tail + 1
-            features.add(f"{tail} recent pages" if tail > 1 else "recent page")
+            if tail:
+                features.add(f"{tail} recent pages" if tail > 1 else "recent page")
         for b in range(blocks):
             if table[b] is None:
                 table[b], next_code = next_code, next_code + 1

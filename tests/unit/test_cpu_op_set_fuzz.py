@@ -14,8 +14,8 @@ from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
 # (PAGEDSERVE_FUZZ_TRIALS=N: the first N seeds instead, for a longer hunt)
 TRIALS = int(os.environ.get("PAGEDSERVE_FUZZ_TRIALS", 60))
 # float32 on both sides, the same codes (the write kernel's are the reference's bit for bit):
-# only the order of the sums differs (5.3e-6 at worst over 2300 seeds of wider shapes here; a
-# wrong key read or mask moves a row by 3e-4 to 1)
+# only the order of the sums differs (5.3e-6 at worst over 2300 seeds of wider shapes here; the
+# planted wrong reads and masks of stop 61 moved a row by 3.5e-4 to 0.18)
 TOL = 3e-5
 
 
@@ -24,7 +24,7 @@ def test_cpu_op_set_attends_random_batches_as_the_references_do():
     seen: Counter[str] = Counter()
     for seed in range(TRIALS):
         rng = random.Random(seed)
-        case = draw_case(rng)
+        case = draw_case(rng, max_verify=20)  # (over VERIFY_ROWS = 16: the gather's)
         layout = draw_layout(case, rng)
         out = attend(case, layout, seed, ops)
         ref = attend(case, layout, seed, TORCH_OPS)
