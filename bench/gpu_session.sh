@@ -79,7 +79,9 @@ if [ -z "$DRY" ]; then
   # (the files dealt to KERNEL_JOBS pytest processes at once: Numba's compiles took a single
   # process's whole 200 s cap at 35% of the tests on 2026-11-30; after a sticky CUDA error
   # each file of that process again in its own: gpu_kernel_tests.sh. Stop 60's 4 processes
-  # took 168, 182, 102 and 25 s, so 8 now: the device has 16 cores)
+  # took 168, 182, 102 and 25 s, so 8 now: the device has 16 cores. Stop 61's op-set fuzz,
+  # tests/kernels/test_cuda_op_set_fuzz.py, takes 30 seeds per test there, each new shape a
+  # compile: PAGEDSERVE_FUZZ_TRIALS=N takes fewer)
   step kernel-tests "${KERNEL_CAP:-240}" env OUT="$OUT" PY="$PY" JOBS="${KERNEL_JOBS:-8}" \
     bash bench/gpu_kernel_tests.sh \
     ${TEST_PATHS:-tests/kernels tests/engine/test_decode_graphs.py tests/engine/test_quant_graphs.py tests/engine/test_mma_graphs.py}
