@@ -10,10 +10,6 @@ earlier one's first full blocks (prefix reuse), with or without a sliding window
 forward writes holds finite garbage, so a read past a sequence's keys, or of another
 sequence's slots, moves the output, while a masked one adds exactly 0.
 
-The draws take a ``random.Random`` (a seed, as the CUDA tests pick theirs for the simulator's
-speed) or a ``DrawnRandom`` (hypothesis's draws behind the same methods, so that a failing case
-shrinks to a smaller one: fewer rows, shorter contexts, earlier choices).
-
 ``attend`` runs the case through an op set: an earlier forward writes every cached position
 (always by the reference write, so that both sides read the same context), then the op set
 writes the batch's own rows (its cache-write kernel) and attends. Both sides draw the same
@@ -27,7 +23,6 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-from hypothesis import strategies as st
 
 from engine.batch import SequenceInput, build_forward_batch
 from engine.cache.page_table import RECENT_BLOCKS
@@ -35,29 +30,6 @@ from engine.cache.quant import QUANT_BITS, allocate_quant_pages
 from engine.ops import TORCH_OPS, OpSet
 
 KINDS = ("decode", "decode", "verify", "chunk", "prompt")  # (decode rows twice as likely)
-
-
-class DrawnRandom:
-    """The ``random.Random`` methods the draws below use, each answered by a hypothesis draw
-    from ``data`` (``st.data()``)."""
-
-    def __init__(self, data: st.DataObject) -> None:
-        self._draw = data.draw
-
-    def choice(self, options):
-        return self._draw(st.sampled_from(list(options)))
-
-    def randint(self, low: int, high: int) -> int:
-        return self._draw(st.integers(low, high))
-
-    def randrange(self, stop: int) -> int:
-        return self._draw(st.integers(0, stop - 1))
-
-    def random(self) -> float:
-        return self._draw(st.floats(0.0, 1.0, exclude_max=True))
-
-    def shuffle(self, items: list) -> None:
-        items[:] = self._draw(st.permutations(items))
 
 
 @dataclass(frozen=True)
@@ -94,7 +66,7 @@ class Case:
 
 
 def draw_case(
-    rng: random.Random | DrawnRandom,
+    rng: random.Random,
     *,
     max_rows: int = 5,
     max_cached: int = 70,
@@ -141,7 +113,7 @@ class Layout:
     features: set[str] = field(default_factory=set)  # what the layout used (for coverage)
 
 
-def draw_layout(case: Case, rng: random.Random | DrawnRandom) -> Layout:
+def draw_layout(case: Case, rng: random.Random) -> Layout:
     size = case.page_size
     num_sinks = len(case.rows) if case.sinks else 0
     num_recent = RECENT_BLOCKS * len(case.rows) if case.recent else 0
