@@ -15,6 +15,7 @@ import torch
 from engine.cuda import attention_mma
 from engine.cuda._launch import SIMULATOR
 from engine.ops import TORCH_OPS, cuda_ops
+from tests.call_records import record_calls
 from tests.kernels.common import DEVICE
 from tests.op_set_fuzz import attend, draw_case, draw_layout, row_error
 
@@ -68,9 +69,10 @@ def test_tensor_core_decode_attends_random_batches_as_the_references_do(pages, m
     recent rows it reads exactly see that same q."""
     if attention_mma.MODE == "0":
         pytest.skip("ENGINE_TENSOR_CORE_DECODE=0 sends no batch to the tensor-core kernel")
-    calls = []
-    for name in ("decode_attention_mma", "decode_attention_mma_fp16"):
-        monkeypatch.setattr(attention_mma, name, _counted(getattr(attention_mma, name), calls))
+    calls = [
+        record_calls(monkeypatch, attention_mma, name, 0)
+        for name in ("decode_attention_mma", "decode_attention_mma_fp16")
+    ]
     ops = cuda_ops()
     quants = ("q8", "q6", "q4") if pages == "quantized" else ("fp16",)
     for seed in MMA_SEEDS[pages]:
@@ -86,16 +88,8 @@ def test_tensor_core_decode_attends_random_batches_as_the_references_do(pages, m
             return attention_mma.round_q_bytes(q, rotate)
 
         args = {"device": DEVICE, "dtype": torch.float16, "round_q": round_q if bytes_q else None}
-        before = len(calls)
+        before = sum(map(len, calls))
         out = attend(case, layout, seed, ops, around=attention_mma.graph_steps, **args)
-        assert len(calls) == before + 1, (seed, case)  # (the kernel took the batch)
+        assert sum(map(len, calls)) == before + 1, (seed, case)  # (the kernel took the batch)
         ref = attend(case, layout, seed, TORCH_OPS, **args)
         assert row_error(out, ref) <= MMA_TOL, (seed, case, layout)
-
-
-def _counted(kernel, calls: list):
-    def counted(*args, **kwargs):
-        calls.append(kernel)
-        return kernel(*args, **kwargs)
-
-    return counted
