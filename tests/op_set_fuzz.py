@@ -83,7 +83,8 @@ def draw_case(
     for _ in range(rng.randint(1, max_rows)):
         kind = rng.choice(kinds)
         cached = 0 if kind == "prompt" else rng.randint(0 if kind == "chunk" else 1, max_cached)
-        new = {"decode": 1, "verify": rng.randint(2, max_verify)}.get(kind) or rng.randint(1, 20)
+        verify_len = rng.randint(2, max_verify)  # (drawn for every row: seeds keep their cases)
+        new = 1 if kind == "decode" else verify_len if kind == "verify" else rng.randint(1, 20)
         rows.append(Row(kind, cached, new))
     return Case(
         page_size=rng.choice(page_sizes),
