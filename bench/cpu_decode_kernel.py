@@ -6,7 +6,7 @@ write, as bench/kv_quant_decode.py fills them), per mode: the whole decode forwa
 the baseline's kernel module), alternating which goes first, ``--repeats`` times; medians.
 
 Why one process: across processes this box's timings drift by more than the change measured
-(README, stop 57). The baseline's module is its file at the ref, loaded beside this tree's
+(docs/history.md, stop 57). The baseline's module is its file at the ref, loaded beside this tree's
 engine, so it must run on this tree's helpers (engine/cpu/simd.py, team.py, ...); its kernels
 compile without Numba's cache (a module loaded from a temporary file has no cache of its own).
 

@@ -52,10 +52,10 @@ start=$(date +%s)
 # numba-cuda 0.30.4 registers np.row_stack, which numpy 2.5 removed; the device images of
 # 2026-11-26 and 2026-11-30 paired the two, and every kernel compile then failed (a lost device
 # call on 2026-11-30). Stop at once instead; the fix: a numpy<2.5 wheel for the device's Python,
-# carried and installed first (README, "First GPU runs").
+# carried and installed first (docs/history.md, "First GPU runs").
 if [ -z "$DRY" ] && ! "$PY" -c 'import numpy; numpy.row_stack' 2>/dev/null; then
   echo "numpy $("$PY" -c 'import numpy; print(numpy.__version__)') lacks np.row_stack, which" \
-    "numba-cuda needs: install numpy<2.5 first (README, 'First GPU runs')" | tee -a "$log"
+    "numba-cuda needs: install numpy<2.5 first (docs/history.md, 'First GPU runs')" | tee -a "$log"
   exit 2
 fi
 

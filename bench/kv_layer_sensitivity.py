@@ -17,7 +17,7 @@ and the next-token log-probabilities are compared with the float32 cache's:
 Cases: every layer's K and V ("all"), every layer's K only ("keys"), V only ("values"), then
 each layer's K and V alone ("layer i"). Near-tie flips grow with the noise's amplitude, and
 q8 would need about 5x less of it to reach the goal (it diverges on 14 of 128 prompts, the goal
-allows 2 or 3; README, "KV cache"): a fix by layers needs layers that carry most of the KL
+allows 2 or 3; docs/kv-cache.md): a fix by layers needs layers that carry most of the KL
 (KL goes as the square of the amplitude).
 
     python bench/kv_layer_sensitivity.py            # q8, 2048 tokens, every layer
