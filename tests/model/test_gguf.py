@@ -247,3 +247,22 @@ def test_one_parse_per_file_version(small_hf, tmp_path):
     gguf_file.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"truncated|corrupt"):
         open_gguf(gguf_file)
+
+
+def test_the_parse_reads_the_files_map_in_place(small_hf, tmp_path):
+    """The reader slices a plain ndarray view of its memory map (memmap slices cost a
+    ``__array_finalize__`` each, ~250k of them for a real vocabulary): the metadata and tensors
+    are those of gguf's own reader, and tensor data still lies in the map, not in a copy."""
+    from engine.gguf_file import metadata, open_gguf
+
+    gguf_file = write_model_gguf(small_hf, tmp_path / "m.gguf")
+    ours, plain = open_gguf(gguf_file), GGUFReader(gguf_file)
+    assert type(ours.data) is np.ndarray and isinstance(ours.data.base, np.memmap)
+    assert list(ours.fields) == list(plain.fields)
+    for key in ours.fields:
+        if not key.startswith("GGUF."):
+            assert metadata(ours, key) == metadata(plain, key), key
+    assert [t.name for t in ours.tensors] == [t.name for t in plain.tensors]
+    for mine, theirs in zip(ours.tensors, plain.tensors, strict=True):
+        assert type(mine.data) is np.ndarray and np.shares_memory(mine.data, ours.data)
+        assert np.array_equal(mine.data, theirs.data), mine.name
