@@ -29,17 +29,21 @@ from engine.cuda import fast_launch
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 if SIMULATOR:
-    # Speed only. The simulator's block runner polls its threads in a loop that holds the GIL
-    # until the interpreter's switch interval forces it off (5 ms by default), so every
-    # barrier of every simulated block waits out a switch: 1e-4 s made a simulated
-    # speculative-decoding test 4x faster (67 s -> 17 s). Process-wide, but the simulator
-    # runs only in tests and CPU dry runs.
-    sys.setswitchinterval(1e-4)
-    # ... which makes the simulator's unlocked shared-array allocation race likely: repaired
-    # here, for every simulated process (engine/cuda/simulator.py)
+    # Speed only, for every simulated process (the tests, the benches' CPU dry runs):
+    # simulated blocks wait on a condition variable rather than the simulator's polling loop
+    # (engine/cuda/simulator.py ``wait_on_barriers``), and threads switch every 2 ms. While
+    # that loop held the GIL until a switch forced it off (5 ms by default), 1e-4 s had made
+    # a simulated speculative-decoding test 4x faster (67 s -> 17 s); without the loop, the
+    # barrier waits themselves hand the GIL on, and forced switches only cost (2-core box,
+    # test_quant_graphs + test_kv_gather + a q4 speculation test: 73 s polling at 1e-4 s,
+    # 77 s waiting at 1e-4, 54-56 at 1e-3, 52.5 at 2e-3, 55-62 at 5e-3).
+    sys.setswitchinterval(2e-3)
+    # ... where a thread switch inside the simulator's unlocked shared-array allocation
+    # gives two threads of a block different arrays: repaired here too
     from engine.cuda import simulator
 
     simulator.lock_shared_arrays()
+    simulator.wait_on_barriers()
 
 # fp16 and fp32 are the dtypes every kernel supports; bf16 runs are converted at load (see
 # engine.model.model) because the simulator has no bf16 and bit-twiddled bf16 loads are a
