@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,7 @@ def _block_sum(values, out, early):
 
 @cuda.jit
 def _fails_in_one_thread(out):
+    """Thread 5 of block 1 raises between two barriers."""
     i = cuda.threadIdx.x
     cuda.syncthreads()
     if cuda.blockIdx.x == 1 and i == 5:
@@ -97,8 +99,6 @@ def _fails_in_one_thread(out):
 def _within(seconds: float, launch) -> None:
     """Runs ``launch()`` in a daemon thread; fails (rather than hanging the suite) if a
     barrier never opens. Exceptions come back to the caller."""
-    import threading
-
     errors: list[BaseException] = []
 
     def run() -> None:
