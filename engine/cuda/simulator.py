@@ -155,4 +155,5 @@ def _run_thread(block: _Block, threads: list, kernel_function, args: tuple) -> N
         with block.cond:
             block.live -= 1
             block.open_if_all_wait()
-            block.cond.notify_all()  # (the launching thread waits for live == 0)
+            if not block.live:  # (what the launching thread waits for)
+                block.cond.notify_all()
