@@ -1,6 +1,6 @@
 """``input_embeds`` content parts: precomputed embedding rows inside chat messages.
 
-A user or system message's ``content`` may mix text parts with parts such as
+A user, system or developer message's ``content`` may mix text parts with parts such as
 
     {"type": "input_embeds", "input_embeds": "<base64 of a safetensors file>"}
 
@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
+from deployments.messages import parse_messages
 from deployments.prompt_embeds import embedding_from_body
-from deployments.protocol import OpenAIError, parse_messages
+from deployments.protocol import OpenAIError
 from engine.embeddings import MMEmbedding
 
 PART_TYPE = "input_embeds"
 PART_KEYS = frozenset({"type", PART_TYPE})
-EMBED_ROLES = frozenset({"user", "system"})
+EMBED_ROLES = frozenset({"user", "system", "developer"})
 ALIAS_PREFIX = "<$EMB_"  # every engine.embeddings alias starts so
 MAX_EMBED_PARTS = 8
 MAX_EMBED_ROWS = 8192
@@ -76,8 +77,8 @@ class ChatEmbeds:
             return message
         if message.get("role") not in EMBED_ROLES:
             raise OpenAIError(
-                f"{param}[{index}]: '{PART_TYPE}' parts are accepted in user and system "
-                f"messages only, not in {message.get('role')!r} ones",
+                f"{param}[{index}]: '{PART_TYPE}' parts are accepted in user, system and "
+                f"developer messages only, not in {message.get('role')!r} ones",
                 param=param,
             )
         content = []

@@ -47,6 +47,7 @@ def check_guided_fields(fields: RequestFields, chat: bool) -> None:
     if fields.logprobs is not None:
         raise OpenAIError("'logprobs' cannot be combined with 'cfg_scale'", param="logprobs")
     if fields.constraint is not None:
-        param = "tool_choice" if fields.tools is not None else "response_format"
+        forced = fields.tools is not None and fields.tools.forced
+        param = "tool_choice" if forced else "response_format"
         message = f"'{param}' (constrained output) cannot be combined with 'cfg_scale'"
         raise OpenAIError(message, param=param)

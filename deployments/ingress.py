@@ -34,6 +34,7 @@ from deployments.chat_embeds import ChatEmbeds, check_tools_text
 from deployments.choices import ChoiceState, OutputOptions, full_body
 from deployments.cpu_affinity import pin_ingress
 from deployments.guidance import NEGATIVE_FIELD
+from deployments.messages import for_template, text_length
 from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -114,11 +115,13 @@ class PromptBuilder:
         its ``input_embeds`` parts, whose placeholder ids sit where the template put them."""
         embeds = embeds or ChatEmbeds(self.config.hidden_size, self.run_dtype)
         messages, embeddings = embeds.messages(value, param)
-        self.check_text_length(sum(len(m["content"] or "") for m in messages), param)
+        self.check_text_length(text_length(messages), param)
+        template = self.tokenizer.chat_template or ""
+        messages = for_template(messages, template)
         extra: dict[str, Any] = {}
         if tools is not None and embeddings:
             check_tools_text(tools.tools)
-        if tools is not None and "tools" in (self.tokenizer.chat_template or ""):
+        if tools is not None and "tools" in template:
             extra["tools"] = list(tools.tools)  # the template renders them its own way
         elif tools is not None:
             messages = [tools_system_message(tools.tools), *messages]
@@ -191,7 +194,8 @@ class PromptBuilder:
     def output_options(self, fields: RequestFields) -> OutputOptions:
         """What the response shows beyond text (logprobs, a tool call) for these fields."""
         tokens = self.token_bytes if fields.logprobs is not None else None
-        return OutputOptions(tokens=tokens, tools=fields.tools)
+        forced = fields.tools is not None and fields.tools.forced
+        return OutputOptions(tokens=tokens, tools=fields.tools if forced else None)
 
     def request(self, body: dict[str, Any], chat: bool) -> tuple[RequestFields, GenerationRequest]:
         """Validate a request body into the one request a replica runs (all ``n`` choices:

@@ -17,14 +17,15 @@ fields                 only the ones this server honours; an unsupported OpenAI 
 ``logprobs``           completions: 0 .. ``MAX_LOGPROBS``; chat: a boolean, with
                        ``top_logprobs`` 0 .. ``MAX_LOGPROBS`` (``deployments.logprobs``)
 ``response_format``    text, json_object, json_schema; chat ``tools`` with a forced
-                       ``tool_choice`` only (``deployments.structured``)
+                       ``tool_choice`` or "none" (``deployments.structured``)
 ``n``                  1 .. ``MAX_CHOICES``
 ``top_k``              -1 or 0 (off) .. the vocabulary size
 ``seed``               a signed 64-bit integer
 ``stop``               at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_CHARS``
 ``logit_bias``         at most ``MAX_LOGIT_BIAS`` entries, token ids in the vocabulary, [-100, 100]
 ``min_tokens``         0 .. ``MAX_TOKENS_FIELD`` (then capped by ``max_tokens``)
-``messages``           1 .. ``MAX_MESSAGES``; roles system, user, assistant; keys role, content;
+``messages``           1 .. ``MAX_MESSAGES``; roles system, developer, user, assistant, tool;
+                       assistant ``tool_calls`` and tool results (``deployments.messages``);
                        content parts: text, and ``input_embeds`` (``deployments.chat_embeds``);
                        text containing ``<$EMB_`` (embedding aliases) is refused
 ``cache_salt``         a non-empty string of at most ``MAX_CACHE_SALT_CHARS``
@@ -61,12 +62,9 @@ MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024
-MAX_MESSAGES = 1024
 MAX_CACHE_SALT_CHARS = 256
 MAX_TOKENS_FIELD = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
-ROLES = frozenset({"system", "user", "assistant"})
-MESSAGE_KEYS = frozenset({"role", "content"})
 
 _COMMON_FIELDS = frozenset(
     {
@@ -161,7 +159,7 @@ class RequestFields:
     cache_salt: str | None = None  # only requests with the same salt share cached pages
     logprobs: int | None = None  # the model's logprobs and this many alternatives
     constraint: ConstraintSpec | None = None  # response_format, or the forced tool call's
-    tools: ToolCalling | None = None  # a forced tool call: the output is read back as one
+    tools: ToolCalling | None = None  # the tools; a forced call: the output is read back as one
 
     def generation(
         self,
@@ -370,8 +368,8 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
 
 
 def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:
-    if tools is None:
-        return {"constraint": response_format}
+    if tools is None or not tools.forced:
+        return {"constraint": response_format, "tools": tools}
     if response_format is not None:
         message = "'response_format' cannot be combined with a forced tool call"
         raise OpenAIError(message, param="response_format")
@@ -387,44 +385,6 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
         message = f"'cache_salt' must have 1 to {MAX_CACHE_SALT_CHARS} characters"
         raise OpenAIError(message, param="cache_salt")
     return value
-
-
-# -- chat messages ---------------------------------------------------------------------------
-
-
-def _message_content(content: Any, index: int, param: str) -> str | None:
-    what = f"{param}[{index}].content"
-    if content is None or isinstance(content, str):
-        return None if content is None else text_value(content, param, what)
-    if isinstance(content, list):  # content parts: text (input_embeds: deployments.chat_embeds)
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "".join(text_value(t, param, what) for t in texts)
-    raise OpenAIError(f"{what} must be a string or text parts", param=param)
-
-
-def parse_messages(messages: Any, param: str = "messages") -> list[dict[str, Any]]:
-    """A conversation as ``{"role", "content"}`` dicts with string contents (``param``: the
-    body field it came from, named in errors)."""
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(f"'{param}' must be a non-empty list", param=param)
-    if len(messages) > MAX_MESSAGES:
-        raise OpenAIError(f"'{param}' has more than {MAX_MESSAGES} entries", param=param)
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError(f"{param}[{i}] must be an object with a 'role'", param=param)
-        if message["role"] not in ROLES:
-            role = _short(message["role"])
-            message_text = f"{param}[{i}].role {role} is not one of {sorted(ROLES)}"
-            raise OpenAIError(message_text, param=param)
-        extra = sorted(k for k, v in message.items() if k not in MESSAGE_KEYS and v is not None)
-        if extra:
-            message_text = f"{param}[{i}].{extra[0]} is not supported by this server"
-            raise OpenAIError(message_text, param=param)
-        content = _message_content(message.get("content"), i, param)
-        parsed.append({"role": message["role"], "content": content})
-    return parsed
 
 
 # -- the body --------------------------------------------------------------------------------

@@ -13,11 +13,14 @@ Tools (chat): ``tools`` (``{"type": "function", "function": {"name", "descriptio
 "function": {"name"}}``. One function (named, or the only one): the output is its arguments,
 constrained by its ``parameters`` schema. Several with ``"required"``: the output is
 ``{"name": ..., "arguments": {...}}`` under an ``anyOf`` over the functions. Either way exactly
-one call is made. ``tool_choice`` ``"auto"`` (OpenAI's default when tools are given) and
-``"none"`` with tools, ``parallel_tool_calls: true`` (we never make several calls; ``false``
-is what we do anyway) and ``response_format`` together with a forced call are refused.
-The tools reach the prompt through the chat template's ``tools`` variable when the template
-uses one, else as a system message listing them.
+one call is made. ``tool_choice`` ``"none"``: the tools are in the prompt (as in the turns that
+called them, so their pages are shared) and the output is a message, never a call.
+``tool_choice`` ``"auto"`` (OpenAI's default when tools are given: the model would choose, and
+this server has no parser for a model's own call syntax), ``parallel_tool_calls: true`` (we
+never make several calls; ``false`` is what we do anyway) and ``response_format`` together
+with a forced call are refused. The tools reach the prompt through the chat template's
+``tools`` variable when the template uses one, else as a system message listing them. The
+calls and results of earlier turns are in ``messages`` (``deployments.messages``).
 """
 
 from __future__ import annotations
@@ -104,11 +107,17 @@ class Function:
 
 @dataclass(frozen=True, slots=True)
 class ToolCalling:
-    """A forced tool call: the tools as given (for the chat template) and the functions the
-    output may call (one: the output is its arguments; several: ``{"name", "arguments"}``)."""
+    """The tools as given (for the chat template) and the functions the output may call (one:
+    the output is its arguments; several: ``{"name", "arguments"}``; none: ``tool_choice``
+    "none", the output is a message)."""
 
     tools: tuple[dict[str, Any], ...]
     functions: tuple[Function, ...]
+
+    @property
+    def forced(self) -> bool:
+        """Whether the output is a call (read back as ``tool_calls``)."""
+        return bool(self.functions)
 
     def constraint(self) -> ConstraintSpec:
         strict = any(f.strict for f in self.functions)
@@ -193,6 +202,8 @@ def _functions(tools: Any) -> list[Function]:
 def _chosen(functions: list[Function], choice: Any) -> tuple[Function, ...]:
     if choice == "required":
         return tuple(functions)
+    if choice == "none":
+        return ()
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         match = [f for f in functions if f.name == name]
@@ -200,10 +211,10 @@ def _chosen(functions: list[Function], choice: Any) -> tuple[Function, ...]:
             message = f"tool_choice names no tool in 'tools': {_short(name)}"
             raise OpenAIError(message, param="tool_choice")
         return (match[0],)
-    if choice in (None, "auto", "none"):
+    if choice in (None, "auto"):
         shown = "auto (the default with tools)" if choice is None else choice
         message = (
-            f'tool_choice {shown} is not supported by this server: use "required" or '
+            f'tool_choice {shown} is not supported by this server: use "required", "none" or '
             '{"type": "function", "function": {"name": ...}}'
         )
         raise OpenAIError(message, param="tool_choice")

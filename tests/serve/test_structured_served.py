@@ -1,7 +1,8 @@
 """End to end with the official ``openai`` client against the served demo app: parsed
 ``logprobs`` objects (completions and chat, streaming and not, n > 1), a JSON-mode answer and a
 json_schema answer that parse (and validate), a forced tool call whose arguments validate
-against the function's schema, and unimplemented tool use refused with a 400 naming the field.
+against the function's schema, the call and its result sent back for the next turn, and
+unimplemented tool use refused with a 400 naming the field.
 
 The demo model's weights are random: strings never end by themselves, so the schemas bound
 them (``maxLength``, enums, integer ranges), and the JSON-mode test biases ``}`` so the object
@@ -161,8 +162,35 @@ def test_forced_tool_calls(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(parts["arguments"]), tool)
 
 
+def test_a_tool_loop_sends_the_call_and_its_result_back(client: openai.OpenAI) -> None:
+    """The OpenAI tool loop: the call the server made goes back in the history with its
+    result, and the next turn (``tool_choice`` "none": the tools stay in the prompt) answers
+    in text; a result naming no call of the history is refused."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    first = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=40, tools=TOOLS, tool_choice=named
+    )
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *MESSAGES,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    out = client.chat.completions.create(
+        model="demo", messages=history, max_tokens=6, tools=TOOLS, tool_choice="none"
+    )
+    choice = out.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens > first.usage.prompt_tokens
+    history[-1] = {**history[-1], "tool_call_id": "call_unknown"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo", messages=history, max_tokens=4)
+    assert info.value.body["param"] == "messages" and "call_unknown" in info.value.message
+
+
 def test_unimplemented_tool_use_is_refused(client: openai.OpenAI) -> None:
-    for extra in ({"tool_choice": "auto"}, {}, {"tool_choice": "none"}):
+    for extra in ({"tool_choice": "auto"}, {}):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
                 model="demo", messages=MESSAGES, max_tokens=4, tools=TOOLS, **extra

@@ -126,7 +126,7 @@ def test_malformed_parts_are_a_400_naming_the_part(builder) -> None:
         assert "messages[0].content[1].input_embeds" in caught.value.message
 
 
-@pytest.mark.parametrize("role", ["assistant"])
+@pytest.mark.parametrize("role", ["assistant", "tool"])
 def test_parts_outside_user_and_system_messages_are_refused(builder, role: str) -> None:
     body = {
         "messages": [
@@ -134,7 +134,7 @@ def test_parts_outside_user_and_system_messages_are_refused(builder, role: str) 
             {"role": role, "content": [_part(encode_rows(_rows(builder)))]},
         ]
     }
-    with pytest.raises(OpenAIError, match="user and system messages only") as caught:
+    with pytest.raises(OpenAIError, match="user, system and developer messages only") as caught:
         _request(builder, body)
     assert caught.value.param == "messages"
 

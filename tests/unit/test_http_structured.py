@@ -149,7 +149,6 @@ def test_required_over_several_tools_is_an_any_of() -> None:
     [
         ({"tools": [WEATHER]}, "tool_choice"),  # OpenAI's default with tools: auto
         ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": "none"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -172,6 +171,14 @@ def test_tools_and_top_logprobs_are_refused_on_completions() -> None:
     assert refused({"tools": [WEATHER], "prompt": "x"}, chat=False).param == "tools"
     fine = fields({"tools": [], "parallel_tool_calls": False, "tool_choice": "none"})
     assert fine.tools is None and fine.constraint is None
+
+
+def test_tool_choice_none_lists_the_tools_and_leaves_the_output_free() -> None:
+    shown = fields({"tools": [WEATHER], "tool_choice": "none"})
+    assert shown.tools.tools == (WEATHER,) and not shown.tools.forced
+    assert shown.constraint is None
+    both = fields({"tools": [WEATHER], "tool_choice": "none", "response_format": JSON_MODE})
+    assert both.constraint == ConstraintSpec("json_object")  # no call: the format is free to apply
 
 
 def test_tools_system_message_lists_the_functions() -> None:
