@@ -272,6 +272,7 @@ class Ingress:
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/stats", self.stats, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -282,15 +283,23 @@ class Ingress:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def models(self, request: Request) -> Response:
-        card = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedserve",
             "max_model_len": self.prompts.context_length,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's retrieve-model route (``client.models.retrieve``)."""
+        if request.path_params["model"] != self.model_id:
+            return _model_not_found(request.path_params["model"]).response()
+        return JSONResponse(self._model_card())
 
     async def stats(self, request: Request) -> Response:
         """Per replica: the generator's stats plus requests served, and what this ingress's
@@ -335,12 +344,16 @@ class Ingress:
         if model is not None:
             text_value(model, "model", "'model'")
         if model not in (None, self.model_id):
-            raise OpenAIError(
-                f"The model `{model[:100]}` does not exist.",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+            raise _model_not_found(model)
+
+
+def _model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{model[:100]}` does not exist.",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
 
 
 STATS_TIMEOUT_S = 30.0

@@ -59,6 +59,11 @@ def test_health_and_models(base_url: str, client: openai.OpenAI) -> None:
     with urllib.request.urlopen(f"{base_url}/health", timeout=30) as r:
         assert r.status == 200
     assert [m.id for m in client.models.list().data] == ["demo"]
+    card = client.models.retrieve("demo")
+    assert card.id == "demo" and card.object == "model" and card.owned_by == "pagedserve"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/other-model")
+    assert info.value.body["code"] == "model_not_found"
     built = any(shared_serve().cache_dir.iterdir())
     assert built, "the demo model should be built under PAGEDSERVE_CACHE"
 
