@@ -14,13 +14,17 @@ non-FastAPI ASGI app whose routes need the deployment instance).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 from ray.exceptions import TaskCancelledError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
@@ -38,6 +42,7 @@ from deployments.messages import for_template, text_length
 from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_PROMPTS,
     OpenAIError,
     RequestFields,
     parse_body,
@@ -197,6 +202,25 @@ class PromptBuilder:
         forced = fields.tools is not None and fields.tools.forced
         return OutputOptions(tokens=tokens, tools=fields.tools if forced else None)
 
+    def requests(
+        self, body: dict[str, Any], chat: bool
+    ) -> list[tuple[RequestFields, GenerationRequest]]:
+        """One request per prompt: a completion's ``prompt`` may be a list of prompts (strings
+        or token-id lists; OpenAI's batched form), each its own request to a replica."""
+        prompts = None if chat else several_prompts(body)
+        if prompts is None:
+            return [self.request(body, chat)]
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            try:
+                prepared.append(self.request({**body, "prompt": prompt}, chat))
+            except OpenAIError as e:
+                if e.param != "prompt":
+                    raise
+                message = f"prompt[{i}]: {e.message}"  # say which prompt
+                raise OpenAIError(message, status=e.status, param=e.param, code=e.code) from None
+        return prepared
+
     def request(self, body: dict[str, Any], chat: bool) -> tuple[RequestFields, GenerationRequest]:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
         one replica runs them, sharing the prompt's pages)."""
@@ -230,6 +254,17 @@ def _longest_token_bytes(tokenizer: Tokenizer) -> int:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def several_prompts(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completion ``prompt`` that lists more than one (strings or token-id
+    lists); None for one prompt (a string, token ids, or a list holding one of them)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2 or all(_is_token(t) for t in prompt):
+        return None
+    if len(prompt) > MAX_PROMPTS:
+        raise OpenAIError(f"'prompt' lists more than {MAX_PROMPTS} prompts", param="prompt")
+    return prompt
 
 
 def streaming_handle(llm: DeploymentHandle) -> DeploymentHandle:
@@ -322,22 +357,37 @@ class Ingress:
             raw = await read_body_bytes(request)
             # Parsing and tokenizing run in a worker thread: a big prompt must not stall the
             # event loop (and with it /health and every other stream of this ingress).
-            fields, generation = await asyncio.to_thread(self._prepare, raw, chat)
+            prepared = await asyncio.to_thread(self._prepare, raw, chat)
         except OpenAIError as e:
             return e.response()
-        fmt = ResponseFormat.new(chat, self.model_id, generation.request_id)
+        fields, first = prepared[0]  # (every prompt's fields are the same)
+        per_prompt = fields.n if len(prepared) > 1 else 0
+        fmt = ResponseFormat.new(chat, self.model_id, first.request_id, per_prompt)
         options = self.prompts.output_options(fields)
-        choices = [ChoiceState(i, fmt, options) for i in range(fields.n)]
-        stream = self._generate.remote(generation)
+        choices = [ChoiceState(i, fmt, options) for i in range(fields.n * len(prepared))]
+        messages = self._messages([generation for _, generation in prepared], fields.n)
         if fields.stream:
-            events = _events(stream, choices, fmt, fields.include_usage)
+            events = _events(messages, choices, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _collect(stream, choices, fmt)
+        return await _collect(messages, choices, fmt)
 
-    def _prepare(self, raw: bytes, chat: bool) -> tuple[RequestFields, GenerationRequest]:
+    def _prepare(self, raw: bytes, chat: bool) -> list[tuple[RequestFields, GenerationRequest]]:
         body = parse_body(raw)
         self._check_model(body)
-        return self.prompts.request(body, chat)
+        return self.prompts.requests(body, chat)
+
+    def _messages(
+        self, generations: list[GenerationRequest], n: int
+    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """The replicas' messages tagged with their choice's index in the response (prompt
+        ``p``'s choice ``i`` is ``p * n + i``)."""
+        if len(generations) == 1:
+            return _indexed(self._generate.remote(generations[0]), generations[0].request_id)
+        streams = [
+            _indexed(_call_apart(self._generate, g), g.request_id, p * n)
+            for p, g in enumerate(generations)
+        ]
+        return _merged(streams)
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -371,26 +421,82 @@ async def _replica_stats(llm: DeploymentHandle) -> tuple[list[dict[str, Any]], i
     return stats, len(answers) - len(stats)
 
 
-async def _indexed(stream, request_id: str) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """The replica's messages tagged with their choice index; a client that goes away (the
-    generator is closed early) cancels the replica's work too. The first choice's cache use
-    goes to the routing audit (the router's prediction for ``request_id``)."""
+async def _indexed(
+    stream, request_id: str, first_index: int = 0
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The replica's messages tagged with their choice index (plus ``first_index``); a client
+    that goes away (the generator is closed early) cancels the replica's work too. The first
+    choice's cache use goes to the routing audit (the router's prediction for ``request_id``)."""
     completed = False
     try:
         async for message in stream:
             index = message.get("index", 0)
             if index == 0 and message["eos"] and "cached_pages" in message:
                 routing_audit.observe(request_id, message["cached_pages"])
-            yield index, message
+            yield first_index + index, message
         completed = True
     finally:
         if not completed:
             stream.cancel()
 
 
-async def _collect(stream, choices: list[ChoiceState], fmt: ResponseFormat) -> Response:
+def _call_apart(handle: DeploymentHandle, generation: GenerationRequest):
+    """``handle.remote(generation)`` as a call of its own. Serve gives every call made while
+    serving one HTTP request that request's internal id, and two concurrent streams under one
+    id stall each other (Ray 2.60: each delivered its first message after ~10 s, then nothing).
+    So each call runs in a copy of the context whose Serve request context has a fresh id.
+    Ray's cancellation of a parent's calls goes by that id; ``_indexed`` cancels these itself."""
+    context = contextvars.copy_context()
+    return context.run(_remote_with_own_id, handle, generation)
+
+
+def _remote_with_own_id(handle: DeploymentHandle, generation: GenerationRequest):
+    current = serve_context._get_serve_request_context()
+    own = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    serve_context._serve_request_context.set(own)
+    return handle.remote(generation)
+
+
+async def _merged(
+    streams: list[AsyncIterator[tuple[int, dict[str, Any]]]],
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The streams' items as they come. The first failure ends it; ending it early (a failure,
+    a client gone) cancels every stream, and with it its replica's work."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[tuple[int, dict[str, Any]]]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except Exception as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
     try:
-        async for index, message in _indexed(stream, fmt.request_id):
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # (its stream's own ``finally`` cancels the replica's work)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(
+    messages: AsyncIterator[tuple[int, dict[str, Any]]],
+    choices: list[ChoiceState],
+    fmt: ResponseFormat,
+) -> Response:
+    try:
+        async for index, message in messages:
             choices[index].add(message)
     except Exception as e:
         return server_error(e, fmt.id).response()
@@ -398,7 +504,10 @@ async def _collect(stream, choices: list[ChoiceState], fmt: ResponseFormat) -> R
 
 
 async def _events(
-    stream, choices: list[ChoiceState], fmt: ResponseFormat, include_usage: bool
+    messages: AsyncIterator[tuple[int, dict[str, Any]]],
+    choices: list[ChoiceState],
+    fmt: ResponseFormat,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     """The SSE body: one write per replica message (all its chunks together: each write is a
     message on to Serve's proxy), the usage chunk and ``[DONE]`` in the last one."""
@@ -409,7 +518,7 @@ async def _events(
         )
     tail = []
     try:
-        async for index, message in _indexed(stream, fmt.request_id):
+        async for index, message in messages:
             events = "".join(sse(chunk) for chunk in choices[index].chunks(message))
             if events:
                 yield events

@@ -18,6 +18,8 @@ fields                 only the ones this server honours; an unsupported OpenAI 
                        ``top_logprobs`` 0 .. ``MAX_LOGPROBS`` (``deployments.logprobs``)
 ``response_format``    text, json_object, json_schema; chat ``tools`` with a forced
                        ``tool_choice`` or "none" (``deployments.structured``)
+``prompt``             a string or token ids, or a list of 1 .. ``MAX_PROMPTS`` of them
+                       (choice ``p * n + i`` is prompt ``p``'s choice ``i``)
 ``n``                  1 .. ``MAX_CHOICES``
 ``top_k``              -1 or 0 (off) .. the vocabulary size
 ``seed``               a signed 64-bit integer
@@ -58,6 +60,7 @@ logger = logging.getLogger("ray.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_PROMPTS = 128  # prompts of one completion request (each its own request to a replica)
 MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

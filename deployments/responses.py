@@ -11,15 +11,18 @@ from typing import Any
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 
 
-def usage_of(finals: list[dict[str, Any]]) -> dict[str, Any]:
-    """OpenAI usage for one prompt and its choices: the prompt counts once."""
-    prompt = int(finals[0]["prompt_tokens"])
+def usage_of(finals: list[dict[str, Any]], per_prompt: int = 0) -> dict[str, Any]:
+    """OpenAI usage of the choices ``finals``: each prompt counts once. ``per_prompt``: the
+    choices of each prompt, in order (a completion with several prompts); 0: one prompt."""
+    firsts = finals[:: per_prompt or len(finals)]
+    prompt = sum(int(f["prompt_tokens"]) for f in firsts)
     completion = sum(int(f["new_tokens"]) for f in finals)
+    cached = sum(int(f.get("cached_tokens", 0)) for f in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(finals[0].get("cached_tokens", 0))},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -36,12 +39,15 @@ class ResponseFormat:
     id: str
     created: int
     request_id: str = ""  # the GenerationRequest's id (logs, routing audit); ``id`` wraps it
+    per_prompt: int = 0  # choices per prompt when a completion has several prompts (usage)
 
     @classmethod
-    def new(cls, chat: bool, model: str, request_id: str | None = None) -> ResponseFormat:
+    def new(
+        cls, chat: bool, model: str, request_id: str | None = None, per_prompt: int = 0
+    ) -> ResponseFormat:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request_id or uuid.uuid4().hex
-        return cls(chat, model, f"{prefix}-{request_id}", int(time.time()), request_id)
+        return cls(chat, model, f"{prefix}-{request_id}", int(time.time()), request_id, per_prompt)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -69,7 +75,7 @@ class ResponseFormat:
 
     def usage_chunk(self, finals: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(kind, []), "usage": usage_of(finals)}
+        return {**self._envelope(kind, []), "usage": usage_of(finals, self.per_prompt)}
 
     def full(self, texts: list[str], finals: list[dict[str, Any]]) -> dict[str, Any]:
         choices = []
@@ -82,7 +88,7 @@ class ResponseFormat:
             choice["finish_reason"] = finish_reason(final)
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(kind, choices), "usage": usage_of(finals)}
+        return {**self._envelope(kind, choices), "usage": usage_of(finals, self.per_prompt)}
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -68,6 +68,30 @@ def test_health_and_models(base_url: str, client: openai.OpenAI) -> None:
     assert built, "the demo model should be built under PAGEDSERVE_CACHE"
 
 
+def test_several_prompts_in_one_completion(client: openai.OpenAI) -> None:
+    """OpenAI's batched ``prompt``: prompt p's choice i is choice p * n + i, each as the prompt
+    alone would give it (greedy), streamed too; usage counts each prompt once."""
+    prompts = ["Once upon", "The cat sat on the"]
+    alone = [
+        client.completions.create(model="demo", prompt=p, max_tokens=6, temperature=0)
+        for p in prompts
+    ]
+    out = client.completions.create(model="demo", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    expected = [a.choices[0].text for a in alone for _ in range(2)]
+    assert [c.text for c in out.choices] == expected
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert out.usage.completion_tokens == 4 * 6
+    texts = ["", "", "", ""]
+    stream = client.completions.create(
+        model="demo", prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+
+
 def test_completion(client: openai.OpenAI) -> None:
     out = client.completions.create(model="demo", prompt="Once upon", max_tokens=12, temperature=0)
     choice = out.choices[0]
@@ -334,7 +358,9 @@ HOSTILE: list[tuple[str, str, bytes | dict | list | str, int]] = [
     ("completions", J, {"prompt": "Hi", "messages": MESSAGES}, 400),
     ("completions", J, {"prompt": "Hi", "frobnicate": 1}, 400),
     ("completions", J, {"prompt": "\ud800"}, 400),
-    ("completions", J, {"prompt": ["a", "b"]}, 400),
+    ("completions", J, {"prompt": ["a"] * 129}, 400),
+    ("completions", J, {"prompt": ["a", {"text": "b"}]}, 400),
+    ("completions", J, {"prompt": ["a", [-1]]}, 400),
     ("completions", J, {"prompt": [1, "a"]}, 400),
     ("completions", J, {"prompt": [-1]}, 400),
     ("completions", J, {"prompt": [True]}, 400),

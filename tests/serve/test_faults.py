@@ -1,6 +1,7 @@
 """Faults and soak on a real local Ray cluster (2 LLMServer replicas, demo model, CPU) with a KV
-cache far too small for the load: streams that disconnect, preemption, a poison request among
-healthy streams, many sequential requests, and a replica killed mid-load.
+cache far too small for the load: streams that disconnect (one a batched completion),
+preemption, a poison request among healthy streams, many sequential requests, and a replica
+killed mid-load.
 
 Reduced size by default (CI); ``PAGEDSERVE_FAULTS_FULL=1`` runs the full size. Traffic goes to
 127.0.0.1 only; every loop is bounded in count and time.
@@ -147,6 +148,30 @@ def test_streams_with_a_quarter_disconnecting_leave_nothing_behind(base_url: str
     assert all(o.done and not o.errors and o.chunks > 0 for o in kept), kept
     assert sum(o.disconnected for o in outcomes) == STREAMS // 4
     assert_idle(wait_idle(base_url))
+
+
+def test_a_batched_completion_that_hangs_up_stops_every_prompt(base_url: str) -> None:
+    """Each prompt of a batched completion runs as its own request (its own Serve call id,
+    so Ray's cancellation of the HTTP request's calls does not reach them): a client that goes
+    away must still cancel all of them, running and waiting. Together they ask for ~5,400
+    tokens, several times what the two small caches hold at once: tens of seconds of work
+    if they ran on, so the replicas going idle within 10 s shows the cancellation."""
+    body = {
+        "prompt": [f"Prompt {i}: the sea and the sky" for i in range(6)],
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as response:
+        for raw in response:
+            if raw.startswith(b"data: {"):
+                break  # the first token: every prompt is submitted; hang up
+    assert_idle(wait_idle(base_url, timeout_s=10))
 
 
 def test_a_cache_far_too_small_completes_everything_by_preempting(base_url: str) -> None:

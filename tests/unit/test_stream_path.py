@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ray")  # deployments import ray.serve (nothing is started here)
 
 from deployments.choices import ChoiceState, OutputOptions
-from deployments.ingress import _events
+from deployments.ingress import _events, _indexed
 from deployments.llm_server import _choice_batches
 from deployments.responses import ResponseFormat
 
@@ -89,7 +89,8 @@ def _events_of(messages: list[Any], chat: bool, usage: bool) -> list[str]:
     choices = [ChoiceState(0, fmt, OutputOptions())]
 
     async def go() -> list[str]:
-        return [w async for w in _events(FakeStream(messages), choices, fmt, usage)]
+        indexed = _indexed(FakeStream(messages), fmt.request_id)
+        return [w async for w in _events(indexed, choices, fmt, usage)]
 
     return asyncio.run(go())
 
