@@ -316,6 +316,7 @@ class DynamicGenerator:
         # the previous step's tokens, read while the device runs this step's forward (before
         # the commit: pages it fills are hashed over their values)
         results += self._read_in_flight()
+        logits, broken = self._take_prompt_logits(plan, logits)
         prefilling = [
             e.seq.owner
             for e in plan.entries
@@ -323,13 +324,42 @@ class DynamicGenerator:
         ]
         prefilling = list(dict.fromkeys(prefilling))  # a CFG job's two rows: one result
         self.scheduler.commit(plan)
-        results += [job.prefill_result() for job in prefilling]
+        results += [self._fail(job, error) for job, error in broken]
+        results += [job.prefill_result() for job in prefilling if not job.finished]
         # the previous step's text, made while the device runs this step's forward
         results += self._render_pending()
         if any(e.drafts for e in plan.entries):
             return results + self._sample_speculative(plan, logits, qs, masks)
         results += self._sample(plan, logits, masks)
         return results
+
+    def _take_prompt_logits(
+        self, plan: StepPlan, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[DynamicJob, Exception]]]:
+        """Hand the rows that score prompt tokens (``StepEntry.prompt_rows``) to their jobs;
+        returns the sampled rows alone, as a plan without prompt rows would have them, and
+        the jobs that failed there with their errors (the caller ends them after the
+        commit; their sampled rows are dropped as finished jobs' are)."""
+        if not any(e.prompt_rows for e in plan.entries):
+            return logits, []
+        kept: list[int] = []
+        broken = []
+        row = 0
+        for e in plan.entries:
+            count = e.prompt_rows
+            if count:
+                job = e.seq.owner
+                try:
+                    job.receive_prompt_logits(
+                        e.start, logits[row : row + count], self.tokenizer.vocab_size
+                    )
+                except Exception as error:
+                    logger.exception("prompt logprobs failed; ending job %r", job.identifier)
+                    broken.append((job, error))
+            kept.extend(range(row + count, row + count + e.logits_rows))
+            row += count + e.logits_rows
+        index = torch.tensor(kept, dtype=torch.long, device=logits.device)
+        return logits[index], broken
 
     def _move_pages(self) -> None:
         """The page copies the schedule planned (recent pages settling), in every cache on

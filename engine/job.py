@@ -23,7 +23,7 @@ from engine.constraints.errors import FilterError
 from engine.embeddings import MMEmbedding
 from engine.inflight import PENDING_TOKEN
 from engine.request import GenerationRequest
-from engine.sampling import SampleRequest, SamplerSettings
+from engine.sampling import SampleRequest, SamplerSettings, token_logprobs
 from engine.scheduler import SeqState
 from engine.stop_strings import StopStringMatcher
 
@@ -64,6 +64,7 @@ class DynamicJob:
         banned_strings: Seq[str] | None = None,
         token_healing: bool = False,
         embeddings: Seq[MMEmbedding] | None = None,
+        return_prompt_logprobs: int | None = None,
     ):
         """``filters``: ``engine.constraints`` filters the output must match (all of them);
         ``filter_prefer_eos``: sample EOS whenever the filters allow it. ``banned_strings``:
@@ -72,13 +73,19 @@ class DynamicJob:
         token whose text starts with its text (not with filters). ``embeddings``: the
         ``MMEmbedding`` containers whose placeholder ids ``input_ids`` holds.
         ``input_ids=[positive, negative]`` with ``gen_settings.cfg_scale``: a CFG job
-        (``engine.cfg``)."""
+        (``engine.cfg``). ``return_prompt_logprobs`` (k >= 0): the model's log-probability of
+        every prompt token after the first, and its k most likely alternatives, as
+        ``prompt_logprobs`` entries of the prefill results (the job computes its whole prompt:
+        it takes no pages from the prefix cache)."""
         self.input_ids, self.cfg_input_ids = split_prompt_rows(input_ids, gen_settings, _as_id_list)
         self.filters, self.filter_prefer_eos, self.banned_strings = _check_constraints(
             filters, filter_prefer_eos, banned_strings, token_healing
         )
         if self.cfg_input_ids is not None:
-            _check_cfg_options(self.filters, self.banned_strings, token_healing, return_logprobs)
+            _check_cfg_options(
+                self.filters, self.banned_strings, token_healing, return_logprobs,
+                return_prompt_logprobs,
+            )  # fmt: skip
         self.token_healing = token_healing
         self._heal_token: int | None = None
         if token_healing and len(self.input_ids) > 1:
@@ -120,6 +127,7 @@ class DynamicJob:
         )
         if self.cfg_input_ids is not None:
             attach_negative(self.seq, self.cfg_input_ids)
+        self._init_prompt_logprobs(return_prompt_logprobs)
         self.new_token_ids: list[int] = []
         self.accepted_draft_tokens = 0  # speculative decoding: drafts verified and kept
         self.rejected_draft_tokens = 0
@@ -164,6 +172,7 @@ class DynamicJob:
             identifier=request.choice_id(choice),
             cache_salt=request.cache_salt,
             return_logprobs=request.logprobs,
+            return_prompt_logprobs=request.prompt_logprobs,
             embeddings=request.embeddings,
             **options,
         )
@@ -270,11 +279,40 @@ class DynamicJob:
     def started_result(self) -> dict[str, Any]:
         return self.base_result("started")
 
+    def _init_prompt_logprobs(self, k: int | None) -> None:
+        """k: the prompt tokens' log-probabilities (entries as return_logprobs' results hold:
+        token id, logprob, top ids, top logprobs), one per prompt token after the first."""
+        _check_prompt_logprobs(k, self.token_healing, self.embeddings)
+        self.return_prompt_logprobs = _check_logprobs(k)
+        self.prompt_logprobs: list[tuple[int, float, list[int], list[float]]] = []
+        self._prompt_logprobs_sent = 0
+        self.seq.prompt_logits = k is not None and len(self.input_ids) > 1
+
     def prefill_result(self) -> dict[str, Any]:
         result = self.base_result("prefill")
         result["curr_progress"] = min(self.seq.num_computed, self.prompt_tokens)
         result["max_progress"] = self.prompt_tokens
+        if len(self.prompt_logprobs) > self._prompt_logprobs_sent:
+            result["prompt_logprobs"] = self.prompt_logprobs[self._prompt_logprobs_sent :]
+            self._prompt_logprobs_sent = len(self.prompt_logprobs)
         return result
+
+    def receive_prompt_logits(self, start: int, logits: torch.Tensor, vocab_size: int) -> None:
+        """The logits of prompt positions ``start``.. (one row each, cut to nothing past the
+        last prompt token but one): the log-probabilities of the prompt tokens they predict.
+        Positions a preemption made the job compute again are known already and skipped."""
+        count = logits.shape[0]
+        targets = self.seq.tokens[start + 1 : start + 1 + count]
+        if len(targets) != count or start > len(self.prompt_logprobs):
+            raise RuntimeError(f"job {self.identifier!r}: prompt logits out of order")
+        ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+        k = self.return_prompt_logprobs or 0
+        values, top_ids, top_values = token_logprobs(logits[:, :vocab_size], ids, k)
+        known = len(self.prompt_logprobs) - start
+        for i in range(max(known, 0), count):
+            self.prompt_logprobs.append((targets[i], values[i], top_ids[i], top_values[i]))
+        if len(self.prompt_logprobs) >= len(self.input_ids) - 1:
+            self.seq.prompt_logits = False  # all known: a recomputed prompt needs no rows
 
     def receive_token(self, token: int) -> dict[str, Any]:
         """Take one sampled token; return its streaming result (final when ``eos``): the same
@@ -605,6 +643,17 @@ def _attach_logprobs(result, logprob: float, top_ids: list[int], top_values: lis
     result["top_logprobs"] = torch.tensor([[top_values]], dtype=torch.float32).reshape(1, 1, -1)
 
 
+def _check_prompt_logprobs(k: int | None, token_healing: bool, embeddings) -> None:
+    """Prompt logprobs score the prompt as given: token healing would drop its last token,
+    and embedding placeholders are not tokens of the vocabulary."""
+    if k is None:
+        return
+    if token_healing:
+        raise ValueError("return_prompt_logprobs cannot be combined with token_healing")
+    if embeddings:
+        raise ValueError("return_prompt_logprobs cannot be combined with embeddings")
+
+
 def _check_logprobs(k: int | None) -> int | None:
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"return_logprobs must be None or an int >= 0, got {k!r}")
@@ -701,7 +750,9 @@ def _copy_settings(settings: SamplerSettings | None) -> SamplerSettings:
     )
 
 
-def _check_cfg_options(filters, banned_strings, token_healing: bool, logprobs) -> None:
+def _check_cfg_options(
+    filters, banned_strings, token_healing: bool, logprobs, prompt_logprobs
+) -> None:
     """A CFG job samples one merged row from two sequences; the per-row features below do not
     follow that merge yet, so they are refused rather than applied to one row only."""
     given = {
@@ -709,6 +760,7 @@ def _check_cfg_options(filters, banned_strings, token_healing: bool, logprobs) -
         "banned_strings": bool(banned_strings),
         "token_healing": token_healing,
         "return_logprobs": logprobs is not None,
+        "return_prompt_logprobs": prompt_logprobs is not None,
     }
     refused = [name for name, on in given.items() if on]
     if refused:

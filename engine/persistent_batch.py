@@ -122,7 +122,7 @@ class PersistentBatch:
             rows.prompt_chunks.append(
                 q > 1 and entry.prompt_chunk
             )  # (q > 1: no call per decode row)
-            wanted = len(drafts) + 1 if start + n == len(tokens) else 0
+            wanted = (len(drafts) + 1 if start + n == len(tokens) else 0) + entry.prompt_rows
             logits_rows.append(wanted)
             if wanted != 1:
                 rows.one_logit_each = False

@@ -108,7 +108,9 @@ class GenerationRequest:
     isolation of the prefix cache); ``page_hashes`` must be computed with it.
     ``constraint``: what the output must match (JSON schema, regex, ...), enforced by a filter
     built on the replica. ``logprobs``: None for none; k >= 0 reports each token's
-    log-probability and the k most likely alternatives. ``embeddings``: the per-job embedding
+    log-probability and the k most likely alternatives; ``prompt_logprobs`` the same for every
+    prompt token after the first (the prompt is computed whole: no cached pages are taken for
+    it). ``embeddings``: the per-job embedding
     containers (``engine.embeddings.MMEmbedding``) whose placeholder ids ``prompt_ids`` holds;
     ``page_hashes`` must be computed with them (``prefix_hashes(..., embeddings=...)``).
     ``negative_prompt_ids``: classifier-free guidance's negative prompt, given exactly when
@@ -129,6 +131,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     constraint: ConstraintSpec | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     embeddings: tuple[EmbeddingSpan, ...] = ()
     negative_prompt_ids: tuple[int, ...] | None = None
 
@@ -160,10 +163,12 @@ class GenerationRequest:
             raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
         if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
             raise ValueError(f"constraint must be a ConstraintSpec, got {self.constraint!r}")
-        if self.logprobs is not None:
-            _require_int(self.logprobs, "logprobs", 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(value, name, 0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
 
     def _negative_prompt(self) -> tuple[int, ...] | None:
         """The negative prompt as a tuple, checked to come with ``cfg_scale`` (engine.cfg)."""

@@ -374,6 +374,22 @@ def _to_host(
     return out
 
 
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """The model's log-probabilities of ``token_ids`` (one per row of ``logits``, already cut
+    to the vocabulary) and each row's ``k`` most likely tokens with theirs."""
+    # log p = logit - logsumexp(row): no [B, V] log_softmax is written; the top k of the
+    # logits are the top k of the log-probabilities
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, token_ids[:, None]) - norm).squeeze(1).tolist()
+    k = min(k, logits.shape[1])
+    if not k:
+        return chosen, [[] for _ in chosen], [[] for _ in chosen]
+    top = logits.topk(k, dim=-1)
+    return chosen, top.indices.tolist(), (top.values - norm).tolist()
+
+
 def _add_logprobs(
     out: SampleOutput,
     logits: torch.Tensor,
@@ -389,16 +405,8 @@ def _add_logprobs(
     else:
         index = torch.tensor(rows, device=logits.device)
         wanted, chosen_ids = logits[index, :limit], tokens[index, None]
-    # log p = logit - logsumexp(row): no [B, V] log_softmax is written; the top k of the
-    # logits are the top k of the log-probabilities
-    norm = torch.logsumexp(wanted, dim=-1, keepdim=True)
-    chosen = (wanted.gather(1, chosen_ids.clamp(0, limit - 1)) - norm).squeeze(1).tolist()
-    k = min(max(requests[i].logprobs for i in rows), limit)
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_values: list[list[float]] = [[] for _ in rows]
-    if k:
-        top = wanted.topk(k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), (top.values - norm).tolist()
+    k = max(requests[i].logprobs for i in rows)
+    chosen, top_ids, top_values = token_logprobs(wanted, chosen_ids[:, 0].clamp(0, limit - 1), k)
     out.logprobs = [None] * len(requests)
     out.top_logprob_ids = [[] for _ in requests]
     out.top_logprobs = [[] for _ in requests]

@@ -72,6 +72,10 @@ class SeqState:
     # logits always come from one forward.
     partner: SeqState | None = None
     is_partner: bool = False
+    # The job wants its prompt tokens' log-probabilities and lacks some: its prompt chunks
+    # return the logits of every position (StepEntry.prompt_rows), and it takes no pages from
+    # the cache (their positions would have no logits).
+    prompt_logits: bool = False
     # Draft tokens the speculator would like verified in the next decode step (a wish: the
     # scheduler grants what budget, max_q_size and free pages allow, see StepEntry.lookahead).
     lookahead: int = 0
@@ -134,9 +138,22 @@ class StepEntry:
 
     @property
     def logits_rows(self) -> int:
-        """Trailing tokens of this chunk whose logits the forward must return (1 when it
-        samples; 1 + k once k draft tokens are verified)."""
+        """Trailing tokens of this chunk whose logits are sampled (1 when it samples; 1 + k
+        once k draft tokens are verified)."""
         return 1 + len(self.drafts) if self.samples else 0
+
+    @property
+    def prompt_rows(self) -> int:
+        """Positions of this chunk whose logits score the next prompt token (a job that asked
+        for its prompt's log-probabilities); they come just before the sampled rows."""
+        if not self.seq.prompt_logits:
+            return 0
+        return max(0, min(self.start + self.num_tokens, self.seq.prompt_len - 1) - self.start)
+
+    @property
+    def forward_rows(self) -> int:
+        """Trailing tokens of this chunk whose logits the forward must return."""
+        return self.prompt_rows + self.logits_rows
 
 
 @dataclass(slots=True)
@@ -384,6 +401,8 @@ class Scheduler:
     def _matchable_hashes(self, seq: SeqState) -> list[PageHash]:
         # At least one token must be computed to produce logits, so the last token's page
         # is never taken from the cache.
+        if seq.prompt_logits:
+            return []  # every prompt position's logits are wanted
         if seq.hash_cache is None or seq.hash_cache[0] != len(seq.tokens):
             full_pages = (len(seq.tokens) - 1) // self.page_size
             hashes = prefix_hashes(

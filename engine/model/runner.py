@@ -147,7 +147,7 @@ def plan_rows(plan: StepPlan) -> list[SequenceInput]:
             token_ids=e.seq.tokens[e.start : e.start + e.num_tokens] + list(e.drafts),
             num_cached=e.start,
             pages=e.seq.pages,
-            logits_rows=e.logits_rows,
+            logits_rows=e.forward_rows,
             embeddings=e.seq.embeddings,
             prompt_chunk=e.prompt_chunk,
         )
