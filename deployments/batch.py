@@ -130,7 +130,7 @@ class Validator:
                 code="model_not_found",
             )
         fields, request = self.builder.request(item.body, item.chat)
-        return request, self.builder.output_options(fields)
+        return request, self.builder.output_options(fields, request, item.body)
 
 
 async def collect(

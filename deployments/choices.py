@@ -18,12 +18,22 @@ from engine.token_bytes import TokenBytes
 
 
 @dataclass(frozen=True, slots=True)
+class Echo:
+    """A completion's ``echo``: the prompt as the client gave it, and its first token (the
+    one without a log-probability; the others' come from the replica)."""
+
+    text: str
+    first_token: int
+
+
+@dataclass(frozen=True, slots=True)
 class OutputOptions:
     """What a response shows beyond text: ``tokens`` when log-probabilities were asked (to
-    spell each token), ``tools`` for a forced tool call."""
+    spell each token), ``tools`` for a forced tool call, ``echo`` the prompt before it."""
 
     tokens: TokenBytes | None = None
     tools: ToolCalling | None = None
+    echo: Echo | None = None
 
 
 class ChoiceState:
@@ -41,12 +51,14 @@ class ChoiceState:
         self.final: dict[str, Any] = {}
         self.call_id = f"call_{fmt.id[-24:]}_{index}"
         self._call_started = False
+        self._echo = options.echo  # (None once the prompt is in: the first message only)
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
 
     def add(self, message: dict[str, Any]) -> None:
+        message = self._echoed(message)
         self.texts.append(message["text"])
         self.entries += message.get("logprobs", ())
         if message["eos"]:
@@ -72,8 +84,19 @@ class ChoiceState:
 
     # -- streaming -------------------------------------------------------------------------
 
+    def _echoed(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The first message with the echoed prompt before its text and the prompt's tokens
+        before its log-probabilities; any other as it is."""
+        echo, self._echo = self._echo, None
+        if echo is None:
+            return message
+        prompt = [(echo.first_token, None, [], []), *message.get("prompt_logprobs", ())]
+        entries = [*prompt, *message.get("logprobs", ())]
+        return {**message, "text": echo.text + message["text"], "logprobs": entries}
+
     def chunks(self, message: dict[str, Any]) -> list[dict[str, Any]]:
         """Stream chunks for one replica message (after ``add``-ing it)."""
+        message = self._echoed(message)
         self.add(message)
         out = []
         entries = message.get("logprobs", ())

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -35,7 +36,7 @@ from starlette.routing import Route
 
 from deployments import routing_audit
 from deployments.chat_embeds import ChatEmbeds, check_tools_text
-from deployments.choices import ChoiceState, OutputOptions, full_body
+from deployments.choices import ChoiceState, Echo, OutputOptions, full_body
 from deployments.cpu_affinity import pin_ingress
 from deployments.guidance import NEGATIVE_FIELD
 from deployments.messages import for_template, text_length
@@ -196,30 +197,46 @@ class PromptBuilder:
             )
         return requested
 
-    def output_options(self, fields: RequestFields) -> OutputOptions:
-        """What the response shows beyond text (logprobs, a tool call) for these fields."""
+    def output_options(
+        self,
+        fields: RequestFields,
+        generation: GenerationRequest | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> OutputOptions:
+        """What the response shows beyond text (logprobs, a tool call, the echoed prompt of
+        ``generation``, as ``body`` gave it) for these fields."""
         tokens = self.token_bytes if fields.logprobs is not None else None
         forced = fields.tools is not None and fields.tools.forced
-        return OutputOptions(tokens=tokens, tools=fields.tools if forced else None)
+        echo = None
+        if fields.echo and generation is not None:
+            prompt = body.get("prompt") if body is not None else None
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            ids = list(generation.prompt_ids)
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            echo = Echo(text, ids[0])
+        return OutputOptions(tokens=tokens, tools=fields.tools if forced else None, echo=echo)
 
-    def requests(
-        self, body: dict[str, Any], chat: bool
-    ) -> list[tuple[RequestFields, GenerationRequest]]:
+    def requests(self, body: dict[str, Any], chat: bool) -> list[Prepared]:
         """One request per prompt: a completion's ``prompt`` may be a list of prompts (strings
         or token-id lists; OpenAI's batched form), each its own request to a replica."""
         prompts = None if chat else several_prompts(body)
         if prompts is None:
-            return [self.request(body, chat)]
+            return [self.prepared(body, chat)]
         prepared = []
         for i, prompt in enumerate(prompts):
             try:
-                prepared.append(self.request({**body, "prompt": prompt}, chat))
+                prepared.append(self.prepared({**body, "prompt": prompt}, chat))
             except OpenAIError as e:
                 if e.param != "prompt":
                     raise
                 message = f"prompt[{i}]: {e.message}"  # say which prompt
                 raise OpenAIError(message, status=e.status, param=e.param, code=e.code) from None
         return prepared
+
+    def prepared(self, body: dict[str, Any], chat: bool) -> Prepared:
+        fields, generation = self.request(body, chat)
+        return Prepared(fields, generation, self.output_options(fields, generation, body))
 
     def request(self, body: dict[str, Any], chat: bool) -> tuple[RequestFields, GenerationRequest]:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
@@ -246,6 +263,15 @@ class PromptBuilder:
             return fields, fields.generation(ids, max_new, hashes, embeddings, negative)
         except ValueError as e:  # a limit the field checks above did not foresee
             raise OpenAIError(f"invalid request: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One prompt's request to a replica and what its response shows beyond text."""
+
+    fields: RequestFields
+    generation: GenerationRequest
+    options: OutputOptions
 
 
 def _longest_token_bytes(tokenizer: Tokenizer) -> int:
@@ -360,18 +386,21 @@ class Ingress:
             prepared = await asyncio.to_thread(self._prepare, raw, chat)
         except OpenAIError as e:
             return e.response()
-        fields, first = prepared[0]  # (every prompt's fields are the same)
+        fields = prepared[0].fields  # (every prompt's fields are the same)
         per_prompt = fields.n if len(prepared) > 1 else 0
-        fmt = ResponseFormat.new(chat, self.model_id, first.request_id, per_prompt)
-        options = self.prompts.output_options(fields)
-        choices = [ChoiceState(i, fmt, options) for i in range(fields.n * len(prepared))]
-        messages = self._messages([generation for _, generation in prepared], fields.n)
+        fmt = ResponseFormat.new(chat, self.model_id, prepared[0].generation.request_id, per_prompt)
+        choices = [
+            ChoiceState(p * fields.n + i, fmt, each.options)
+            for p, each in enumerate(prepared)
+            for i in range(fields.n)
+        ]
+        messages = self._messages([each.generation for each in prepared], fields.n)
         if fields.stream:
             events = _events(messages, choices, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         return await _collect(messages, choices, fmt)
 
-    def _prepare(self, raw: bytes, chat: bool) -> list[tuple[RequestFields, GenerationRequest]]:
+    def _prepare(self, raw: bytes, chat: bool) -> list[Prepared]:
         body = parse_body(raw)
         self._check_model(body)
         return self.prompts.requests(body, chat)

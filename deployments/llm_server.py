@@ -135,8 +135,10 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     final: dict[str, Any] | None = None
     logprobs: list[tuple] = field(default_factory=list)  # deployments.logprobs.LogprobEntry
+    prompt_logprobs: list[tuple] = field(default_factory=list)  # (prefill results)
 
     def add(self, result: dict[str, Any]) -> None:
+        self.prompt_logprobs += result.get("prompt_logprobs", ())
         if result["stage"] != "streaming":
             return
         self.text.append(result.get("text", ""))
@@ -159,6 +161,8 @@ class Delta:
         }
         if self.logprobs:
             out["logprobs"] = self.logprobs
+        if self.prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs
         if self.final is not None:
             keys = ("eos_reason", "prompt_tokens", "new_tokens", "cached_tokens", "cached_pages")
             out.update({k: self.final[k] for k in keys})

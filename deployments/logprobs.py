@@ -10,7 +10,8 @@ sampled requests alike. A token is shown as its own bytes (``engine.token_bytes`
 when they are valid UTF-8, else as ``bytes:\\xNN...``; chat entries also give ``bytes``. The stop
 token that ends a choice is not part of its text and has no entry; tokens that a stop string
 cuts from the text keep theirs. ``text_offset`` counts characters from the start of the
-completion (there is no ``echo``).
+completion, or of the prompt with ``echo`` (whose first token has no log-probability: null
+``token_logprobs`` and ``top_logprobs`` entries, as OpenAI's).
 
 Replicas send each token as ``[token_id, logprob, top_ids, top_logprobs]`` (``LogprobEntry``).
 """
@@ -25,7 +26,7 @@ from deployments.protocol import OpenAIError
 from engine.request import MAX_LOGPROBS
 from engine.token_bytes import TokenBytes
 
-LogprobEntry = tuple[int, float, list[int], list[float]]
+LogprobEntry = tuple[int, float | None, list[int], list[float]]  # None: an echo's first
 FLOOR = -9999.0  # what -inf (and a NaN from a broken model) reads as: JSON has no infinities
 
 
@@ -103,12 +104,16 @@ class LogprobsFormatter:
         for token, logprob, top_ids, top_values in entries:
             text = self.tokens.text_of(token)
             out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(self._utf8.decode(self.tokens.bytes_of(token)))
+            if logprob is None:  # an echoed prompt's first token: nothing before it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(_finite(logprob))
             # OpenAI: the k most likely tokens, and always the sampled one (up to k + 1)
             pairs = zip(top_ids, top_values, strict=True)
             top = {self.tokens.text_of(i): _finite(v) for i, v in pairs}
             top.setdefault(text, _finite(logprob))
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
-            self.offset += len(self._utf8.decode(self.tokens.bytes_of(token)))
         return out

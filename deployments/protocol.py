@@ -12,7 +12,7 @@ Limits (beyond the model's context and vocabulary):
 body                   at most ``MAX_BODY_BYTES`` (413 beyond), JSON nested at most
                        ``MAX_JSON_DEPTH`` deep, strings valid Unicode (no lone surrogates)
 fields                 only the ones this server honours; an unsupported OpenAI feature
-                       (``echo``, ``best_of``, ...) set to anything but its neutral value is
+                       (``best_of``, ``suffix``, ...) set to anything but its neutral value is
                        refused by name, an unknown field likewise
 ``logprobs``           completions: 0 .. ``MAX_LOGPROBS``; chat: a boolean, with
                        ``top_logprobs`` 0 .. ``MAX_LOGPROBS`` (``deployments.logprobs``)
@@ -80,7 +80,7 @@ _COMMON_FIELDS = frozenset(
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 _CHAT_FIELDS |= {"negative_messages"}
 FIELDS = {
-    False: _COMMON_FIELDS | {"prompt", "prompt_embeds", "negative_prompt"},
+    False: _COMMON_FIELDS | {"prompt", "prompt_embeds", "negative_prompt", "echo"},
     True: _COMMON_FIELDS | _CHAT_FIELDS | {"parallel_tool_calls"},
 }
 # OpenAI features this server does not implement, with the values that ask for nothing.
@@ -161,6 +161,7 @@ class RequestFields:
     include_usage: bool = False
     cache_salt: str | None = None  # only requests with the same salt share cached pages
     logprobs: int | None = None  # the model's logprobs and this many alternatives
+    echo: bool = False  # completions: the prompt leads the text (and its tokens the logprobs)
     constraint: ConstraintSpec | None = None  # response_format, or the forced tool call's
     tools: ToolCalling | None = None  # the tools; a forced call: the output is read back as one
 
@@ -187,6 +188,7 @@ class RequestFields:
             cache_salt=self.cache_salt,
             constraint=self.constraint,
             logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
             embeddings=embeddings,
             negative_prompt_ids=None if negative_prompt_ids is None else tuple(negative_prompt_ids),
         )
@@ -364,10 +366,21 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
         include_usage=_bool_field(_stream_options(body), "include_usage"),
         cache_salt=_cache_salt(body),
         logprobs=parse_logprobs(body, chat),
+        echo=_echo(body, chat),
         **_constraint_fields(parse_response_format(body), parse_tools(body, chat)),
     )
     check_guided_fields(fields, chat)
     return fields
+
+
+def _echo(body: dict[str, Any], chat: bool) -> bool:
+    """``echo`` (completions): the prompt comes back before the completion, its tokens'
+    log-probabilities before the completion's (the first token has none)."""
+    echo = not chat and _bool_field(body, "echo")
+    if echo and body.get("prompt_embeds") is not None:
+        message = "'echo' needs a prompt of text or token ids, not 'prompt_embeds'"
+        raise OpenAIError(message, param="echo")
+    return echo
 
 
 def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:

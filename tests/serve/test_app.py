@@ -92,6 +92,33 @@ def test_several_prompts_in_one_completion(client: openai.OpenAI) -> None:
     assert texts == expected
 
 
+def test_echo_scores_the_prompt_as_generation_scores_tokens(client: openai.OpenAI) -> None:
+    """lm-eval's loglikelihood request (token-id prompts, batched, ``echo`` with
+    ``logprobs: 1`` and ``max_tokens: 1``): a prompt token's log-probability is the raw one the
+    model gives that token when it is generated there (forced by ``logit_bias``, which the
+    reported log-probabilities do not include)."""
+    prompt = [5, 17, 42, 9, 3, 77]
+    forced = client.completions.create(
+        model="demo", prompt=prompt[:-1], max_tokens=1, logprobs=0,
+        logit_bias={str(prompt[-1]): 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    out = client.completions.create(
+        model="demo", prompt=[prompt, [8, 8]], max_tokens=1, temperature=0, logprobs=1,
+        extra_body={"echo": True, "ignore_eos": True},
+    )  # fmt: skip
+    scored = out.choices[0].logprobs
+    assert len(scored.token_logprobs) == len(prompt) + 1  # the prompt's, then the new token's
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    assert scored.token_logprobs[len(prompt) - 1] == pytest.approx(
+        forced.choices[0].logprobs.token_logprobs[0], abs=1e-3
+    )
+    greedy = max(scored.top_logprobs[-1], key=scored.top_logprobs[-1].get)
+    assert scored.tokens[-1] == greedy  # temperature 0: the new token is the top one
+    assert out.choices[0].text.endswith(scored.tokens[-1])
+    assert len(out.choices[1].logprobs.token_logprobs) == 3
+    assert out.usage.prompt_tokens == len(prompt) + 2
+
+
 def test_completion(client: openai.OpenAI) -> None:
     out = client.completions.create(model="demo", prompt="Once upon", max_tokens=12, temperature=0)
     choice = out.choices[0]
@@ -352,7 +379,7 @@ HOSTILE: list[tuple[str, str, bytes | dict | list | str, int]] = [
     ("completions", J, {"prompt": "Hi", "stream_options": []}, 400),
     ("completions", J, {"prompt": "Hi", "stream_options": {"x": 1}}, 400),
     ("completions", J, {"prompt": "Hi", "logprobs": 50}, 400),
-    ("completions", J, {"prompt": "Hi", "echo": True}, 400),
+    ("completions", J, {"prompt": "Hi", "echo": 1}, 400),
     ("completions", J, {"prompt": "Hi", "best_of": 3}, 400),
     ("completions", J, {"prompt": "Hi", "suffix": "end"}, 400),
     ("completions", J, {"prompt": "Hi", "messages": MESSAGES}, 400),

@@ -41,7 +41,7 @@ def test_too_many_prompts_are_refused() -> None:
 
 def test_each_prompt_is_its_own_request(builder) -> None:
     body = {"prompt": ["Once upon", [5, 6, 7]], "max_tokens": 3, "n": 2, "seed": 4}
-    (_, a), (_, b) = builder.requests(body, chat=False)
+    a, b = (each.generation for each in builder.requests(body, chat=False))
     assert a.prompt_ids == tuple(builder.tokenizer.encode("Once upon")[0].tolist())
     assert b.prompt_ids == (5, 6, 7)
     assert a.n == b.n == 2 and a.max_new_tokens == b.max_new_tokens == 3

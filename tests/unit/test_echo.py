@@ -1,0 +1,103 @@
+"""Completions ``echo``: the field parsed into prompt log-probabilities on the request, the
+prompt put before the text and its tokens before the log-probabilities (the first with
+none), streamed and whole, for text and token-id prompts; refused where there is no prompt
+text to echo. Without Ray or a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")  # deployments import ray.serve (nothing is started here)
+
+from deployments.choices import ChoiceState, Echo, OutputOptions, full_body
+from deployments.protocol import OpenAIError, parse_fields
+from deployments.responses import ResponseFormat
+
+VOCAB = 100
+
+
+def _fields(body: dict[str, Any], chat: bool = False):
+    return parse_fields({"prompt": "x", **body} if not chat else body, chat, VOCAB)
+
+
+def test_echo_asks_the_replica_for_prompt_logprobs_only_with_logprobs() -> None:
+    assert _fields({"echo": True, "logprobs": 2}).generation([1, 2], 3, []).prompt_logprobs == 2
+    assert _fields({"echo": True}).generation([1, 2], 3, []).prompt_logprobs is None
+    assert _fields({"logprobs": 2}).generation([1, 2], 3, []).prompt_logprobs is None
+    assert not _fields({"echo": False}).echo
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"echo": "yes"}, False, "echo"),
+        ({"echo": True, "prompt": None, "prompt_embeds": "AAAA"}, False, "echo"),
+        ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, True, "echo"),
+    ],
+)
+def test_echo_is_refused_where_it_cannot_be_honoured(body, chat, param) -> None:
+    with pytest.raises(OpenAIError) as info:
+        _fields(body, chat)
+    assert info.value.param == param and info.value.status == 400
+
+
+class Spelling:
+    """TokenBytes' interface over a toy vocabulary: token i is spelled 'tI'."""
+
+    def text_of(self, token: int) -> str:
+        return f"t{token}"
+
+    def bytes_of(self, token: int) -> bytes:
+        return f"t{token}".encode()
+
+
+def _messages() -> list[dict[str, Any]]:
+    first = {"index": 0, "text": "t7", "token_ids": [7], "eos": False,
+             "logprobs": [(7, -0.5, [7], [-0.5])],
+             "prompt_logprobs": [(4, -2.0, [9], [-1.0]), (5, -3.0, [5], [-3.0])]}  # fmt: skip
+    last = {"index": 0, "text": "", "token_ids": [], "eos": True, "eos_reason": "max_new_tokens",
+            "prompt_tokens": 3, "new_tokens": 1, "cached_tokens": 0}  # fmt: skip
+    return [first, last]
+
+
+def _state(tokens: bool) -> tuple[ChoiceState, ResponseFormat]:
+    fmt = ResponseFormat.new(False, "m", "rid")
+    options = OutputOptions(tokens=Spelling() if tokens else None, echo=Echo("t3t4t5", 3))
+    return ChoiceState(0, fmt, options), fmt
+
+
+def test_the_prompt_leads_the_text_and_the_logprobs() -> None:
+    state, fmt = _state(tokens=True)
+    for message in _messages():
+        state.add(message)
+    choice = full_body(fmt, [state])["choices"][0]
+    assert choice["text"] == "t3t4t5t7"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["t3", "t4", "t5", "t7"]
+    assert logprobs["token_logprobs"] == [None, -2.0, -3.0, -0.5]
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1] == {"t9": -1.0, "t4": -2.0}  # the token itself added
+    assert logprobs["text_offset"] == [0, 2, 4, 6]
+
+
+def test_a_stream_sends_the_prompt_first_and_once() -> None:
+    state, _ = _state(tokens=False)
+    chunks = [c for m in _messages() for c in state.chunks(m)]
+    assert [c["choices"][0]["text"] for c in chunks] == ["t3t4t5t7", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[0]["choices"][0]["logprobs"] is None  # none were asked
+    assert state.text == "t3t4t5t7"
+
+
+def test_the_builder_echoes_the_prompt_as_given(builder) -> None:
+    body = {"prompt": "Once upon", "echo": True, "max_tokens": 2}
+    (prepared,) = builder.requests(body, chat=False)
+    echo = prepared.options.echo
+    assert echo.text == "Once upon" and echo.first_token == prepared.generation.prompt_ids[0]
+    ids = [5, 6, 7]
+    (prepared,) = builder.requests({**body, "prompt": ids}, chat=False)
+    assert prepared.options.echo.text == builder.tokenizer.decode(ids)
+    (plain,) = builder.requests({"prompt": "x", "max_tokens": 2}, chat=False)
+    assert plain.options.echo is None
