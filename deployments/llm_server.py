@@ -136,6 +136,9 @@ class Delta:
     final: dict[str, Any] | None = None
     logprobs: list[tuple] = field(default_factory=list)  # deployments.logprobs.LogprobEntry
     prompt_logprobs: list[tuple] = field(default_factory=list)  # (prefill results)
+    # an echo's entries are the prompt's and every generated token's, the stop token's too
+    # (clients such as lm-eval slice them by count)
+    keep_stop_entry: bool = False
 
     def add(self, result: dict[str, Any]) -> None:
         self.prompt_logprobs += result.get("prompt_logprobs", ())
@@ -145,7 +148,7 @@ class Delta:
         if "token_ids" in result:  # a "cancelled" final result carries no token
             self.token_ids.extend(result["token_ids"][0].tolist())
         if "token_logprobs" in result:
-            self.logprobs += _logprob_entries(result)
+            self.logprobs += _logprob_entries(result, self.keep_stop_entry)
         if result["eos"]:
             self.final = result
 
@@ -170,14 +173,16 @@ class Delta:
         return out
 
 
-def _logprob_entries(result: dict[str, Any]) -> list[tuple[int, float, list[int], list[float]]]:
+def _logprob_entries(
+    result: dict[str, Any], keep_stop_entry: bool = False
+) -> list[tuple[int, float, list[int], list[float]]]:
     """One ``deployments.logprobs.LogprobEntry`` per token of a result (a result can hold
     several: text released after a banned-string check); the stop token ending a choice is not
-    part of its text and has none."""
+    part of its text and has none, unless ``keep_stop_entry``."""
     ids, values = result["token_ids"][0].tolist(), result["token_logprobs"][0].tolist()
     top_ids, top_values = result["top_logprob_ids"][0].tolist(), result["top_logprobs"][0].tolist()
     entries = list(zip(ids, values, top_ids, top_values, strict=True))
-    if result.get("eos_reason") == "stop_token":
+    if result.get("eos_reason") == "stop_token" and not keep_stop_entry:
         entries = entries[:-1]
     return entries
 
@@ -185,9 +190,10 @@ def _logprob_entries(result: dict[str, Any]) -> list[tuple[int, float, list[int]
 class ChoiceStream:
     """One choice's pending delta and when it was last sent (coalescing per choice)."""
 
-    def __init__(self, index: int, start: float) -> None:
+    def __init__(self, index: int, start: float, keep_stop_entry: bool = False) -> None:
         self.index = index
-        self.delta = Delta()
+        self.keep_stop_entry = keep_stop_entry
+        self.delta = Delta(keep_stop_entry=keep_stop_entry)
         self.last_sent = start
         self.sent = 0
         self.done = False
@@ -207,7 +213,7 @@ class ChoiceStream:
         due = self.sent == 0 or now - self.last_sent >= interval
         if not (due or delta.final is not None):
             return None
-        self.delta, self.last_sent = Delta(), now
+        self.delta, self.last_sent = Delta(keep_stop_entry=self.keep_stop_entry), now
         self.sent += 1
         self.done = delta.final is not None
         return {"index": self.index, **delta.message()}
@@ -325,7 +331,8 @@ class LLMServer:
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         start = time.monotonic()
-        streams = [ChoiceStream(i, start) for i in range(request.n)]
+        echo = request.prompt_logprobs is not None
+        streams = [ChoiceStream(i, start, keep_stop_entry=echo) for i in range(request.n)]
         jobs: list[DynamicJobAsync] = []
         self.requests_active += 1
         self.active.start(request.request_id, request.n)

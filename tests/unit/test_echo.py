@@ -101,3 +101,23 @@ def test_the_builder_echoes_the_prompt_as_given(builder) -> None:
     assert prepared.options.echo.text == builder.tokenizer.decode(ids)
     (plain,) = builder.requests({"prompt": "x", "max_tokens": 2}, chat=False)
     assert plain.options.echo is None
+
+
+def test_an_echo_keeps_the_stop_tokens_entry() -> None:
+    """lm-eval slices an echo's entries by count (prompt, then the one new token): a new token
+    that is the stop token keeps its entry there; elsewhere it has none (not in the text)."""
+    import torch
+
+    from deployments.llm_server import ChoiceStream
+
+    result = {"stage": "streaming", "eos": True, "eos_reason": "stop_token", "text": "",
+              "token_ids": torch.tensor([[2]]), "token_logprobs": torch.tensor([[-0.1]]),
+              "top_logprob_ids": torch.tensor([[[2]]]), "top_logprobs": torch.tensor([[[-0.1]]]),
+              "prompt_logprobs": [(4, -1.0, [], [])], "prompt_tokens": 2, "new_tokens": 1,
+              "cached_tokens": 0, "cached_pages": 0}  # fmt: skip
+    for keep, expected in ((True, [2]), (False, [])):
+        stream = ChoiceStream(0, 0.0, keep_stop_entry=keep)
+        stream.add([result])
+        message = stream.delta.message()
+        assert [e[0] for e in message.get("logprobs", [])] == expected
+        assert message["prompt_logprobs"] == [(4, -1.0, [], [])]
