@@ -25,6 +25,10 @@ from typing import Any
 from engine.cache.page_table import RECENT_BLOCKS, PageTable
 from engine.cache.prefix_hash import EmbeddingSpan, PageHash, page_hash, prefix_hashes
 
+# Prompt positions a sequence scoring its prompt computes per step: each returns float32
+# logits over the vocabulary (256 x 128k x 4 bytes = 128 MiB for Llama 3)
+PROMPT_LOGITS_CHUNK = 256
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -296,7 +300,7 @@ class Scheduler:
                 continue
             if seq.num_pending <= seq.held_tokens:
                 continue  # a CFG row waiting for its partner's last chunk
-            n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
+            n = self._chunk(seq, budget)
             if n == 0 and seq.leader is self.running[0]:  # (a CFG pair: either row)
                 n = self._make_room_for_oldest(seq, plan, budget)
             if n == 0:
@@ -306,11 +310,19 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _chunk(self, seq: SeqState, budget: int) -> int:
+        """Tokens ``seq`` may compute now: its pending ones (a CFG row keeps its last for the
+        pair), within the budget and the pages it can get. A sequence scoring its prompt
+        returns every position's logits (float32 x the vocabulary each): at most
+        ``PROMPT_LOGITS_CHUNK`` of them per step."""
+        n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
+        return min(n, PROMPT_LOGITS_CHUNK) if seq.prompt_logits else n
+
     def _make_room_for_oldest(self, seq: SeqState, plan: StepPlan, budget: int) -> int:
         """The oldest sequence must always progress: preempt newer ones until it can."""
         while len(self.running) > len(seq.group):
             self._preempt(self.running[-1], plan)
-            n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
+            n = self._chunk(seq, budget)
             if n:
                 return n
         return 0
@@ -391,7 +403,7 @@ class Scheduler:
         if not seq.admitted:
             seq.cached_pages = len(hits)
             seq.cached_tokens = seq.num_computed
-        n = min(seq.num_pending - seq.held_tokens, budget, self._room(seq))
+        n = self._chunk(seq, budget)
         if (n == 0 and seq.partner is None) or not self._grow(seq, n):
             self._release_pages(seq)
             return failed

@@ -140,3 +140,34 @@ def test_combinations_that_change_the_prompt_are_refused(tiny) -> None:
     assert not one.seq.prompt_logits
     request = GenerationRequest(prompt_ids=(1, 2, 3), max_new_tokens=2, prompt_logprobs=2)
     assert DynamicJob.from_request(request).return_prompt_logprobs == 2
+
+
+def test_a_scored_prompt_computes_a_bounded_chunk_per_step(tiny, monkeypatch) -> None:
+    """Every position of a scored chunk returns logits over the vocabulary: its chunks are
+    capped (at 256 tokens; 5 here), the other jobs' are not."""
+    monkeypatch.setattr("engine.scheduler.PROMPT_LOGITS_CHUNK", 5)
+    ids = _prompt(tiny)
+    generator = tiny.generator(max_chunk_size=64)
+    scored = DynamicJob(ids, 1, identifier="scored", return_prompt_logprobs=0)
+    plain = DynamicJob(ids[1:], 1, identifier="plain")
+    sizes: dict[str, list[int]] = {"scored": [], "plain": []}
+    generator.enqueue(scored)
+    generator.enqueue(plain)
+    collected = []
+    while generator.num_remaining_jobs():
+        plan_entries = []
+        original = generator.runner.forward_plan
+
+        def spy(plan, patch=None, original=original, seen=plan_entries):
+            seen.extend(plan.entries)
+            return original(plan, patch)
+
+        generator.runner.forward_plan = spy
+        for r in generator.iterate():
+            collected += r.get("prompt_logprobs", []) if r["identifier"] == "scored" else []
+        generator.runner.forward_plan = original
+        for e in plan_entries:  # (one new token each: every entry is a prompt chunk)
+            sizes[e.seq.owner.identifier].append(e.num_tokens)
+    assert max(sizes["scored"]) == 5 and sum(sizes["scored"]) == len(ids)
+    assert max(sizes["plain"]) > 5
+    _assert_matches(collected, _reference(tiny, ids, 0))
