@@ -48,6 +48,8 @@ def llm_deployment(preset: Preset) -> serve.Deployment:
         options = {
             "autoscaling_config": serving.autoscaling.serve_config(preset.batch_size_estimate)
         }
+    options["max_ongoing_requests"] = serving.max_ongoing_requests
+    options["max_queued_requests"] = serving.max_queued_requests or -1  # (-1: Serve's no bound)
     if ROUTERS[serving.router] is not None:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTERS[serving.router],

@@ -26,7 +26,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve import context as serve_context
-from ray.serve.exceptions import RequestCancelledError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -63,6 +63,7 @@ from engine.token_bytes import TokenBytes
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ray.serve")
+BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's backpressure config names none
 
 # What a request's handler sees when its client disconnected (Serve cancels the call).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError, RequestCancelledError)
@@ -396,7 +397,13 @@ class Ingress:
         ]
         messages = self._messages([each.generation for each in prepared], fields.n)
         if fields.stream:
-            events = _events(messages, choices, fmt, fields.include_usage)
+            # the first message before the headers: a request the replicas' queues refuse
+            # (or one that fails at once) gets its status, not a 200 and an error event
+            try:
+                first = await anext(messages, None)
+            except Exception as e:
+                return _failure(e, fmt.id).response()
+            events = _events(_prepended(first, messages), choices, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         return await _collect(messages, choices, fmt)
 
@@ -519,6 +526,29 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _prepended(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``first`` (None: nothing), then the rest of ``rest``."""
+    if first is None:
+        return
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _failure(exc: BaseException, request_id: str) -> OpenAIError:
+    """What the client sees of a failure while its request ran: the server busy (every
+    replica's queue full, ``serving.max_queued_requests``) as a 503 with a Retry-After, else
+    ``server_error``'s short message."""
+    if isinstance(exc, BackPressureError):
+        message = "the server is busy: every replica's queue is full; retry later"
+        retry = exc.retry_after_s if exc.retry_after_s is not None else BUSY_RETRY_AFTER_S
+        return OpenAIError(
+            message, status=exc.status_code or 503, code="server_busy", type_="server_error",
+            retry_after_s=retry,
+        )  # fmt: skip
+    return server_error(exc, request_id)
+
+
 async def _collect(
     messages: AsyncIterator[tuple[int, dict[str, Any]]],
     choices: list[ChoiceState],
@@ -528,7 +558,7 @@ async def _collect(
         async for index, message in messages:
             choices[index].add(message)
     except Exception as e:
-        return server_error(e, fmt.id).response()
+        return _failure(e, fmt.id).response()
     return JSONResponse(full_body(fmt, choices))
 
 
@@ -554,7 +584,7 @@ async def _events(
         if include_usage:
             tail.append(sse(fmt.usage_chunk([c.final for c in choices])))
     except Exception as e:
-        tail.append(sse(server_error(e, fmt.id).body()))
+        tail.append(sse(_failure(e, fmt.id).body()))
     tail.append(sse("[DONE]"))
     yield "".join(tail)
 

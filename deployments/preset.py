@@ -442,6 +442,11 @@ class ServingPreset:
     model_id: str | None = None  # the id /v1/models lists (default: from the model section)
     num_replicas: int = 1
     autoscaling: AutoscalingPreset | None = None  # replaces num_replicas when given
+    # Requests one LLMServer replica runs at once, and how many may wait for a replica in each
+    # caller (an ingress replica, a batch job) before more are refused with a 503 that says
+    # when to retry (None: no bound). serve_config.yaml's deployment entry overrides both.
+    max_ongoing_requests: int = 64
+    max_queued_requests: int | None = 1024
     router: str = "prefix"
     router_kwargs: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None  # None: 1 on CPU (replicas share small machines)
@@ -484,6 +489,12 @@ class ServingPreset:
             model_id=_str(raw, "model_id", "serving"),
             num_replicas=_int(raw, "num_replicas", "serving", cls.num_replicas, 1),
             autoscaling=autoscaling,
+            max_ongoing_requests=_int(
+                raw, "max_ongoing_requests", "serving", cls.max_ongoing_requests, 1
+            ),
+            max_queued_requests=_int(
+                raw, "max_queued_requests", "serving", cls.max_queued_requests, 1
+            ),
             router=_str(raw, "router", "serving", ROUTERS) or cls.router,
             router_kwargs=kwargs,
             torch_threads=_int(raw, "torch_threads", "serving", None, 1),

@@ -108,6 +108,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str = "invalid_request_error",
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -115,13 +116,17 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.type = type_
+        self.retry_after_s = retry_after_s  # a Retry-After header (the server is busy)
 
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = None
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def server_error(exc: BaseException, request_id: str | None = None) -> OpenAIError:
