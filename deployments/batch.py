@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ray.serve.exceptions import BackPressureError
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -87,6 +88,7 @@ from engine.request import GenerationRequest
 logger = logging.getLogger("pagedserve.batch")
 
 DEFAULT_APP_NAME = "pagedserve"
+BUSY_RETRY_S = 1.0  # wait before trying a line the busy replicas refused again
 EXIT_OK, EXIT_INFRA, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
@@ -155,15 +157,36 @@ async def generate_record(
 ) -> Record:
     """All ``n`` choices of one line, from one call (one replica runs them together)."""
     fmt = ResponseFormat.new(item.chat, "batch")
-    states = [ChoiceState(i, fmt, options or OutputOptions()) for i in range(request.n)]
     try:
-        await collect(generate(request), states)
+        states = await _collect_when_admitted(item, request, generate, fmt, options)
     except Exception as e:  # recorded as retryable; the job goes on
         logger.warning("id %r (line %d) failed: %r", item.id, item.line, e)
         message = f"{type(e).__name__}: {e}"
         return error_record(item.id, item.line, OpenAIError(message, type_=SERVER_ERROR))
     extras = [s.choice() for s in states]
     return result_record(item.id, [s.text for s in states], [s.final for s in states], extras)
+
+
+async def _collect_when_admitted(
+    item: Item,
+    request: GenerationRequest,
+    generate: Generate,
+    fmt: ResponseFormat,
+    options: OutputOptions | None,
+) -> list[ChoiceState]:
+    """The line's choices; while the replicas' queues are full (``--concurrency`` above what
+    ``serving.max_queued_requests`` lets wait) the line waits and tries again: a batch job
+    wants throughput, not an error record."""
+    while True:
+        states = [ChoiceState(i, fmt, options or OutputOptions()) for i in range(request.n)]
+        try:
+            await collect(generate(request), states)
+            return states
+        except BackPressureError as e:
+            delay = e.retry_after_s or BUSY_RETRY_S
+            logger.info("id %r (line %d): replicas busy, retrying in %.1f s", item.id, item.line,
+                        delay)  # fmt: skip
+            await asyncio.sleep(delay)
 
 
 class Runner:

@@ -160,3 +160,29 @@ def test_each_prompt_is_a_serve_call_of_its_own() -> None:
     assert len(set(handle.ids)) == 2 and "parent" not in handle.ids
     assert serve_context._get_serve_request_context()._internal_request_id == "parent"
     serve_context._unset_request_context()
+
+
+def test_a_batch_line_the_busy_replicas_refuse_waits_and_tries_again(monkeypatch) -> None:
+    """The batch job wants throughput: a line refused for backpressure is tried again (after
+    the Retry-After Serve names, else a second) rather than recorded as an error."""
+    from ray.serve.exceptions import BackPressureError
+
+    import deployments.batch as batch
+    from deployments.batch_records import Item
+    from engine.request import GenerationRequest
+
+    monkeypatch.setattr(batch, "BUSY_RETRY_S", 0.01)
+    calls = []
+
+    async def generate(_request):
+        calls.append(1)
+        if len(calls) < 3:
+            raise BackPressureError(num_queued_requests=9, max_queued_requests=9)
+        yield {"index": 0, "text": "ok", "token_ids": [5], "eos": True, "eos_reason": "stop_token",
+               "prompt_tokens": 2, "new_tokens": 1, "cached_tokens": 0}  # fmt: skip
+
+    item = Item(1, "x", {"prompt": "hi"}, chat=False)
+    request = GenerationRequest(prompt_ids=(1, 2), max_new_tokens=1)
+    record = asyncio.run(batch.generate_record(item, request, generate))
+    assert len(calls) == 3 and "error" not in record
+    assert record["text"] == "ok"
