@@ -9,6 +9,7 @@ stop string or an incomplete UTF-8 character, and is never lost: every finish fl
 from __future__ import annotations
 
 import enum
+import math
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -305,9 +306,12 @@ class DynamicJob:
         targets = self.seq.tokens[start + 1 : start + 1 + count]
         if len(targets) != count or start > len(self.prompt_logprobs):
             raise RuntimeError(f"job {self.identifier!r}: prompt logits out of order")
-        ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+        # an id past the tokenizer's vocabulary (a model's padded rows) has no probability
+        # there: -inf, and a gather that stays inside the rows (a device assert otherwise)
+        ids = torch.tensor(targets, dtype=torch.long, device=logits.device).clamp(0, vocab_size - 1)
         k = self.return_prompt_logprobs or 0
         values, top_ids, top_values = token_logprobs(logits[:, :vocab_size], ids, k)
+        values = [v if t < vocab_size else -math.inf for v, t in zip(values, targets, strict=True)]
         known = len(self.prompt_logprobs) - start
         for i in range(max(known, 0), count):
             self.prompt_logprobs.append((targets[i], values[i], top_ids[i], top_values[i]))

@@ -171,3 +171,19 @@ def test_a_scored_prompt_computes_a_bounded_chunk_per_step(tiny, monkeypatch) ->
     assert max(sizes["scored"]) == 5 and sum(sizes["scored"]) == len(ids)
     assert max(sizes["plain"]) > 5
     _assert_matches(collected, _reference(tiny, ids, 0))
+
+
+def test_a_prompt_id_past_the_tokenizers_vocabulary_scores_minus_infinity(tiny) -> None:
+    """A model's padded embedding rows take ids the tokenizer lacks: such a prompt token has
+    no probability under the vocabulary's distribution (and no gather past its rows)."""
+    ids = _prompt(tiny, "pad me")
+    job = DynamicJob(ids, 1, identifier="j", return_prompt_logprobs=1)
+    vocab = tiny.tokenizer.vocab_size
+    logits = torch.randn(len(ids) - 1, vocab + 8)
+    job.seq.tokens[2] = vocab + 3  # as if the prompt held a padded row's id
+    job.receive_prompt_logits(0, logits, vocab)
+    values = [e[1] for e in job.prompt_logprobs]
+    assert values[1] == float("-inf") and all(
+        v > float("-inf") for i, v in enumerate(values) if i != 1
+    )
+    assert all(e[2][0] < vocab for e in job.prompt_logprobs)
