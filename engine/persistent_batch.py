@@ -122,8 +122,10 @@ class PersistentBatch:
             rows.prompt_chunks.append(
                 q > 1 and entry.prompt_chunk
             )  # (q > 1: no call per decode row)
-            wanted = len(drafts) + 1 if start + n == len(tokens) else 0
-            wanted += entry.prompt_rows if seq.prompt_logits else 0  # (flag first: ~70 ns less)
+            # (the flag before the property: ~70 ns less per row)
+            wanted = (len(drafts) + 1 if start + n == len(tokens) else 0) + (
+                entry.prompt_rows if seq.prompt_logits else 0
+            )
             logits_rows.append(wanted)
             if wanted != 1:
                 rows.one_logit_each = False
