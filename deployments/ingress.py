@@ -1,11 +1,14 @@
 """``Ingress``: the HTTP front (starlette) with the OpenAI routes.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/stats``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (JSON, or ``stream: true`` server-sent events ending in
-``data: [DONE]``). The ingress validates the request, applies the chat template, tokenizes once,
-computes the prompt's page hashes (the engine's own ``prefix_hashes``) and sends token ids to an
-``LLMServer`` replica through a streaming handle whose request router places it by prefix.
-Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``.
+Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /v1/stats``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or ``stream: true`` server-sent
+events ending in ``data: [DONE]``). The ingress validates the request, applies the chat
+template, tokenizes once, computes the prompt's page hashes (the engine's own
+``prefix_hashes``) and sends token ids to an ``LLMServer`` replica through a streaming handle
+whose request router places it by prefix; a completion with several prompts sends one request
+per prompt and merges their streams. Errors are OpenAI error bodies ``{"error": {"message",
+"type", "param", "code"}}``; a request the replicas' full queues refuse is a 503 with a
+Retry-After.
 
 The starlette app is built per replica by ``__serve_build_asgi_app__`` (Ray Serve's hook for a
 non-FastAPI ASGI app whose routes need the deployment instance).

@@ -4,7 +4,8 @@ Roles ``system``, ``developer``, ``user``, ``assistant`` and ``tool``; keys ``ro
 ``content`` (a string or text parts; ``input_embeds`` parts: ``deployments.chat_embeds``), plus
 ``tool_calls`` on assistant messages and ``tool_call_id`` on tool messages, so that a client can
 send a function call back with its result (the OpenAI tool loop). Any other key set to
-something other than null is refused by name (``name`` included: no template here reads it).
+something other than null is refused by name (``name`` too: a participant's name is not
+something chat templates render, so it would be silently dropped).
 
 A tool message answers one of the calls of the assistant message before it (only other tool
 messages may sit between them), as OpenAI requires: its ``tool_call_id`` must name one of
