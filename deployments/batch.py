@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ray.serve.exceptions import BackPressureError
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -177,6 +176,11 @@ async def _collect_when_admitted(
     """The line's choices; while the replicas' queues are full (``--concurrency`` above what
     ``serving.max_queued_requests`` lets wait) the line waits and tries again: a batch job
     wants throughput, not an error record."""
+    # (imported here: with ray.serve imported at this module's import, before the job's
+    # ray.init, the two-node test's batch driver took engine.model from the installed
+    # checkout and failed to import engine.cache.key_centers; not understood further)
+    from ray.serve.exceptions import BackPressureError
+
     while True:
         states = [ChoiceState(i, fmt, options or OutputOptions()) for i in range(request.n)]
         try:
