@@ -9,9 +9,11 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
+import yaml
 from ray import serve
 
 from deployments.app import build_app
@@ -104,3 +106,15 @@ def start_app(request: pytest.FixtureRequest, config: str | Path, app_name: str)
     request.addfinalizer(lambda: serve.delete(app_name))
     serve.run(build_app({"config": str(config)}), name=app_name, route_prefix="/")
     return shared.base_url
+
+
+def start_preset_app(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    preset: dict[str, Any],
+    app_name: str,
+) -> str:
+    """``start_app`` for a preset given as a dict (written to a temporary YAML file)."""
+    config = Path(tmp_path_factory.mktemp("preset")) / f"{app_name}.yaml"
+    config.write_text(yaml.safe_dump(preset))
+    return start_app(request, config, app_name)

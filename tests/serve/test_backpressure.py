@@ -11,15 +11,13 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 
-from tests.serve.live import start_app  # noqa: E402
+from tests.serve.live import start_preset_app  # noqa: E402
 from tests.serve.test_faults import assert_idle, wait_idle  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
@@ -30,7 +28,6 @@ FILLER_TOKENS = 400  # seconds of work on this CPU
 
 @pytest.fixture(scope="module")
 def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    config = Path(tmp_path_factory.mktemp("preset")) / "busy.yaml"
     preset = {
         "model": {"demo": {"seed": 1234}, "dtype": "float32", "device": "cpu"},
         "engine": {"max_num_tokens": 2048, "page_size": 16, "max_chunk_size": 256},
@@ -41,8 +38,7 @@ def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             "max_queued_requests": 1,
         },
     }
-    config.write_text(yaml.safe_dump(preset))
-    return start_app(request, config, "busy")
+    return start_preset_app(request, tmp_path_factory, preset, "busy")
 
 
 def _complete(base_url: str, stream: bool, max_tokens: int = 8) -> tuple[int, Any, str]:

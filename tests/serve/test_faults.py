@@ -16,17 +16,15 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from engine.request import GenerationRequest, SamplerSettings  # noqa: E402
-from tests.serve.live import start_app  # noqa: E402
+from tests.serve.live import start_preset_app  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
 
@@ -41,14 +39,12 @@ APP = "faults"
 
 @pytest.fixture(scope="module")
 def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    config = Path(tmp_path_factory.mktemp("preset")) / "faults.yaml"
     preset = {
         "model": {"demo": {"seed": 1234}, "dtype": "float32", "device": "cpu"},
         "engine": {"max_num_tokens": CACHE_TOKENS, "page_size": 16, "max_chunk_size": 256},
         "serving": {"num_replicas": 2, "torch_threads": 1, "stream_interval_s": 0.02},
     }
-    config.write_text(yaml.safe_dump(preset))
-    return start_app(request, config, APP)
+    return start_preset_app(request, tmp_path_factory, preset, APP)
 
 
 # -- a small streaming client --------------------------------------------------------------------

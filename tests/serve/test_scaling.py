@@ -11,13 +11,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.serve.live import start_app
+from tests.serve.live import start_preset_app
 from tests.serve.test_faults import Outcome, replica_stats, stream_chat
 
 pytestmark = [pytest.mark.ray, pytest.mark.shared_serve]
@@ -39,14 +37,12 @@ AUTOSCALING = {
 
 @pytest.fixture(scope="module")
 def base_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    config = Path(tmp_path_factory.mktemp("preset")) / "autoscale.yaml"
     preset = {
         "model": {"demo": {"seed": 1234}, "dtype": "float32", "device": "cpu"},
         "engine": {"max_num_tokens": 4096, "page_size": 16, "max_chunk_size": 256},
         "serving": {"torch_threads": 1, "stream_interval_s": 0.05, "autoscaling": AUTOSCALING},
     }
-    config.write_text(yaml.safe_dump(preset))
-    return start_app(request, config, "autoscale")
+    return start_preset_app(request, tmp_path_factory, preset, "autoscale")
 
 
 def wait_for_replicas(base_url: str, count: int, timeout_s: float) -> list[dict[str, Any]]:
