@@ -188,8 +188,8 @@ async def _collect_when_admitted(
             return states
         except BackPressureError as e:
             delay = e.retry_after_s or BUSY_RETRY_S
-            logger.info("id %r (line %d): replicas busy, retrying in %.1f s", item.id, item.line,
-                        delay)  # fmt: skip
+            message = "id %r (line %d): replicas busy, retrying in %.1f s"
+            logger.info(message, item.id, item.line, delay)
             await asyncio.sleep(delay)
 
 
