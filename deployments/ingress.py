@@ -97,9 +97,7 @@ class PromptBuilder:
     def completion_ids(self, body: dict[str, Any], param: str = "prompt") -> list[int]:
         """The ids of the body's ``param`` (``prompt``, or CFG's ``negative_prompt``): a
         string, or a list of token ids."""
-        prompt = body.get(param)
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]
+        prompt = _one_prompt(body.get(param))
         if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
             ids = list(prompt)  # pre-tokenized prompt
             if any(not 0 <= t < self.config.vocab_size for t in ids):
@@ -213,9 +211,7 @@ class PromptBuilder:
         forced = fields.tools is not None and fields.tools.forced
         echo = None
         if fields.echo and generation is not None:
-            prompt = body.get("prompt") if body is not None else None
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
+            prompt = _one_prompt(body.get("prompt")) if body is not None else None
             ids = list(generation.prompt_ids)
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             echo = Echo(text, ids[0])
@@ -284,6 +280,13 @@ def _longest_token_bytes(tokenizer: Tokenizer) -> int:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_prompt(prompt: Any) -> Any:
+    """A ``prompt`` field with a list holding one prompt (a string or token ids) unwrapped."""
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        return prompt[0]
+    return prompt
 
 
 def several_prompts(body: dict[str, Any]) -> list[Any] | None:
