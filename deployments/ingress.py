@@ -57,6 +57,7 @@ from deployments.protocol import (
 )
 from deployments.responses import ResponseFormat, sse
 from deployments.structured import ToolCalling, tools_system_message
+from deployments.tool_parsers import CALL_SYNTAXES
 from engine.cache.prefix_hash import prefix_hashes, salt_root
 from engine.config import ModelConfig
 from engine.embeddings import MMEmbedding
@@ -86,6 +87,11 @@ class PromptBuilder:
         self.model_id = preset.model_id
         self.add_bos = self.tokenizer.add_bos_token
         self.trust_message_tokens = preset.serving.trust_message_special_tokens
+        self.call_syntax = CALL_SYNTAXES.get(preset.serving.tool_call_parser or "")
+        # a call syntax whose markers are special tokens here: "auto" responses must show them
+        self.call_markers_special = self.call_syntax is not None and any(
+            _is_special_text(self.tokenizer, marker) for marker in self.call_syntax.markers
+        )
         # No token covers more bytes of text than the longest one decodes to, so a text longer
         # than context x that cannot fit: refused before spending time tokenizing it.
         self.max_prompt_chars = self.context_length * _longest_token_bytes(self.tokenizer)
@@ -125,14 +131,14 @@ class PromptBuilder:
         messages, embeddings = embeds.messages(value, param)
         self.check_text_length(text_length(messages), param)
         template = self.tokenizer.chat_template or ""
-        messages = for_template(messages, template)
+        messages = for_template(messages, template, self.call_syntax)
         extra: dict[str, Any] = {}
         if tools is not None and embeddings:
             check_tools_text(tools.tools)
         if tools is not None and "tools" in template:
             extra["tools"] = list(tools.tools)  # the template renders them its own way
         elif tools is not None:
-            messages = [tools_system_message(tools.tools), *messages]
+            messages = [tools_system_message(tools), *messages]
         try:
             ids = self.tokenizer.encode_chat(
                 messages,
@@ -208,14 +214,16 @@ class PromptBuilder:
         """What the response shows beyond text (logprobs, a tool call, the echoed prompt of
         ``generation``, as ``body`` gave it) for these fields."""
         tokens = self.token_bytes if fields.logprobs is not None else None
-        forced = fields.tools is not None and fields.tools.forced
+        tools = fields.tools
+        if tools is not None and not (tools.forced or tools.auto):
+            tools = None  # tool_choice "none": a message, never a call
         echo = None
         if fields.echo and generation is not None:
             prompt = _one_prompt(body.get("prompt")) if body is not None else None
             ids = list(generation.prompt_ids)
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             echo = Echo(text, ids[0])
-        return OutputOptions(tokens=tokens, tools=fields.tools if forced else None, echo=echo)
+        return OutputOptions(tokens=tokens, tools=tools, echo=echo)
 
     def requests(self, body: dict[str, Any], chat: bool) -> list[Prepared]:
         """One request per prompt: a completion's ``prompt`` may be a list of prompts (strings
@@ -241,7 +249,7 @@ class PromptBuilder:
     def request(self, body: dict[str, Any], chat: bool) -> tuple[RequestFields, GenerationRequest]:
         """Validate a request body into the one request a replica runs (all ``n`` choices:
         one replica runs them, sharing the prompt's pages)."""
-        fields = parse_fields(body, chat, self.config.vocab_size)
+        fields = parse_fields(body, chat, self.config.vocab_size, self.call_syntax)
         embeds = ChatEmbeds(self.config.hidden_size, self.run_dtype)
         if chat:
             ids, embeddings = self.chat_prompt(body.get("messages"), fields.tools, embeds=embeds)
@@ -259,8 +267,11 @@ class PromptBuilder:
         root = salt_root(fields.cache_salt)
         # the router's page hashes: the positive prompt's, over its rows' content
         hashes = prefix_hashes(ids, self.page_size, parent=root, embeddings=embeddings)
+        auto_calls = fields.tools is not None and fields.tools.auto
+        special = not fields.skip_special_tokens or (auto_calls and self.call_markers_special)
         try:
-            return fields, fields.generation(ids, max_new, hashes, embeddings, negative)
+            generation = fields.generation(ids, max_new, hashes, embeddings, negative, special)
+            return fields, generation
         except ValueError as e:  # a limit the field checks above did not foresee
             raise OpenAIError(f"invalid request: {e}") from None
 
@@ -272,6 +283,12 @@ class Prepared:
     fields: RequestFields
     generation: GenerationRequest
     options: OutputOptions
+
+
+def _is_special_text(tokenizer: Tokenizer, text: str) -> bool:
+    """Whether ``text`` is one special token of ``tokenizer`` (skipped when decoding)."""
+    ids = tokenizer.encode(text, encode_special_tokens=True)[0].tolist()
+    return len(ids) == 1 and ids[0] in tokenizer.special_ids
 
 
 def _longest_token_bytes(tokenizer: Tokenizer) -> int:

@@ -17,8 +17,10 @@ renders (the template's source decides, as it names what it reads):
 - one that reads ``tool_calls`` gets the calls as transformers passes them (``arguments`` as a
   JSON object when it parses as one; templates write it with ``tojson``) and tool messages
   with their ``tool_call_id`` and the function's ``name``;
-- any other gets each call as a line of JSON, ``{"name": ..., "arguments": ...}``, after the
-  assistant's text (the shape this server's forced call with several functions produces), and
+- any other gets each call after the assistant's text, written in the deployment's call syntax
+  when it has one (``deployments.tool_parsers``: what the model was told to write), else as a
+  line of JSON, ``{"name": ..., "arguments": ...}`` (the shape this server's forced call with
+  several functions produces), and
   each run of tool messages as one user message, ``<name> returned: <content>`` per result,
   so that user and assistant turns still alternate for templates that insist on it;
 - ``developer`` (OpenAI's newer name for the system role) stays ``developer`` for a template
@@ -32,6 +34,7 @@ from typing import Any
 
 from deployments.protocol import MAX_JSON_DEPTH, OpenAIError, _nesting_depth, _short, text_value
 from deployments.structured import NAME
+from deployments.tool_parsers import CallSyntax
 
 MAX_MESSAGES = 1024
 MAX_TOOL_CALLS = 128  # per assistant message
@@ -149,8 +152,12 @@ def text_length(messages: list[dict[str, Any]]) -> int:
 # -- shaped for a template -------------------------------------------------------------------
 
 
-def for_template(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
-    """The conversation as the chat template ``template`` (its source) can render it."""
+def for_template(
+    messages: list[dict[str, Any]], template: str, syntax: CallSyntax | None = None
+) -> list[dict[str, Any]]:
+    """The conversation as the chat template ``template`` (its source) can render it;
+    ``syntax``: how the model writes calls (earlier calls are written so, when the template
+    cannot render them itself)."""
     knows_tools = "tool_calls" in template
     knows_developer = "developer" in template
     shaped: list[dict[str, Any]] = []
@@ -168,19 +175,24 @@ def for_template(messages: list[dict[str, Any]], template: str) -> list[dict[str
             continue
         results = None
         if "tool_calls" in message:
-            message = _with_calls(message, knows_tools)
+            message = _with_calls(message, knows_tools, syntax)
         shaped.append(message)
     return shaped
 
 
-def _with_calls(message: dict[str, Any], knows_tools: bool) -> dict[str, Any]:
+def _with_calls(
+    message: dict[str, Any], knows_tools: bool, syntax: CallSyntax | None
+) -> dict[str, Any]:
     if knows_tools:
         return {**message, "tool_calls": [_structured(call) for call in message["tool_calls"]]}
     lines = [message["content"]] if message["content"] else []
     for call in message["tool_calls"]:
-        function = call["function"]
-        value = {"name": function["name"], "arguments": _arguments_value(function["arguments"])}
-        lines.append(json.dumps(value, ensure_ascii=False))
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        value = _arguments_value(arguments)
+        if syntax is not None:
+            lines.append(syntax.written(name, value))
+        else:
+            lines.append(json.dumps({"name": name, "arguments": value}, ensure_ascii=False))
     return {"role": message["role"], "content": "\n".join(lines)}
 
 

@@ -458,9 +458,14 @@ class ServingPreset:
     # Parse special-token text inside chat message contents too (the old behaviour): only for
     # deployments whose callers are trusted, since it lets a message forge turns.
     trust_message_special_tokens: bool = False
+    # The syntax the model writes tool calls in (deployments/tool_parsers.py: hermes,
+    # llama3_json), for tool_choice "auto"; None: "auto" is refused.
+    tool_call_parser: str | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ServingPreset:
+        from deployments.tool_parsers import CALL_SYNTAXES  # (starlette, numpy: not at import)
+
         _known_keys(raw, cls, "serving")
         kwargs = _mapping(raw.get("router_kwargs"), "serving.router_kwargs")
         try:  # a router that fails in initialize_state would leave Serve's handle waiting
@@ -504,6 +509,7 @@ class ServingPreset:
             trust_message_special_tokens=bool(
                 _bool(raw, "trust_message_special_tokens", "serving")
             ),
+            tool_call_parser=_str(raw, "tool_call_parser", "serving", CALL_SYNTAXES),
         )
 
 

@@ -55,6 +55,7 @@ from engine.request import MAX_CHOICES, GenerationRequest, SamplerSettings
 
 if TYPE_CHECKING:
     from deployments.structured import ToolCalling
+    from deployments.tool_parsers import CallSyntax
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,7 +75,7 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
         "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
-        "logprobs", "response_format", "cfg_scale",
+        "logprobs", "response_format", "cfg_scale", "skip_special_tokens",
     }
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
@@ -169,6 +170,7 @@ class RequestFields:
     echo: bool = False  # completions: the prompt leads the text (and its tokens the logprobs)
     constraint: ConstraintSpec | None = None  # response_format, or the forced tool call's
     tools: ToolCalling | None = None  # the tools; a forced call: the output is read back as one
+    skip_special_tokens: bool = True  # (vLLM's) false: the text shows special tokens too
 
     def generation(
         self,
@@ -177,9 +179,11 @@ class RequestFields:
         page_hashes: list[int],
         embeddings: tuple = (),
         negative_prompt_ids: list[int] | None = None,
+        decode_special_tokens: bool = False,
     ) -> GenerationRequest:
         """The request a replica runs; ``negative_prompt_ids``: CFG's negative prompt (with
-        ``settings.cfg_scale``)."""
+        ``settings.cfg_scale``); ``decode_special_tokens``: the text shows special tokens
+        (``skip_special_tokens`` false, or calls written with special-token markers)."""
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -196,6 +200,7 @@ class RequestFields:
             prompt_logprobs=self.logprobs if self.echo else None,
             embeddings=embeddings,
             negative_prompt_ids=None if negative_prompt_ids is None else tuple(negative_prompt_ids),
+            decode_special_tokens=decode_special_tokens,
         )
 
 
@@ -277,10 +282,10 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in values if s)
 
 
-def _bool_field(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def _bool_field(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise OpenAIError(f"'{name}' must be a boolean, got {_short(value)}", param=name)
     return value
@@ -346,8 +351,11 @@ def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFields:
-    """Validate the generation fields shared by both routes."""
+def parse_fields(
+    body: dict[str, Any], chat: bool, vocab_size: int, call_syntax: CallSyntax | None = None
+) -> RequestFields:
+    """Validate the generation fields shared by both routes; ``call_syntax``: the syntax the
+    deployment's model writes tool calls in (``tool_choice`` "auto" needs one)."""
     # (imported here: they raise OpenAIError, from this module)
     from deployments.guidance import check_guided_fields, parse_cfg_scale
     from deployments.logprobs import parse_logprobs
@@ -372,7 +380,8 @@ def parse_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> RequestFi
         cache_salt=_cache_salt(body),
         logprobs=parse_logprobs(body, chat),
         echo=_echo(body, chat),
-        **_constraint_fields(parse_response_format(body), parse_tools(body, chat)),
+        skip_special_tokens=_bool_field(body, "skip_special_tokens", default=True),
+        **_constraint_fields(parse_response_format(body), parse_tools(body, chat, call_syntax)),
     )
     check_guided_fields(fields, chat)
     return fields
@@ -389,11 +398,18 @@ def _echo(body: dict[str, Any], chat: bool) -> bool:
 
 
 def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:
-    if tools is None or not tools.forced:
+    if tools is None or not (tools.forced or tools.auto):
         return {"constraint": response_format, "tools": tools}
     if response_format is not None:
-        message = "'response_format' cannot be combined with a forced tool call"
+        what = (
+            "a forced tool call"
+            if tools.forced
+            else 'tool_choice "auto" (its grammar would forbid the calls)'
+        )
+        message = f"'response_format' cannot be combined with {what}"
         raise OpenAIError(message, param="response_format")
+    if tools.auto:
+        return {"constraint": None, "tools": tools}
     return {"constraint": tools.constraint(), "tools": tools}
 
 

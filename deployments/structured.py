@@ -13,14 +13,16 @@ Tools (chat): ``tools`` (``{"type": "function", "function": {"name", "descriptio
 "function": {"name"}}``. One function (named, or the only one): the output is its arguments,
 constrained by its ``parameters`` schema. Several with ``"required"``: the output is
 ``{"name": ..., "arguments": {...}}`` under an ``anyOf`` over the functions. Either way exactly
-one call is made. ``tool_choice`` ``"none"``: the tools are in the prompt (as in the turns that
-called them, so their pages are shared) and the output is a message, never a call.
-``tool_choice`` ``"auto"`` (OpenAI's default when tools are given: the model would choose, and
-this server has no parser for a model's own call syntax), ``parallel_tool_calls: true`` (we
-never make several calls; ``false`` is what we do anyway) and ``response_format`` together
-with a forced call are refused. The tools reach the prompt through the chat template's
-``tools`` variable when the template uses one, else as a system message listing them. The
-calls and results of earlier turns are in ``messages`` (``deployments.messages``).
+one call is made (``parallel_tool_calls: true`` is refused with them). ``tool_choice``
+``"none"``: the tools are in the prompt (as in the turns that called them, so their pages are
+shared) and the output is a message, never a call. ``tool_choice`` ``"auto"`` (OpenAI's
+default when tools are given): the model decides and writes its calls in its own syntax, read
+back by the deployment's ``serving.tool_call_parser`` (``deployments.tool_parsers``; refused
+when the preset names none); ``parallel_tool_calls: false`` keeps only its first call.
+``response_format`` together with a forced call is refused. The tools reach the prompt
+through the chat template's ``tools`` variable when the template uses one, else as a system
+message listing them (with a call syntax: one that also says how to write a call). The calls
+and results of earlier turns are in ``messages`` (``deployments.messages``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.protocol import OpenAIError, _short
+from deployments.tool_parsers import CallSyntax
 from engine.constraints.spec import ConstraintSpec
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -107,12 +110,23 @@ class Function:
 
 @dataclass(frozen=True, slots=True)
 class ToolCalling:
-    """The tools as given (for the chat template) and the functions the output may call (one:
-    the output is its arguments; several: ``{"name", "arguments"}``; none: ``tool_choice``
-    "none", the output is a message)."""
+    """The tools as given (for the chat template) and the functions the output must call
+    (one: the output is its arguments; several: ``{"name", "arguments"}``; none: the output is
+    a message, with calls read from it by ``syntax`` under ``tool_choice`` "auto")."""
 
     tools: tuple[dict[str, Any], ...]
     functions: tuple[Function, ...]
+    syntax: CallSyntax | None = None  # "auto": the syntax the model writes calls in
+    parallel: bool = True  # "auto": more than one call may be kept
+
+    @property
+    def auto(self) -> bool:
+        """Whether the model decides, its calls read back from its text."""
+        return self.syntax is not None and not self.functions
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
 
     @property
     def forced(self) -> bool:
@@ -157,11 +171,15 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tools(body: dict[str, Any], chat: bool) -> ToolCalling | None:
+def parse_tools(
+    body: dict[str, Any], chat: bool, syntax: CallSyntax | None = None
+) -> ToolCalling | None:
+    """The request's tools and tool choice; ``syntax``: the deployment's call syntax (what
+    makes ``tool_choice`` "auto" possible)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
-    if parallel is not None and parallel is not False:
-        message = "'parallel_tool_calls' must be false: this server makes exactly one call"
+    if parallel is not None and not isinstance(parallel, bool):
+        message = "'parallel_tool_calls' must be a boolean"
         raise OpenAIError(message, param="parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none"):
@@ -170,7 +188,16 @@ def parse_tools(body: dict[str, Any], chat: bool) -> ToolCalling | None:
     if not chat:
         raise OpenAIError("'tools' is only supported for chat completions", param="tools")
     functions = _functions(tools)
-    return ToolCalling(tuple(tools), _chosen(functions, choice))
+    if choice in (None, "auto") and syntax is not None:
+        return ToolCalling(tuple(tools), (), syntax, parallel is not False)
+    chosen = _chosen(functions, choice)
+    if chosen and parallel:
+        message = (
+            "'parallel_tool_calls' must be false with a forced tool choice: the output is "
+            "exactly one call"
+        )
+        raise OpenAIError(message, param="parallel_tool_calls")
+    return ToolCalling(tuple(tools), chosen, syntax)
 
 
 def _functions(tools: Any) -> list[Function]:
@@ -214,14 +241,18 @@ def _chosen(functions: list[Function], choice: Any) -> tuple[Function, ...]:
     if choice in (None, "auto"):
         shown = "auto (the default with tools)" if choice is None else choice
         message = (
-            f'tool_choice {shown} is not supported by this server: use "required", "none" or '
+            f"tool_choice {shown} needs a tool call parser, and this deployment has none "
+            '(serving.tool_call_parser): use "required", "none" or '
             '{"type": "function", "function": {"name": ...}}'
         )
         raise OpenAIError(message, param="tool_choice")
     raise OpenAIError("'tool_choice' is not a valid tool choice", param="tool_choice")
 
 
-def tools_system_message(tools: tuple[dict[str, Any], ...]) -> dict[str, str]:
-    """For a chat template without a ``tools`` variable: the tools as a system message."""
-    listing = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+def tools_system_message(tools: ToolCalling) -> dict[str, str]:
+    """For a chat template without a ``tools`` variable: the tools as a system message (with a
+    call syntax, the same message whatever the tool choice, so turns share their pages)."""
+    if tools.syntax is not None:
+        return {"role": "system", "content": tools.syntax.instructions(list(tools.tools))}
+    listing = json.dumps([t["function"] for t in tools.tools], ensure_ascii=False)
     return {"role": "system", "content": f"You call one of these functions: {listing}"}

@@ -175,6 +175,7 @@ class DynamicJob:
             return_logprobs=request.logprobs,
             return_prompt_logprobs=request.prompt_logprobs,
             embeddings=request.embeddings,
+            decode_special_tokens=request.decode_special_tokens,
             **options,
         )
 

@@ -116,6 +116,7 @@ class GenerationRequest:
     ``negative_prompt_ids``: classifier-free guidance's negative prompt, given exactly when
     ``settings.cfg_scale`` is (each choice is a ``[positive, negative]`` job, ``engine.cfg``);
     ``embeddings`` covers its placeholders too, ``page_hashes`` only the positive prompt's.
+    ``decode_special_tokens``: the text shows special tokens too (skipped by default).
     """
 
     prompt_ids: tuple[int, ...]
@@ -134,6 +135,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     embeddings: tuple[EmbeddingSpan, ...] = ()
     negative_prompt_ids: tuple[int, ...] | None = None
+    decode_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
@@ -155,8 +157,7 @@ class GenerationRequest:
             _require_int(self.seed, "seed", None)
         if not isinstance(self.settings, SamplerSettings):
             raise ValueError(f"settings must be a SamplerSettings, got {self.settings!r}")
-        if not isinstance(self.stop_on_eos, bool):
-            raise ValueError(f"stop_on_eos must be a bool, got {self.stop_on_eos!r}")
+        _require_bools(self, ("stop_on_eos", "decode_special_tokens"))
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
@@ -193,6 +194,12 @@ class GenerationRequest:
 
     def choice_id(self, choice: int) -> str:
         return self.request_id if choice == 0 else f"{self.request_id}/{choice}"
+
+
+def _require_bools(request: GenerationRequest, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(getattr(request, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(request, name)!r}")
 
 
 def _require_int(value: object, name: str, minimum: int | None) -> None:

@@ -182,7 +182,7 @@ def test_tool_choice_none_lists_the_tools_and_leaves_the_output_free() -> None:
 
 
 def test_tools_system_message_lists_the_functions() -> None:
-    message = tools_system_message((WEATHER, TIME))
+    message = tools_system_message(fields({"tools": [WEATHER, TIME], "tool_choice": "none"}).tools)
     assert message["role"] == "system" and '"get_weather"' in message["content"]
 
 
