@@ -1,8 +1,8 @@
 """One choice of a response as the replica's messages arrive: its text, its log-probabilities
-and its tool calls: a forced call read back from the constrained output, or under
-``tool_choice`` "auto" the calls the model wrote, read by the deployment's call syntax
-(``deployments.tool_parsers``) as the text streams. Used by the ingress (streamed chunks or one
-JSON body) and the batch job (records), so both agree.
+and its tool calls: a forced call read back from the constrained output, or (chat) the
+model's thinking, answer and the calls it wrote under ``tool_choice`` "auto", read as the text
+streams (``deployments.output_reader``). Used by the ingress (streamed chunks or one JSON
+body) and the batch job (records), so both agree.
 
 A replica message is ``{"index", "text", "token_ids", "eos", ["logprobs"], [final keys]}``
 (``deployments.llm_server``); ``logprobs`` holds one ``LogprobEntry`` per token.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.logprobs import LogprobsFormatter
+from deployments.output_reader import OutputReader, Read, Reasoning
 from deployments.responses import ResponseFormat, finish_reason
 from deployments.structured import ToolCalling, tool_call
-from deployments.tool_parsers import Parsed, ParsedCall
 from engine.token_bytes import TokenBytes
 
 
@@ -33,11 +33,12 @@ class Echo:
 class OutputOptions:
     """What a response shows beyond text: ``tokens`` when log-probabilities were asked (to
     spell each token), ``tools`` for a forced tool call or calls the model may write (``auto``),
-    ``echo`` the prompt before it."""
+    ``echo`` the prompt before it, ``reasoning`` the thinking split from the answer (chat)."""
 
     tokens: TokenBytes | None = None
     tools: ToolCalling | None = None
     echo: Echo | None = None
+    reasoning: Reasoning | None = None
 
 
 class ChoiceState:
@@ -56,12 +57,11 @@ class ChoiceState:
         self.call_id = f"call_{fmt.id[-24:]}_{index}"
         self._call_started = False
         self._echo = options.echo  # (None once the prompt is in: the first message only)
-        # tool_choice "auto": the text read as content and calls as it comes
+        # thinking or tool_choice "auto": the text read as thinking, answer and calls
         auto = self.tools is not None and self.tools.auto
-        self.reader = self.tools.syntax.reader(self.tools.names) if auto else None
-        self.content: list[str] = []
-        self.calls: list[ParsedCall] = []
-        self._read = Parsed()  # what the last message turned out to be
+        reasoning = options.reasoning if fmt.chat else None
+        self.reader = OutputReader(reasoning, self.tools) if auto or reasoning else None
+        self._read = Read()  # what the last message turned out to be
 
     @property
     def text(self) -> str:
@@ -74,21 +74,7 @@ class ChoiceState:
         if message["eos"]:
             self.final = message
         if self.reader is not None:
-            self._read = self._read_calls(message)
-
-    def _read_calls(self, message: dict[str, Any]) -> Parsed:
-        """The message's text as content and calls (``parallel_tool_calls: false``: only the
-        first call of the choice is kept)."""
-        parsed = self.reader.feed(message["text"])
-        if message["eos"]:
-            end = self.reader.finish()
-            parsed = Parsed(parsed.content + end.content, parsed.calls + end.calls)
-        calls = parsed.calls
-        if not self.tools.parallel:
-            calls = calls[: max(0, 1 - len(self.calls))]
-        self.content.append(parsed.content)
-        self.calls += calls
-        return Parsed(parsed.content, calls)
+            self._read = self.reader.read(message["text"], message["eos"])
 
     # -- one body --------------------------------------------------------------------------
 
@@ -98,21 +84,16 @@ class ChoiceState:
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs.format(self.entries)
         if self.reader is not None:
-            return {**out, **self._auto_choice()}
+            out["message"] = self.reader.message()
+            if self.reader.calls:
+                out["finish_reason"] = self.tool_finish_reason()
+            return out
         call = self.tools.call(self.text) if self.tools is not None else None
         if call is not None:
             call["id"] = self.call_id
             out["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
             out["finish_reason"] = self.tool_finish_reason()
         return out
-
-    def _auto_choice(self) -> dict[str, Any]:
-        content = "".join(self.content)
-        if not self.calls:
-            return {"message": {"role": "assistant", "content": content}}
-        calls = [call.openai() for call in self.calls]
-        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-        return {"message": message, "finish_reason": self.tool_finish_reason()}
 
     def tool_finish_reason(self) -> str:
         reason = finish_reason(self.final)
@@ -149,7 +130,7 @@ class ChoiceState:
     def _delta(self, message: dict[str, Any]) -> dict[str, Any] | None:
         text = message["text"]
         if self.reader is not None:
-            return self._auto_delta()
+            return self.reader.delta(self._read)
         if self.tools is None:
             return {"content": text} if text else None
         name = self.tools.single_name
@@ -161,20 +142,9 @@ class ChoiceState:
             part = {**tool_call(name, text, self.call_id), "index": 0}
         return {"tool_calls": [part]}
 
-    def _auto_delta(self) -> dict[str, Any] | None:
-        """The last message's content and whole calls (each call in one delta)."""
-        delta: dict[str, Any] = {}
-        if self._read.content:
-            delta["content"] = self._read.content
-        if self._read.calls:
-            first = len(self.calls) - len(self._read.calls)
-            calls = enumerate(self._read.calls, start=first)
-            delta["tool_calls"] = [{"index": k, **call.openai()} for k, call in calls]
-        return delta or None
-
     def _last_chunks(self) -> list[dict[str, Any]]:
         if self.reader is not None:
-            reason = self.tool_finish_reason() if self.calls else finish_reason(self.final)
+            reason = self.tool_finish_reason() if self.reader.calls else finish_reason(self.final)
             return [self.fmt.chunk({}, reason, index=self.index)]
         if self.tools is None:
             return [self.fmt.chunk({}, finish_reason(self.final), index=self.index)]

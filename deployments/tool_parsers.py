@@ -85,7 +85,7 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """How many trailing characters of ``text`` could be the start of ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -139,7 +139,7 @@ class HermesReader(CallReader):
                 self.pending = self.pending[start + len(self.START) :]
                 self.in_call = True
                 continue
-            cut = len(self.pending) - _held_prefix(self.pending, self.START)
+            cut = len(self.pending) - held_prefix(self.pending, self.START)
             self._text(self.pending[:cut], content)
             self.pending = self.pending[cut:]
             break
