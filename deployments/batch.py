@@ -163,7 +163,7 @@ async def generate_record(
         message = f"{type(e).__name__}: {e}"
         return error_record(item.id, item.line, OpenAIError(message, type_=SERVER_ERROR))
     extras = [s.choice() for s in states]
-    return result_record(item.id, [s.text for s in states], [s.final for s in states], extras)
+    return result_record(item.id, [s.answer for s in states], [s.final for s in states], extras)
 
 
 async def _collect_when_admitted(

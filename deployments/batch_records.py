@@ -102,9 +102,11 @@ def result_record(
     if any("logprobs" in e for e in extras):
         values = [e.get("logprobs") for e in extras]
         record["logprobs"] = values[0] if single else values
-    if any("message" in e for e in extras):
-        calls = [e.get("message", {}).get("tool_calls") for e in extras]
-        record["tool_calls"] = calls[0] if single else calls
+    messages = [e.get("message", {}) for e in extras]
+    for key in ("reasoning_content", "tool_calls"):  # thinking; calls (forced or the model's)
+        if any(key in m for m in messages):
+            values = [m.get(key) for m in messages]
+            record[key] = values[0] if single else values
     return record
 
 

@@ -67,6 +67,12 @@ class ChoiceState:
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def answer(self) -> str:
+        """The text a record shows: the answer alone when thinking or calls were read from it
+        (they have fields of their own), else the whole text."""
+        return "".join(self.reader.content) if self.reader is not None else self.text
+
     def add(self, message: dict[str, Any]) -> None:
         message = self._echoed(message)
         self.texts.append(message["text"])

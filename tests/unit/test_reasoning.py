@@ -230,3 +230,27 @@ def test_the_preset_can_replace_the_chat_template(tmp_path) -> None:
     file.write_text("{% for m in messages %}")
     with pytest.raises(ValueError, match=r"model\.chat_template .* is not a valid template"):
         ModelPreset.parse({"demo": {}, "chat_template": str(file)})
+
+
+def test_a_batch_record_shows_the_answer_the_thinking_and_the_calls(thinking, monkeypatch) -> None:
+    import asyncio
+
+    from deployments.batch import Validator, generate_record
+    from deployments.batch_records import Item
+
+    monkeypatch.setattr(thinking, "call_syntax", CALL_SYNTAXES["hermes"])
+    body = {"messages": USER, "tools": [WEATHER]}
+    item = Item(1, "x", body, chat=True)
+    request, options = Validator(thinking).prepare(item)
+    assert options.tools.auto and options.reasoning == Reasoning(opened=True)
+    text = 'Cold?</think><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+
+    async def generate(_request):
+        yield {"index": 0, "text": text, "token_ids": [1, 2], "eos": True,
+               "eos_reason": "stop_token", "prompt_tokens": 5, "new_tokens": 2,
+               "cached_tokens": 0}  # fmt: skip
+
+    record = asyncio.run(generate_record(item, request, generate, options))
+    assert record["text"] == "" and record["reasoning_content"] == "Cold?"
+    assert [c["function"]["name"] for c in record["tool_calls"]] == ["get_weather"]
+    assert record["finish_reason"] == "tool_calls"
