@@ -245,8 +245,14 @@ class CallSyntax:
     def written(self, name: str, arguments: Any) -> str:
         raise NotImplementedError
 
+    how_to_call = ""  # the instructions' last part: how this syntax writes a call
+
     def instructions(self, tools: list[dict[str, Any]]) -> str:
-        raise NotImplementedError
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "You may call functions to help answer. The functions, one JSON schema per line:\n"
+            f"{listing}\n{self.how_to_call}"
+        )
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -265,16 +271,12 @@ class Hermes(CallSyntax):
         value = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
         return f"{HermesReader.START}\n{value}\n{HermesReader.END}"
 
-    def instructions(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return (
-            "You may call functions to help answer. The functions, one JSON schema per line:\n"
-            f"{listing}\n"
-            "To call one, write a JSON object with its name and arguments between "
-            "<tool_call> and </tool_call>, for example:\n"
-            '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n'
-            "</tool_call>\nWrite one such block per call."
-        )
+    how_to_call = (
+        "To call one, write a JSON object with its name and arguments between <tool_call> and "
+        "</tool_call>, for example:\n"
+        '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n'
+        "</tool_call>\nWrite one such block per call."
+    )
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -290,15 +292,11 @@ class Llama3Json(CallSyntax):
     def written(self, name: str, arguments: Any) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
 
-    def instructions(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return (
-            "You may call functions to help answer. The functions, one JSON schema per line:\n"
-            f"{listing}\n"
-            "To call one, answer with only a JSON object of the form "
-            '{"name": function name, "parameters": {argument name: value}}; '
-            "separate several calls with ';'. Otherwise answer in text."
-        )
+    how_to_call = (
+        "To call one, answer with only a JSON object of the form "
+        '{"name": function name, "parameters": {argument name: value}}; '
+        "separate several calls with ';'. Otherwise answer in text."
+    )
 
 
 CALL_SYNTAXES: dict[str, CallSyntax] = {s.name: s for s in (Hermes(), Llama3Json())}
