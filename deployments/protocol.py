@@ -17,7 +17,11 @@ fields                 only the ones this server honours; an unsupported OpenAI 
 ``logprobs``           completions: 0 .. ``MAX_LOGPROBS``; chat: a boolean, with
                        ``top_logprobs`` 0 .. ``MAX_LOGPROBS`` (``deployments.logprobs``)
 ``response_format``    text, json_object, json_schema; chat ``tools`` with a forced
-                       ``tool_choice`` or "none" (``deployments.structured``)
+                       ``tool_choice``, "none", or "auto" when the deployment has a tool call
+                       parser (``deployments.structured``, ``deployments.tool_parsers``)
+chat_template_kwargs   chat: at most ``MAX_TEMPLATE_KWARGS`` variables the chat template reads
+                       (checked against it by the ingress)
+``include_reasoning``  chat: false only with a reasoning parser (``deployments.reasoning``)
 ``prompt``             a string or token ids, or a list of 1 .. ``MAX_PROMPTS`` of them
                        (choice ``p * n + i`` is prompt ``p``'s choice ``i``)
 ``n``                  1 .. ``MAX_CHOICES``
@@ -27,7 +31,8 @@ fields                 only the ones this server honours; an unsupported OpenAI 
 ``logit_bias``         at most ``MAX_LOGIT_BIAS`` entries, token ids in the vocabulary, [-100, 100]
 ``min_tokens``         0 .. ``MAX_TOKENS_FIELD`` (then capped by ``max_tokens``)
 ``messages``           1 .. ``MAX_MESSAGES``; roles system, developer, user, assistant, tool;
-                       assistant ``tool_calls`` and tool results (``deployments.messages``);
+                       assistant ``tool_calls`` (and ``reasoning_content``) and tool results
+                       (``deployments.messages``);
                        content parts: text, and ``input_embeds`` (``deployments.chat_embeds``);
                        text containing ``<$EMB_`` (embedding aliases) is refused
 ``cache_salt``         a non-empty string of at most ``MAX_CACHE_SALT_CHARS``
