@@ -27,6 +27,7 @@ class Echo:
 
     text: str
     first_token: int
+    added_bos: bool = False  # the first token is a BOS the server put before a text prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,8 @@ class ChoiceState:
         self.tools = options.tools if fmt.chat else None
         self.logprobs = None
         if options.tokens is not None:
-            self.logprobs = LogprobsFormatter(options.tokens, fmt.chat)
+            unseen = options.echo is not None and options.echo.added_bos
+            self.logprobs = LogprobsFormatter(options.tokens, fmt.chat, unseen)
         self.texts: list[str] = []
         self.entries: list[Any] = []
         self.final: dict[str, Any] = {}

@@ -247,7 +247,8 @@ class PromptBuilder:
             prompt = _one_prompt(body.get("prompt")) if body is not None else None
             ids = list(generation.prompt_ids)
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-            echo = Echo(text, ids[0])
+            added_bos = isinstance(prompt, str) and self.add_bos  # (encode put it first)
+            echo = Echo(text, ids[0], added_bos)
         reasoning = self.reasoning(fields, generation)
         return OutputOptions(tokens=tokens, tools=tools, echo=echo, reasoning=reasoning)
 

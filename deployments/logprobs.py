@@ -72,10 +72,13 @@ class LogprobsFormatter:
     """Builds one choice's ``logprobs`` objects, chunk by chunk (streaming) or all at once;
     keeps the running ``text_offset`` of a completion."""
 
-    def __init__(self, tokens: TokenBytes, chat: bool) -> None:
+    def __init__(self, tokens: TokenBytes, chat: bool, unseen_first: bool = False) -> None:
+        """``unseen_first``: the first token is not in the text (the BOS token the server put
+        before an echoed text prompt): it takes no width in ``text_offset``."""
         self.tokens = tokens
         self.chat = chat
         self.offset = 0
+        self._unseen = unseen_first
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def format(self, entries: list[LogprobEntry]) -> dict[str, Any]:
@@ -105,7 +108,10 @@ class LogprobsFormatter:
             text = self.tokens.text_of(token)
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
-            self.offset += len(self._utf8.decode(self.tokens.bytes_of(token)))
+            if self._unseen:
+                self._unseen = False
+            else:
+                self.offset += len(self._utf8.decode(self.tokens.bytes_of(token)))
             if logprob is None:  # an echoed prompt's first token: nothing before it
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)

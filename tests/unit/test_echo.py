@@ -62,9 +62,10 @@ def _messages() -> list[dict[str, Any]]:
     return [first, last]
 
 
-def _state(tokens: bool) -> tuple[ChoiceState, ResponseFormat]:
+def _state(tokens: bool, echo: Echo | None = None) -> tuple[ChoiceState, ResponseFormat]:
     fmt = ResponseFormat.new(False, "m", "rid")
-    options = OutputOptions(tokens=Spelling() if tokens else None, echo=Echo("t3t4t5", 3))
+    echo = echo or Echo("t3t4t5", 3)
+    options = OutputOptions(tokens=Spelling() if tokens else None, echo=echo)
     return ChoiceState(0, fmt, options), fmt
 
 
@@ -82,6 +83,20 @@ def test_the_prompt_leads_the_text_and_the_logprobs() -> None:
     assert logprobs["text_offset"] == [0, 2, 4, 6]
 
 
+def test_a_bos_the_server_added_takes_no_width_in_the_offsets() -> None:
+    """The echoed text is the prompt as sent; a BOS token put before it is in the entries but
+    not in the text, so the offsets of the tokens after it still index the text."""
+    state, fmt = _state(tokens=True, echo=Echo("t4t5", 3, added_bos=True))
+    for message in _messages():
+        state.add(message)
+    choice = full_body(fmt, [state])["choices"][0]
+    assert choice["text"] == "t4t5t7"
+    assert choice["logprobs"]["tokens"] == ["t3", "t4", "t5", "t7"]
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets == [0, 0, 2, 4]
+    assert [choice["text"][o : o + 2] for o in offsets[1:]] == ["t4", "t5", "t7"]
+
+
 def test_a_stream_sends_the_prompt_first_and_once() -> None:
     state, _ = _state(tokens=False)
     chunks = [c for m in _messages() for c in state.chunks(m)]
@@ -91,14 +106,20 @@ def test_a_stream_sends_the_prompt_first_and_once() -> None:
     assert state.text == "t3t4t5t7"
 
 
-def test_the_builder_echoes_the_prompt_as_given(builder) -> None:
+def test_the_builder_echoes_the_prompt_as_given(builder, monkeypatch) -> None:
     body = {"prompt": "Once upon", "echo": True, "max_tokens": 2}
     (prepared,) = builder.requests(body, chat=False)
     echo = prepared.options.echo
     assert echo.text == "Once upon" and echo.first_token == prepared.generation.prompt_ids[0]
+    assert not builder.add_bos and not echo.added_bos  # the demo tokenizer adds none
+    monkeypatch.setattr(builder, "add_bos", True)  # as a Llama tokenizer's does
+    (prepared,) = builder.requests(body, chat=False)
+    echo = prepared.options.echo
+    assert echo.added_bos and echo.first_token == builder.tokenizer.bos_token_id
     ids = [5, 6, 7]
     (prepared,) = builder.requests({**body, "prompt": ids}, chat=False)
     assert prepared.options.echo.text == builder.tokenizer.decode(ids)
+    assert not prepared.options.echo.added_bos  # token ids are the prompt as sent
     (plain,) = builder.requests({"prompt": "x", "max_tokens": 2}, chat=False)
     assert plain.options.echo is None
 
