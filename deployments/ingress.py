@@ -2,13 +2,13 @@
 
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /v1/stats``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or ``stream: true`` server-sent
-events ending in ``data: [DONE]``). The ingress validates the request, applies the chat
-template, tokenizes once, computes the prompt's page hashes (the engine's own
-``prefix_hashes``) and sends token ids to an ``LLMServer`` replica through a streaming handle
-whose request router places it by prefix; a completion with several prompts sends one request
-per prompt and merges their streams. Errors are OpenAI error bodies ``{"error": {"message",
-"type", "param", "code"}}``; a request the replicas' full queues refuse is a 503 with a
-Retry-After.
+events ending in ``data: [DONE]``), ``POST /tokenize`` and ``POST /detokenize``. The ingress
+validates the request, applies the chat template, tokenizes once, computes the prompt's page
+hashes (the engine's own ``prefix_hashes``) and sends token ids to an ``LLMServer`` replica
+through a streaming handle whose request router places it by prefix; a completion with several
+prompts sends one request per prompt and merges their streams. Errors are OpenAI error bodies
+``{"error": {"message", "type", "param", "code"}}``; a request the replicas' full queues refuse
+is a 503 with a Retry-After.
 
 The starlette app is built per replica by ``__serve_build_asgi_app__`` (Ray Serve's hook for a
 non-FastAPI ASGI app whose routes need the deployment instance).
@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments import routing_audit
+from deployments import routing_audit, tokenization
 from deployments.chat_embeds import ChatEmbeds, check_tools_text
 from deployments.choices import ChoiceState, Echo, OutputOptions, full_body
 from deployments.cpu_affinity import pin_ingress
@@ -146,10 +146,13 @@ class PromptBuilder:
         param: str = "messages",
         embeds: ChatEmbeds | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        checked: bool = True,
     ) -> tuple[list[int], tuple[MMEmbedding, ...]]:
         """The ids of the conversation ``value`` (the body's ``param``) and the containers of
         its ``input_embeds`` parts, whose placeholder ids sit where the template put them;
-        ``template_kwargs``: the request's variables for the template (checked)."""
+        ``template_kwargs``: the request's variables for the template (checked); ``checked``:
+        refuse an empty prompt or one the context cannot hold (``/tokenize`` counts them)."""
         embeds = embeds or ChatEmbeds(self.config.hidden_size, self.run_dtype)
         messages, embeddings = embeds.messages(value, param)
         self.check_text_length(text_length(messages), param)
@@ -166,13 +169,14 @@ class PromptBuilder:
         try:
             ids = self.tokenizer.encode_chat(
                 messages,
+                add_generation_prompt,
                 trusted=self.trust_message_tokens,
                 embeddings=embeddings or None,
                 **extra,
             )
         except Exception as e:  # jinja errors, the template's raise_exception, forged tokens
             raise OpenAIError(f"chat template failed: {e}", param=param) from None
-        return self.check_prompt(ids, param), embeddings
+        return (self.check_prompt(ids, param) if checked else ids), embeddings
 
     def prompt_embeddings(self, body: dict[str, Any]) -> tuple:
         """``prompt_embeds`` (completions) as one container in the replicas' run dtype, or ()."""
@@ -409,6 +413,8 @@ class Ingress:
             Route("/v1/stats", self.stats, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
         handlers = {HTTPException: _http_error, Exception: _internal_error}
         return Starlette(routes=routes, exception_handlers=handlers)
@@ -443,6 +449,27 @@ class Ingress:
             replica["routing"] = audit.get(replica.get("replica_id"), None)
         body = {"object": "stats", "replicas": replicas, "replicas_unreachable": unreachable}
         return JSONResponse(body)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize`` (``deployments.tokenization``)."""
+        return await self._tokenization(request, tokenization.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize`` (``deployments.tokenization``)."""
+        return await self._tokenization(request, tokenization.detokenize)
+
+    async def _tokenization(self, request: Request, action: Any) -> Response:
+        try:
+            raw = await read_body_bytes(request)
+            result = await asyncio.to_thread(self._tokenized, raw, action)
+        except OpenAIError as e:
+            return e.response()
+        return JSONResponse(result)
+
+    def _tokenized(self, raw: bytes, action: Any) -> dict[str, Any]:
+        body = parse_body(raw)
+        self._check_model(body)
+        return action(self.prompts, body)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)

@@ -218,6 +218,21 @@ def test_token_id_prompt_logit_bias_and_ignore_eos(base_url: str) -> None:
     assert out["usage"]["prompt_tokens"] == 4 and out["usage"]["completion_tokens"] == 5
 
 
+def test_tokenize_and_detokenize(base_url: str, client: openai.OpenAI) -> None:
+    """vLLM's routes: the ids are the ones a request's usage counts; a wrong model is a 404."""
+    status, _, lines = _post(f"{base_url}/tokenize", json.dumps({"messages": MESSAGES}).encode())
+    assert status == 200, lines
+    out = json.loads(lines[0])
+    chat = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=1)
+    assert out["count"] == len(out["tokens"]) == chat.usage.prompt_tokens
+    back = json.dumps({"model": "demo", "tokens": out["tokens"]}).encode()
+    status, _, lines = _post(f"{base_url}/detokenize", back)
+    assert status == 200 and "Tell me about the sea." in json.loads(lines[0])["prompt"]
+    wrong = json.dumps({"model": "other", "prompt": "x"}).encode()
+    status, _, lines = _post(f"{base_url}/tokenize", wrong)
+    assert status == 404 and json.loads(lines[0])["error"]["code"] == "model_not_found"
+
+
 def test_stats_per_replica(base_url: str, client: openai.OpenAI) -> None:
     client.completions.create(model="demo", prompt="Hi", max_tokens=2)
     with urllib.request.urlopen(f"{base_url}/v1/stats", timeout=30) as r:
