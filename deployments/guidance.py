@@ -47,7 +47,6 @@ def check_guided_fields(fields: RequestFields, chat: bool) -> None:
     if fields.logprobs is not None:
         raise OpenAIError("'logprobs' cannot be combined with 'cfg_scale'", param="logprobs")
     if fields.constraint is not None:
-        forced = fields.tools is not None and fields.tools.forced
-        param = "tool_choice" if forced else "response_format"
+        param = (fields.constraint_source or "response_format").split(".")[0]
         message = f"'{param}' (constrained output) cannot be combined with 'cfg_scale'"
         raise OpenAIError(message, param=param)

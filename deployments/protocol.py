@@ -82,7 +82,8 @@ _COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
         "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
-        "logprobs", "response_format", "cfg_scale", "skip_special_tokens",
+        "logprobs", "response_format", "cfg_scale", "skip_special_tokens", "structured_outputs",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     }
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
@@ -176,6 +177,7 @@ class RequestFields:
     logprobs: int | None = None  # the model's logprobs and this many alternatives
     echo: bool = False  # completions: the prompt leads the text (and its tokens the logprobs)
     constraint: ConstraintSpec | None = None  # response_format, or the forced tool call's
+    constraint_source: str | None = None  # the field that asked for it (errors name it)
     tools: ToolCalling | None = None  # the tools; a forced call: the output is read back as one
     skip_special_tokens: bool = True  # (vLLM's) false: the text shows special tokens too
     include_reasoning: bool = True  # (vLLM's) false: the thinking is not in the response
@@ -368,7 +370,12 @@ def parse_fields(
     # (imported here: they raise OpenAIError, from this module)
     from deployments.guidance import check_guided_fields, parse_cfg_scale
     from deployments.logprobs import parse_logprobs
-    from deployments.structured import parse_response_format, parse_tools
+    from deployments.structured import (
+        check_constraint,
+        parse_guided,
+        parse_response_format,
+        parse_tools,
+    )
 
     check_field_names(body, chat)
     n = _int_field(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
@@ -392,9 +399,13 @@ def parse_fields(
         skip_special_tokens=_bool_field(body, "skip_special_tokens", default=True),
         include_reasoning=_bool_field(body, "include_reasoning", default=True),
         template_kwargs=_template_kwargs(body) if chat else {},
-        **_constraint_fields(parse_response_format(body), parse_tools(body, chat, call_syntax)),
+        **_constraint_fields(
+            parse_response_format(body), parse_tools(body, chat, call_syntax), parse_guided(body)
+        ),
     )
     check_guided_fields(fields, chat)
+    if fields.constraint is not None:
+        check_constraint(fields.constraint, fields.constraint_source or "response_format")
     return fields
 
 
@@ -408,20 +419,32 @@ def _echo(body: dict[str, Any], chat: bool) -> bool:
     return echo
 
 
-def _constraint_fields(response_format: ConstraintSpec | None, tools) -> dict[str, Any]:
+def _constraint_fields(
+    response_format: ConstraintSpec | None,
+    tools: ToolCalling | None,
+    guided: tuple[ConstraintSpec, str] | None,
+) -> dict[str, Any]:
+    """The output's constraint: from ``response_format``, vLLM's guided fields or a forced
+    tool call (one of them), and the field that asked for it."""
+    if response_format is not None and guided is not None:
+        message = f"give either 'response_format' or '{guided[1]}', not both"
+        raise OpenAIError(message, param=guided[1].split(".")[0])
+    spec, source = (response_format, "response_format") if response_format else (None, None)
+    if guided is not None:
+        spec, source = guided
     if tools is None or not (tools.forced or tools.auto):
-        return {"constraint": response_format, "tools": tools}
-    if response_format is not None:
+        return {"constraint": spec, "constraint_source": source, "tools": tools}
+    if spec is not None:
         what = (
             "a forced tool call"
             if tools.forced
             else 'tool_choice "auto" (its grammar would forbid the calls)'
         )
-        message = f"'response_format' cannot be combined with {what}"
-        raise OpenAIError(message, param="response_format")
+        message = f"'{source}' cannot be combined with {what}"
+        raise OpenAIError(message, param=source.split(".")[0])
     if tools.auto:
         return {"constraint": None, "tools": tools}
-    return {"constraint": tools.constraint(), "tools": tools}
+    return {"constraint": tools.constraint(), "constraint_source": "tool_choice", "tools": tools}
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,103 @@ def _format_error(message: str) -> OpenAIError:
     return OpenAIError(message, param="response_format")
 
 
+# -- vLLM's guided decoding fields ----------------------------------------------------------
+
+# vLLM's ``structured_outputs`` object (its keys) and its older top-level ``guided_*`` fields,
+# each with the constraint kind it asks for.
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                      "grammar": "lark", "json_object": "json_object"}  # fmt: skip
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # fmt: skip
+MAX_GUIDED_CHOICES = 1024
+
+
+def parse_guided(body: dict[str, Any]) -> tuple[ConstraintSpec, str] | None:
+    """The constraint vLLM's fields ask for, and the field that asked (for errors):
+    ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` or
+    one of ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``. A JSON
+    schema is enforced strictly (what the grammar cannot enforce is refused, not loosened); a
+    grammar is Lark in llguidance's dialect, or GBNF (llama.cpp's), converted."""
+    asked = [(name, key) for name, key in GUIDED_FIELDS.items() if body.get(name) is not None]
+    if body.get("structured_outputs") is not None:
+        asked += _structured_outputs(body["structured_outputs"])
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise OpenAIError(f"give one structured output, got {names}", param=asked[1][0])
+    ((param, key),) = asked
+    return _guided_spec(key, body_value(body, param), param), param
+
+
+def body_value(body: dict[str, Any], param: str) -> Any:
+    """A field's value; ``structured_outputs.x`` names a key of that object."""
+    if param.startswith("structured_outputs."):
+        return body["structured_outputs"][param.split(".", 1)[1]]
+    return body[param]
+
+
+def _structured_outputs(value: Any) -> list[tuple[str, str]]:
+    if not isinstance(value, dict):
+        raise OpenAIError("'structured_outputs' must be an object", param="structured_outputs")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS))
+    if unknown:
+        message = f"structured_outputs.{unknown[0][:40]} is not supported by this server"
+        raise OpenAIError(message, param="structured_outputs")
+    return [(f"structured_outputs.{key}", key) for key in given]
+
+
+def _guided_spec(key: str, value: Any, param: str) -> ConstraintSpec:
+    try:
+        if key == "json_object":
+            if value is not True:
+                raise ValueError("'json_object' must be true")
+            return ConstraintSpec("json_object")
+        if key == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema must be an object, or its JSON text")
+            return ConstraintSpec.json_schema(schema, strict=True)
+        if key == "choice":
+            if not isinstance(value, list) or not 0 < len(value) <= MAX_GUIDED_CHOICES:
+                raise ValueError(f"the choices must be a list of 1 to {MAX_GUIDED_CHOICES} strings")
+            return ConstraintSpec("choice", choices=tuple(value))
+        if not isinstance(value, str):
+            raise ValueError("it must be a string")
+        if key == "grammar":
+            return ConstraintSpec("lark", _as_lark(value))
+        return ConstraintSpec("regex", value)
+    except ValueError as e:  # (json.JSONDecodeError is one)
+        raise OpenAIError(f"invalid '{param}': {e}", param=param.split(".")[0]) from None
+
+
+def _as_lark(grammar: str) -> str:
+    """A grammar in llguidance's Lark dialect: GBNF (``root ::= ...``) is converted."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as e:  # the converter's own GbnfToLarkError and parse errors
+        raise ValueError(f"the grammar does not parse: {e}") from None
+
+
+def check_constraint(spec: ConstraintSpec, param: str) -> None:
+    """Compile the grammar ``spec`` asks for, so a mistake in it is the client's 400 here and
+    never a job that fails on a replica."""
+    import llguidance
+
+    from engine.constraints.filters import Filter
+
+    try:
+        error = llguidance.LLMatcher.validate_grammar(Filter.from_spec(spec).grammar())
+    except ValueError as e:
+        error = str(e)
+    if error:
+        first = error.strip().splitlines()[0][:300]
+        raise OpenAIError(f"invalid '{param}': {first}", param=param.split(".")[0])
+
+
 # -- tools -----------------------------------------------------------------------------------
 
 

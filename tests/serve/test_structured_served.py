@@ -11,6 +11,7 @@ closes (the grammar still decides what may follow)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -126,6 +127,27 @@ def test_json_mode_and_json_schema(client: openai.OpenAI) -> None:
         extra_body={"response_format": {"type": "json_schema", "json_schema": schema}},
     )
     jsonschema.validate(json.loads(text.choices[0].text), WEATHER)
+
+
+def test_vllm_guided_fields(client: openai.OpenAI) -> None:
+    """vLLM's ``guided_choice`` / ``structured_outputs``: the output is one of the choices, or
+    matches the regex; a grammar that does not compile is a 400 before any replica runs it."""
+    choice = client.completions.create(
+        model="demo", prompt="Sentiment:", max_tokens=20, n=3, seed=1,
+        extra_body={"guided_choice": ["positive", "negative", "neutral"]},
+    )  # fmt: skip
+    for c in choice.choices:
+        assert c.text in {"positive", "negative", "neutral"} and c.finish_reason == "stop"
+    regex = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="demo", prompt="x", max_tokens=5, extra_body={"guided_grammar": "start: foo"}
+        )
+    assert info.value.body["param"] == "guided_grammar"
 
 
 def test_forced_tool_calls(client: openai.OpenAI) -> None:
