@@ -46,6 +46,9 @@ def check_guided_fields(fields: RequestFields, chat: bool) -> None:
         return
     if fields.logprobs is not None:
         raise OpenAIError("'logprobs' cannot be combined with 'cfg_scale'", param="logprobs")
+    for name in ("banned_strings", "token_healing"):  # per-row features a CFG job lacks
+        if getattr(fields, name):
+            raise OpenAIError(f"'{name}' cannot be combined with 'cfg_scale'", param=name)
     if fields.constraint is not None:
         param = (fields.constraint_source or "response_format").split(".")[0]
         message = f"'{param}' (constrained output) cannot be combined with 'cfg_scale'"

@@ -309,6 +309,9 @@ class PromptBuilder:
             ids = self.check_prompt(list(embeddings[0].placeholder_ids), "prompt_embeds")
         else:
             ids = self.completion_ids(body)
+        if fields.token_healing and embeddings:  # the last token may be an embedding row
+            message = "'token_healing' cannot be combined with embeddings in the prompt"
+            raise OpenAIError(message, param="token_healing")
         negative: list[int] | None = None
         if fields.settings.cfg_scale is not None:  # classifier-free guidance (guidance.py)
             negative, more = self.negative_prompt(body, chat, embeds)

@@ -73,6 +73,8 @@ MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_CACHE_SALT_CHARS = 256
 MAX_TEMPLATE_KWARGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_BANNED_STRINGS = 64
 TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 MAX_TOKENS_FIELD = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -83,7 +85,8 @@ _COMMON_FIELDS = frozenset(
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
         "ignore_eos", "min_tokens", "stream", "stream_options", "user", "cache_salt",
         "logprobs", "response_format", "cfg_scale", "skip_special_tokens", "structured_outputs",
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "stop_token_ids",
+        "banned_strings", "token_healing",
     }
 )  # fmt: skip
 _CHAT_FIELDS = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
@@ -182,6 +185,9 @@ class RequestFields:
     skip_special_tokens: bool = True  # (vLLM's) false: the text shows special tokens too
     include_reasoning: bool = True  # (vLLM's) false: the thinking is not in the response
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the template
+    stop_token_ids: tuple[int, ...] = ()  # (vLLM's) more tokens that end a choice
+    banned_strings: tuple[str, ...] = ()  # (tabbyAPI's) never in the text, case-insensitive
+    token_healing: bool = False  # (tabbyAPI's) the prompt's last token re-chosen with the output
 
     def generation(
         self,
@@ -212,6 +218,9 @@ class RequestFields:
             embeddings=embeddings,
             negative_prompt_ids=None if negative_prompt_ids is None else tuple(negative_prompt_ids),
             decode_special_tokens=decode_special_tokens,
+            stop_token_ids=self.stop_token_ids,
+            banned_strings=self.banned_strings,
+            token_healing=self.token_healing,
         )
 
 
@@ -278,19 +287,39 @@ def number_field(body: dict[str, Any], name: str, low: float, high: float) -> fl
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
+    return _strings_field(body, "stop", MAX_STOP_STRINGS)
+
+
+def _strings_field(body: dict[str, Any], name: str, most: int) -> tuple[str, ...]:
+    """A string or a list of at most ``most`` strings of at most ``MAX_STOP_CHARS`` characters
+    (``stop``, ``banned_strings``); empty strings are dropped."""
+    value = body.get(name)
     if value is None:
         return ()
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
-        raise OpenAIError("'stop' must be a string or a list of strings", param="stop")
-    if len(values) > MAX_STOP_STRINGS:
-        raise OpenAIError(f"'stop' has more than {MAX_STOP_STRINGS} strings", param="stop")
+        raise OpenAIError(f"'{name}' must be a string or a list of strings", param=name)
+    if len(values) > most:
+        raise OpenAIError(f"'{name}' has more than {most} strings", param=name)
     for s in values:
-        text_value(s, "stop", "each stop sequence")
+        text_value(s, name, f"each of '{name}'")
         if len(s) > MAX_STOP_CHARS:
-            raise OpenAIError(f"a stop string is longer than {MAX_STOP_CHARS}", param="stop")
+            raise OpenAIError(f"a string of '{name}' is longer than {MAX_STOP_CHARS}", param=name)
     return tuple(s for s in values if s)
+
+
+def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
+        message = f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids"
+        raise OpenAIError(message, param="stop_token_ids")
+    for token in value:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            message = f"'stop_token_ids' has {_short(token)}, not a token id of this model"
+            raise OpenAIError(message, param="stop_token_ids")
+    return tuple(value)
 
 
 def _bool_field(body: dict[str, Any], name: str, default: bool = False) -> bool:
@@ -399,14 +428,32 @@ def parse_fields(
         skip_special_tokens=_bool_field(body, "skip_special_tokens", default=True),
         include_reasoning=_bool_field(body, "include_reasoning", default=True),
         template_kwargs=_template_kwargs(body) if chat else {},
+        stop_token_ids=_stop_token_ids(body, vocab_size),
+        banned_strings=_strings_field(body, "banned_strings", MAX_BANNED_STRINGS),
+        token_healing=_bool_field(body, "token_healing"),
         **_constraint_fields(
             parse_response_format(body), parse_tools(body, chat, call_syntax), parse_guided(body)
         ),
     )
     check_guided_fields(fields, chat)
+    _check_token_healing(fields)
     if fields.constraint is not None:
         check_constraint(fields.constraint, fields.constraint_source or "response_format")
     return fields
+
+
+def _check_token_healing(fields: RequestFields) -> None:
+    """Token healing re-chooses the prompt's last token, which a grammar would have to start
+    from and an echo would have to score: refused with either."""
+    if not fields.token_healing:
+        return
+    if fields.constraint is not None:  # (a forced tool call's too)
+        source = fields.constraint_source or "response_format"
+        message = f"'token_healing' cannot be combined with '{source}' (constrained output)"
+        raise OpenAIError(message, param="token_healing")
+    if fields.echo:
+        message = "'token_healing' cannot be combined with 'echo' (the prompt is scored as sent)"
+        raise OpenAIError(message, param="token_healing")
 
 
 def _echo(body: dict[str, Any], chat: bool) -> bool:

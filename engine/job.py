@@ -167,7 +167,7 @@ class DynamicJob:
             request.input_ids,
             request.max_new_tokens,
             min_new_tokens=request.min_new_tokens,
-            stop_conditions=[*eos, *request.stop_strings],
+            stop_conditions=[*eos, *request.stop_token_ids, *request.stop_strings],
             gen_settings=request.settings,
             seed=request.choice_seed(choice),
             identifier=request.choice_id(choice),
@@ -176,6 +176,8 @@ class DynamicJob:
             return_prompt_logprobs=request.prompt_logprobs,
             embeddings=request.embeddings,
             decode_special_tokens=request.decode_special_tokens,
+            banned_strings=request.banned_strings or None,
+            token_healing=request.token_healing,
             **options,
         )
 

@@ -117,6 +117,11 @@ class GenerationRequest:
     ``settings.cfg_scale`` is (each choice is a ``[positive, negative]`` job, ``engine.cfg``);
     ``embeddings`` covers its placeholders too, ``page_hashes`` only the positive prompt's.
     ``decode_special_tokens``: the text shows special tokens too (skipped by default).
+    ``stop_token_ids``: more tokens that end a choice (besides the model's EOS tokens, unless
+    ``stop_on_eos`` is false), kept out of the text as they are. ``banned_strings``:
+    case-insensitive strings that never appear in the text (rolled back and resampled).
+    ``token_healing``: the prompt's last token is re-chosen with the output (see
+    ``DynamicJob``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -136,11 +141,18 @@ class GenerationRequest:
     embeddings: tuple[EmbeddingSpan, ...] = ()
     negative_prompt_ids: tuple[int, ...] | None = None
     decode_special_tokens: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    banned_strings: tuple[str, ...] = ()
+    token_healing: bool = False
 
     def __post_init__(self) -> None:
         # Sequences are frozen into tuples so one request can be shared by its choices.
         object.__setattr__(self, "prompt_ids", _token_ids(self.prompt_ids))
-        object.__setattr__(self, "stop_strings", _stop_strings(self.stop_strings))
+        object.__setattr__(self, "stop_strings", _strings(self.stop_strings, "stop_strings"))
+        object.__setattr__(self, "banned_strings", _strings(self.banned_strings, "banned_strings"))
+        object.__setattr__(
+            self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids", empty=True)
+        )
         object.__setattr__(self, "page_hashes", tuple(self.page_hashes))
         object.__setattr__(self, "embeddings", _embeddings(self.embeddings))
         object.__setattr__(self, "negative_prompt_ids", self._negative_prompt())
@@ -157,7 +169,7 @@ class GenerationRequest:
             _require_int(self.seed, "seed", None)
         if not isinstance(self.settings, SamplerSettings):
             raise ValueError(f"settings must be a SamplerSettings, got {self.settings!r}")
-        _require_bools(self, ("stop_on_eos", "decode_special_tokens"))
+        _require_bools(self, ("stop_on_eos", "decode_special_tokens", "token_healing"))
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
@@ -209,10 +221,12 @@ def _require_int(value: object, name: str, minimum: int | None) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _token_ids(ids: Sequence[int], name: str = "prompt_ids") -> tuple[int, ...]:
+def _token_ids(
+    ids: Sequence[int], name: str = "prompt_ids", empty: bool = False
+) -> tuple[int, ...]:
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
         raise ValueError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
-    if not ids:
+    if not ids and not empty:
         raise ValueError(f"{name} is empty: a request needs at least one prompt token")
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
@@ -231,10 +245,13 @@ def _embeddings(embeddings: Sequence[EmbeddingSpan]) -> tuple[EmbeddingSpan, ...
     return tuple(embeddings)
 
 
-def _stop_strings(strings: Sequence[str]) -> tuple[str, ...]:
+def _strings(strings: Sequence[str], name: str) -> tuple[str, ...]:
+    """``strings`` (``stop_strings``, ``banned_strings``) as a tuple of non-empty strings."""
     if isinstance(strings, str) or not isinstance(strings, Sequence):
-        raise ValueError(f"stop_strings must be a sequence of strings, got {strings!r}")
+        raise ValueError(f"{name} must be a sequence of strings, got {strings!r}")
     for s in strings:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop string {s!r} is not a non-empty string")
+            raise ValueError(
+                f"{name.removesuffix('s').replace('_', ' ')} {s!r} is not a non-empty string"
+            )
     return tuple(strings)

@@ -634,3 +634,39 @@ def test_cfg_scale_one_is_the_plain_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(**kwargs, extra_body={"cfg_scale": 2.0})
     assert caught.value.body["param"] == "cfg_scale"
+
+
+def test_stop_token_ids_banned_strings_and_token_healing(client: openai.OpenAI, library) -> None:
+    """vLLM's ``stop_token_ids`` ends the text before the token; tabbyAPI's ``banned_strings``
+    keeps a word the greedy text had out of it (case-insensitive); ``token_healing`` runs."""
+    import re
+
+    from engine import DynamicJob, SamplerSettings
+
+    prompt = [5, 6, 7, 8]
+    job = DynamicJob(prompt, 12, stop_conditions=[], gen_settings=SamplerSettings.greedy())
+    library[2].enqueue(job)
+    while library[2].num_remaining_jobs():
+        library[2].iterate()
+    ids = job.new_token_ids
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
+    args = {"model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    stopped = client.completions.create(
+        **args, extra_body={"stop_token_ids": [ids[k]], "ignore_eos": True}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == library[1].decode(ids[:k])
+
+    full = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    assert full == job.full_completion
+    word = re.search("[A-Za-z]{3,}", full).group()
+    banned = client.completions.create(
+        **args, extra_body={"ignore_eos": True, "banned_strings": [word.upper()]}
+    )
+    assert word.lower() not in banned.choices[0].text.lower()
+    assert banned.choices[0].text != full
+
+    healed = client.completions.create(
+        model="demo", prompt="Once upon a ti", max_tokens=4, extra_body={"token_healing": True}
+    )
+    assert healed.choices[0].finish_reason in ("stop", "length")
