@@ -481,7 +481,7 @@ class ServingPreset:
     # deployments whose callers are trusted, since it lets a message forge turns.
     trust_message_special_tokens: bool = False
     # The syntax the model writes tool calls in (deployments/tool_parsers.py: hermes,
-    # llama3_json), for tool_choice "auto"; None: "auto" is refused.
+    # llama3_json, mistral), for tool_choice "auto"; None: "auto" is refused.
     tool_call_parser: str | None = None
     # How the model marks its thinking (deployments/reasoning.py: think), split from the
     # answer as reasoning_content; None: the output is all answer.

@@ -10,6 +10,10 @@ refused, since nobody could tell a call from text.
 - ``llama3_json``: the whole output is one JSON object ``{"name": ..., "parameters": {...}}``
   (``"arguments"`` is read too), or several separated by ``;`` (Llama 3.1-3.3's JSON tool
   calling; its ``<|python_tag|>`` prefix, a special token, is skipped when it shows).
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list ``[{"name", "arguments"}]`` (Mistral 7B v0.3,
+  Nemo, Small 2409-2501), or ``[TOOL_CALLS]name[ARGS]{...}`` per call (Small 3.1 and later);
+  its markers are special tokens, so these responses show special tokens, and call ids are
+  nine letters or digits, as Mistral's templates require.
 
 A call is only a call when its JSON parses, names one of the request's tools and its arguments
 are an object; anything else stays in the message's content exactly as the model wrote it, so
@@ -26,6 +30,9 @@ for a template without a ``tools`` variable.
 from __future__ import annotations
 
 import json
+import random
+import re
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,10 +64,13 @@ class Parsed:
         return bool(self.content or self.calls)
 
 
-def read_call(value: Any, tool_names: frozenset[str], keys: tuple[str, ...]) -> ParsedCall | None:
+def read_call(
+    value: Any, tool_names: frozenset[str], keys: tuple[str, ...], call_id: str | None = None
+) -> ParsedCall | None:
     """A call from a decoded JSON value ``{"name", <one of keys>: {...}}``; None when it is not
     a call of one of ``tool_names`` with object arguments (a string holding an object counts:
-    some models write the arguments as JSON text)."""
+    some models write the arguments as JSON text). ``call_id``: the call's id (default: a new
+    ``call_...`` one)."""
     if not isinstance(value, dict) or value.get("name") not in tool_names:
         return None
     present = [k for k in keys if k in value]
@@ -71,7 +81,10 @@ def read_call(value: Any, tool_names: frozenset[str], keys: tuple[str, ...]) -> 
         arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = json.dumps(arguments, ensure_ascii=False)
+    if call_id is None:
+        return ParsedCall(value["name"], text)
+    return ParsedCall(value["name"], text, call_id)
 
 
 def _loads(text: str) -> Any:
@@ -233,6 +246,78 @@ class Llama3JsonReader(CallReader):
         return calls or None
 
 
+class MistralReader(CallReader):
+    """Content until ``[TOOL_CALLS]``; everything after it is held and read at the end: a JSON
+    list of ``{"name", "arguments"[, "id"]}`` (Mistral v3 and v7 tokenizers), or
+    ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later). If it
+    does not read as calls, it is all content, marker included. Ids are Mistral's: nine
+    letters or digits (its templates refuse others), the model's own when it wrote them."""
+
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    ID = re.compile(r"[a-zA-Z0-9]{9}")
+
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        self.tool_names = tool_names
+        self.pending = ""
+        self.calling = False
+        self.space = ""  # whitespace ending the content so far (dropped before calls)
+
+    def feed(self, text: str) -> Parsed:
+        self.pending += text
+        if self.calling:
+            return Parsed()
+        mark = self.pending.find(self.MARK)
+        cut = mark if mark >= 0 else len(self.pending) - held_prefix(self.pending, self.MARK)
+        content = self._content(self.pending[:cut])
+        self.pending = self.pending[cut:]
+        if mark >= 0:
+            self.calling, self.pending = True, self.pending[len(self.MARK) :]
+        return Parsed(content)
+
+    def finish(self) -> Parsed:
+        text, self.pending = self.pending, ""
+        calls = self._calls(text) if self.calling else None
+        if calls:
+            return Parsed("", tuple(calls))
+        marker = self.MARK if self.calling else ""
+        return Parsed(self.space + marker + text)
+
+    def _content(self, text: str) -> str:
+        text = self.space + text
+        shown = text.rstrip()
+        self.space = text[len(shown) :]
+        return shown
+
+    def _calls(self, text: str) -> list[ParsedCall] | None:
+        text = text.strip()
+        if text.startswith("["):  # [{"name", "arguments"}, ...]
+            values = _loads(text)
+            if not isinstance(values, list) or not values:
+                return None
+            calls = [self._call(v) for v in values]
+        else:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+            calls = [self._written(part) for part in text.split(self.MARK)]
+        return calls if calls and all(calls) else None
+
+    def _call(self, value: Any) -> ParsedCall | None:
+        call_id = value.pop("id", None) if isinstance(value, dict) else None
+        if call_id is not None and not (isinstance(call_id, str) and self.ID.fullmatch(call_id)):
+            return None
+        return read_call(value, self.tool_names, ("arguments",), call_id or mistral_call_id())
+
+    def _written(self, part: str) -> ParsedCall | None:
+        name, args, arguments = part.strip().partition(self.ARGS)
+        if not args:
+            return None
+        value = {"name": name.strip(), "arguments": _loads(arguments.strip())}
+        return read_call(value, self.tool_names, ("arguments",), mistral_call_id())
+
+
+def mistral_call_id() -> str:
+    """Nine letters or digits, as Mistral's chat templates require of tool call ids."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
 class CallSyntax:
     """How one family of models writes calls: read (``reader``), written back for a template
     that cannot render ``tool_calls`` (``written``), described for one without ``tools``."""
@@ -299,4 +384,24 @@ class Llama3Json(CallSyntax):
     )
 
 
-CALL_SYNTAXES: dict[str, CallSyntax] = {s.name: s for s in (Hermes(), Llama3Json())}
+class Mistral(CallSyntax):
+    name = "mistral"
+    how_to_call = (
+        "To call functions, answer with [TOOL_CALLS] followed by a JSON list of calls, "
+        '[{"name": function name, "arguments": {argument name: value}}, ...]. Otherwise '
+        "answer in text."
+    )
+
+    def reader(self, tool_names: frozenset[str]) -> CallReader:
+        return MistralReader(tool_names)
+
+    def written(self, name: str, arguments: Any) -> str:
+        value = json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
+        return f"{MistralReader.MARK}{value}"
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (MistralReader.MARK, MistralReader.ARGS)
+
+
+CALL_SYNTAXES: dict[str, CallSyntax] = {s.name: s for s in (Hermes(), Llama3Json(), Mistral())}

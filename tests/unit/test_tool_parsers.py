@@ -15,7 +15,7 @@ from deployments.messages import for_template, parse_messages
 from deployments.preset import ServingPreset
 from deployments.protocol import OpenAIError, parse_fields
 from deployments.responses import ResponseFormat
-from deployments.tool_parsers import CALL_SYNTAXES, HermesReader, Llama3JsonReader
+from deployments.tool_parsers import CALL_SYNTAXES, HermesReader, Llama3JsonReader, MistralReader
 from engine.job import DynamicJob
 from engine.request import GenerationRequest
 
@@ -30,6 +30,7 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}
 USER = [{"role": "user", "content": "hi"}]
 HERMES, LLAMA = CALL_SYNTAXES["hermes"], CALL_SYNTAXES["llama3_json"]
+MISTRAL = CALL_SYNTAXES["mistral"]
 
 
 def read(reader_class, pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
@@ -81,8 +82,24 @@ LLAMA_CASES = [
     ('{"name": "get_ti', '{"name": "get_ti', []),
     ("   ", "   ", []),
 ]  # fmt: skip
+MISTRAL_CASES = [
+    ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Sure.",
+     [("get_weather", {"city": "Paris"})]),  # v3
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {}, "id": "abcDEF123"}, '
+     '{"name": "get_time", "arguments": {"tz": "UTC"}}]', "",
+     [("get_time", {}), ("get_time", {"tz": "UTC"})]),  # v7, with the model's own id
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}', "",
+     [("get_weather", {"city": "Rome"}), ("get_time", {})]),  # v11
+    ("Hello there  ", "Hello there  ", []),
+    ("[TOOL_CALLS]nope[ARGS]{}", "[TOOL_CALLS]nope[ARGS]{}", []),
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {}, "id": "short"}]',
+     '[TOOL_CALLS][{"name": "get_time", "arguments": {}, "id": "short"}]', []),  # a bad id
+    ('[TOOL_CALLS][{"name": "get_time", "argum', '[TOOL_CALLS][{"name": "get_time", "argum', []),
+    ("x [TOOL", "x [TOOL", []),
+]  # fmt: skip
 CASES = [(HermesReader, *case) for case in HERMES_CASES]
 CASES += [(Llama3JsonReader, *case) for case in LLAMA_CASES]
+CASES += [(MistralReader, *case) for case in MISTRAL_CASES]
 
 
 @pytest.mark.parametrize(("reader", "output", "content", "calls"), CASES)
@@ -111,7 +128,7 @@ def test_content_streams_before_the_output_ends() -> None:
     assert reader.feed("Paris").content == "  Paris"
 
 
-@pytest.mark.parametrize("syntax", [HERMES, LLAMA])
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA, MISTRAL])
 def test_a_syntax_reads_what_it_writes_and_describes_itself(syntax) -> None:
     written = syntax.written("get_weather", {"city": "Zürich"})
     assert read(type(syntax.reader(NAMES)), [written]) == (
@@ -121,11 +138,19 @@ def test_a_syntax_reads_what_it_writes_and_describes_itself(syntax) -> None:
     assert '"get_weather"' in syntax.instructions([WEATHER])
 
 
+def test_mistral_call_ids_are_what_its_templates_accept() -> None:
+    reader = MistralReader(NAMES)
+    reader.feed('[TOOL_CALLS][{"name": "get_time", "arguments": {}, "id": "abcDEF123"}, ')
+    calls = reader.feed('{"name": "get_time", "arguments": {}}]').calls + reader.finish().calls
+    assert calls[0].id == "abcDEF123"  # the model's own
+    assert len(calls[1].id) == 9 and calls[1].id.isalnum() and calls[1].id != calls[0].id
+
+
 def test_the_preset_names_a_known_syntax() -> None:
     assert ServingPreset.parse({"tool_call_parser": "hermes"}).tool_call_parser == "hermes"
     assert ServingPreset.parse({}).tool_call_parser is None
-    with pytest.raises(ValueError, match=r"serving\.tool_call_parser 'mistral' is not one of"):
-        ServingPreset.parse({"tool_call_parser": "mistral"})
+    with pytest.raises(ValueError, match=r"serving\.tool_call_parser 'pythonic' is not one of"):
+        ServingPreset.parse({"tool_call_parser": "pythonic"})
 
 
 # -- request fields --------------------------------------------------------------------------
