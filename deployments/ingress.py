@@ -2,7 +2,8 @@
 
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /v1/stats``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or ``stream: true`` server-sent
-events ending in ``data: [DONE]``), ``POST /tokenize`` and ``POST /detokenize``. The ingress
+events ending in ``data: [DONE]``), ``POST /v1/responses`` (OpenAI's Responses API over the
+chat path), ``POST /tokenize`` and ``POST /detokenize``. The ingress
 validates the request, applies the chat template, tokenizes once, computes the prompt's page
 hashes (the engine's own ``prefix_hashes``) and sends token ids to an ``LLMServer`` replica
 through a streaming handle whose request router places it by prefix; a completion with several
@@ -59,6 +60,18 @@ from deployments.protocol import (
 )
 from deployments.reasoning import opens_thinking
 from deployments.responses import ResponseFormat, sse
+from deployments.responses_api import (
+    ResponseEvents,
+    ResponseShape,
+    ResponsesRequest,
+    last_piece,
+    output_items,
+    responses_error,
+    responses_usage,
+    status_of,
+    streamed_piece,
+    translate,
+)
 from deployments.structured import ToolCalling, tools_system_message
 from deployments.tool_parsers import CALL_SYNTAXES
 from engine.cache.prefix_hash import prefix_hashes, salt_root
@@ -416,6 +429,7 @@ class Ingress:
             Route("/v1/stats", self.stats, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
@@ -452,6 +466,71 @@ class Ingress:
             replica["routing"] = audit.get(replica.get("replica_id"), None)
         body = {"object": "stats", "replicas": replicas, "replicas_unreachable": unreachable}
         return JSONResponse(body)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (``deployments.responses_api``)."""
+        try:
+            raw = await read_body_bytes(request)
+            wanted, prepared = await asyncio.to_thread(self._prepare_responses, raw)
+        except OpenAIError as e:
+            return e.response()
+        shape = ResponseShape(wanted, self.model_id)
+        fmt = ResponseFormat.new(True, self.model_id, prepared.generation.request_id)
+        state = ChoiceState(0, fmt, prepared.options)
+        messages = self._messages([prepared.generation], 1)
+        if wanted.stream:
+            try:
+                first = await anext(messages, None)
+            except Exception as e:
+                return _failure(e, shape.id).response()
+            events = self._response_events(_prepended(first, messages), state, fmt, shape)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            async for _, message in messages:
+                state.add(message)
+        except Exception as e:
+            return _failure(e, shape.id).response()
+        choice = full_body(fmt, [state])["choices"][0]
+        output = output_items(choice, wanted.logprobs)
+        return JSONResponse(shape.response(output, status_of(choice), self._usage(state, choice)))
+
+    def _prepare_responses(self, raw: bytes) -> tuple[ResponsesRequest, Prepared]:
+        body = parse_body(raw)
+        self._check_model(body)
+        try:
+            wanted = translate(body)
+            return wanted, self.prompts.prepared(wanted.chat, chat=True)
+        except OpenAIError as e:
+            raise responses_error(e) from None
+
+    def _usage(self, state: ChoiceState, choice: dict[str, Any]) -> dict[str, Any]:
+        """Responses usage; thinking tokens counted by tokenizing the thinking again."""
+        thinking = choice["message"].get("reasoning_content") or ""
+        counted = len(self.prompts.tokenizer.encode(thinking)[0]) if thinking else 0
+        return responses_usage(state.final, counted)
+
+    async def _response_events(
+        self,
+        messages: AsyncIterator[tuple[int, dict[str, Any]]],
+        state: ChoiceState,
+        fmt: ResponseFormat,
+        shape: ResponseShape,
+    ) -> AsyncIterator[str]:
+        events = ResponseEvents(shape)
+        yield events.start()
+        try:
+            async for _, message in messages:
+                state.add(message)
+                text = events.piece(*streamed_piece(state, message))
+                if text:
+                    yield text
+        except Exception as e:
+            yield events.failed(_failure(e, shape.id))
+            return
+        choice = full_body(fmt, [state])["choices"][0]
+        entries = (choice.get("logprobs") or {}).get("content") if shape.request.logprobs else None
+        tail = events.piece(*last_piece(state, choice))
+        yield tail + events.finish(choice, self._usage(state, choice), entries)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize`` (``deployments.tokenization``)."""

@@ -670,3 +670,33 @@ def test_stop_token_ids_banned_strings_and_token_healing(client: openai.OpenAI, 
         model="demo", prompt="Once upon a ti", max_tokens=4, extra_body={"token_healing": True}
     )
     assert healed.choices[0].finish_reason in ("stop", "length")
+
+
+def test_responses_api_answers_as_chat_does(client: openai.OpenAI) -> None:
+    """``client.responses``: the same greedy text as the chat route, whole and streamed (the
+    SDK's own event parsing); what a stateless server cannot do is a 400 naming the field."""
+    chat = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    args = {"model": "demo", "input": MESSAGES[0]["content"], "max_output_tokens": 6,
+            "temperature": 0}  # fmt: skip
+    out = client.responses.create(**args)
+    assert out.output_text == chat.choices[0].message.content
+    finished = {"length": "incomplete", "stop": "completed"}[chat.choices[0].finish_reason]
+    assert out.status == finished
+    assert out.usage.input_tokens == chat.usage.prompt_tokens
+    assert out.usage.output_tokens == chat.usage.completion_tokens
+
+    events = list(client.responses.create(**args, stream=True))
+    assert events[0].type == "response.created"
+    assert events[-1].type == f"response.{finished}"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == out.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**args, store=True)
+    assert info.value.body["param"] == "store"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**{**args, "max_output_tokens": 10**7})
+    assert info.value.body["param"] == "max_output_tokens"

@@ -173,3 +173,32 @@ def test_the_model_calls_a_tool_by_itself(client: openai.OpenAI) -> None:
     assert "Paris" in plain.choices[0].message.content
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_an_agent_loop_through_the_responses_api(client: openai.OpenAI) -> None:
+    """The same tool loop in the Responses API's items (``function_call`` and
+    ``function_call_output`` sent back): the model's call comes back as a ``function_call``
+    output item, the way the OpenAI Agents SDK reads it."""
+    items: list[dict] = []
+    for message in _earlier_turns():
+        if message.get("tool_calls"):
+            (call,) = message["tool_calls"]
+            arguments = call["function"]["arguments"]
+            items.append({"type": "function_call", "call_id": call["id"],
+                          "name": "get_weather", "arguments": arguments})  # fmt: skip
+        elif message["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"],
+                          "output": message["content"]})  # fmt: skip
+        else:
+            items.append({"role": message["role"], "content": message["content"]})
+    items.append({"role": "user", "content": "What is the weather in Paris?"})
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    out = client.responses.create(
+        model="smollm2-135m-instruct", input=items, tools=[tool], max_output_tokens=40,
+        temperature=0,
+    )  # fmt: skip
+    calls = [i for i in out.output if i.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert out.status == "completed"
