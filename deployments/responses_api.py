@@ -85,6 +85,8 @@ def translate(body: dict[str, Any]) -> ResponsesRequest:
     elif chat.get("top_logprobs"):
         message = f"'top_logprobs' needs 'include': ['{LOGPROBS_INCLUDE}']"
         raise OpenAIError(message, param="top_logprobs")
+    else:
+        chat.pop("top_logprobs", None)  # 0 alternatives of no logprobs: nothing asked
     return ResponsesRequest(chat, _echoed(body), logprobs, bool(chat.get("stream")))
 
 
