@@ -492,7 +492,8 @@ class Ingress:
             return _failure(e, shape.id).response()
         choice = full_body(fmt, [state])["choices"][0]
         output = output_items(choice, wanted.logprobs)
-        return JSONResponse(shape.response(output, status_of(choice), self._usage(state, choice)))
+        usage = await asyncio.to_thread(self._usage, state, choice)
+        return JSONResponse(shape.response(output, status_of(choice), usage))
 
     def _prepare_responses(self, raw: bytes) -> tuple[ResponsesRequest, Prepared]:
         body = parse_body(raw)
@@ -530,7 +531,8 @@ class Ingress:
         choice = full_body(fmt, [state])["choices"][0]
         entries = (choice.get("logprobs") or {}).get("content") if shape.request.logprobs else None
         tail = events.piece(*last_piece(state, choice))
-        yield tail + events.finish(choice, self._usage(state, choice), entries)
+        usage = await asyncio.to_thread(self._usage, state, choice)  # (tokenizes the thinking)
+        yield tail + events.finish(choice, usage, entries)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize`` (``deployments.tokenization``)."""
