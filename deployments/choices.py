@@ -84,6 +84,24 @@ class ChoiceState:
         if self.reader is not None:
             self._read = self.reader.read(message["text"], message["eos"])
 
+    def streamed(self, message: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]]]:
+        """What ``message`` (just ``add``-ed) adds, as thinking, answer text and whole calls
+        (OpenAI's call objects), for the event streams of other APIs. A forced call is whole
+        only at the end (``unstreamed``)."""
+        if self.reader is not None:
+            read = self._read
+            return read.reasoning, read.content, [c.openai() for c in read.calls]
+        if self.tools is not None:
+            return "", "", []
+        return "", message["text"], []
+
+    def unstreamed(self, choice: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]]]:
+        """What only the whole ``choice`` shows: a forced call (or its text, when cut short)."""
+        if self.reader is not None or self.tools is None:
+            return "", "", []
+        calls = choice["message"].get("tool_calls") or []
+        return "", "" if calls else choice["message"].get("content") or "", calls
+
     # -- one body --------------------------------------------------------------------------
 
     def choice(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /v1/stats``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or ``stream: true`` server-sent
 events ending in ``data: [DONE]``), ``POST /v1/responses`` (OpenAI's Responses API over the
-chat path), ``POST /tokenize`` and ``POST /detokenize``. The ingress
+chat path), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages
+API, likewise), ``POST /tokenize`` and ``POST /detokenize``. The ingress
 validates the request, applies the chat template, tokenizes once, computes the prompt's page
 hashes (the engine's own ``prefix_hashes``) and sends token ids to an ``LLMServer`` replica
 through a streaming handle whose request router places it by prefix; a completion with several
@@ -39,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments import routing_audit, tokenization
+from deployments import anthropic_api, routing_audit, tokenization
 from deployments.chat_embeds import ChatEmbeds, check_tools_text
 from deployments.choices import ChoiceState, Echo, OutputOptions, full_body
 from deployments.cpu_affinity import pin_ingress
@@ -64,12 +65,10 @@ from deployments.responses_api import (
     ResponseEvents,
     ResponseShape,
     ResponsesRequest,
-    last_piece,
     output_items,
     responses_error,
     responses_usage,
     status_of,
-    streamed_piece,
     translate,
 )
 from deployments.structured import ToolCalling, tools_system_message
@@ -430,6 +429,8 @@ class Ingress:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/messages", self.anthropic_messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.anthropic_count, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
@@ -522,7 +523,7 @@ class Ingress:
         try:
             async for _, message in messages:
                 state.add(message)
-                text = events.piece(*streamed_piece(state, message))
+                text = events.piece(*state.streamed(message))
                 if text:
                     yield text
         except Exception as e:
@@ -530,9 +531,89 @@ class Ingress:
             return
         choice = full_body(fmt, [state])["choices"][0]
         entries = (choice.get("logprobs") or {}).get("content") if shape.request.logprobs else None
-        tail = events.piece(*last_piece(state, choice))
+        tail = events.piece(*state.unstreamed(choice))
         usage = await asyncio.to_thread(self._usage, state, choice)  # (tokenizes the thinking)
         yield tail + events.finish(choice, usage, entries)
+
+    async def anthropic_messages(self, request: Request) -> Response:
+        """Anthropic's Messages API over the chat path (``deployments.anthropic_api``)."""
+        try:
+            raw = await read_body_bytes(request)
+            chat, prepared = await asyncio.to_thread(self._prepare_anthropic, raw)
+        except OpenAIError as e:
+            return _anthropic_error(e)
+        message_id = anthropic_api.new_id("msg")
+        fmt = ResponseFormat.new(True, self.model_id, prepared.generation.request_id)
+        state = ChoiceState(0, fmt, prepared.options)
+        messages = self._messages([prepared.generation], 1)
+        if chat.get("stream"):
+            try:
+                first = await anext(messages, None)
+            except Exception as e:
+                return _anthropic_error(_failure(e, message_id))
+            prompt_tokens = len(prepared.generation.prompt_ids)
+            events = self._anthropic_events(
+                _prepended(first, messages), state, fmt, message_id, prompt_tokens
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            async for _, message in messages:
+                state.add(message)
+        except Exception as e:
+            return _anthropic_error(_failure(e, message_id))
+        choice = full_body(fmt, [state])["choices"][0]
+        stop = anthropic_api.stop_of(choice, state.final)
+        blocks = anthropic_api.content_blocks(choice)
+        use = anthropic_api.usage(state.final)
+        return JSONResponse(
+            anthropic_api.message_object(message_id, self.model_id, blocks, stop, use)
+        )
+
+    async def anthropic_count(self, request: Request) -> Response:
+        """Anthropic's token count: the prompt's tokens as a request would send them."""
+        try:
+            raw = await read_body_bytes(request)
+            count = await asyncio.to_thread(self._anthropic_count, raw)
+        except OpenAIError as e:
+            return _anthropic_error(e)
+        return JSONResponse({"input_tokens": count})
+
+    def _prepare_anthropic(self, raw: bytes) -> tuple[dict[str, Any], Prepared]:
+        body = parse_body(raw)
+        self._check_model(body)
+        chat = anthropic_api.translate(body)
+        return chat, self.prompts.prepared(chat, chat=True)
+
+    def _anthropic_count(self, raw: bytes) -> int:
+        body = parse_body(raw)
+        self._check_model(body)
+        chat = anthropic_api.translate({"max_tokens": 1, **body})  # (a count has no max_tokens)
+        wanted = {"messages": chat["messages"], "tools": chat.get("tools")}
+        return tokenization.tokenize(self.prompts, wanted)["count"]
+
+    async def _anthropic_events(
+        self,
+        messages: AsyncIterator[tuple[int, dict[str, Any]]],
+        state: ChoiceState,
+        fmt: ResponseFormat,
+        message_id: str,
+        prompt_tokens: int,
+    ) -> AsyncIterator[str]:
+        events = anthropic_api.MessageEvents(message_id, self.model_id)
+        yield events.start(prompt_tokens)
+        try:
+            async for _, message in messages:
+                state.add(message)
+                text = events.piece(*state.streamed(message))
+                if text:
+                    yield text
+        except Exception as e:
+            yield events.failed(anthropic_api.error_body(_failure(e, message_id)))
+            return
+        choice = full_body(fmt, [state])["choices"][0]
+        tail = events.piece(*state.unstreamed(choice))
+        stop = anthropic_api.stop_of(choice, state.final)
+        yield tail + events.finish(stop, anthropic_api.usage(state.final))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize`` (``deployments.tokenization``)."""
@@ -613,6 +694,15 @@ class Ingress:
             text_value(model, "model", "'model'")
         if model not in (None, self.model_id):
             raise _model_not_found(model)
+
+
+def _anthropic_error(e: OpenAIError) -> Response:
+    headers = e.response().headers.get("Retry-After")
+    return JSONResponse(
+        anthropic_api.error_body(e),
+        status_code=e.status,
+        headers={"Retry-After": headers} if headers else None,
+    )
 
 
 def _model_not_found(model: str) -> OpenAIError:

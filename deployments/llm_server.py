@@ -169,6 +169,8 @@ class Delta:
         if self.final is not None:
             keys = ("eos_reason", "prompt_tokens", "new_tokens", "cached_tokens", "cached_pages")
             out.update({k: self.final[k] for k in keys})
+            if "eos_triggering_string" in self.final:  # which stop string ended it
+                out["stop_string"] = self.final["eos_triggering_string"]
             out.update({k: self.final[k] for k in self.final if k.startswith("time_")})
         return out
 

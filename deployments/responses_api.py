@@ -24,7 +24,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.choices import ChoiceState
 from deployments.protocol import OpenAIError, _short, text_value
 
 # Responses fields -> the chat field they become (sampling fields keep their names).
@@ -543,22 +542,3 @@ class ResponseEvents:
         response = self.shape.response(self.output, "failed")
         response["error"] = {"code": error.code or "server_error", "message": error.message}
         return self.event("response.failed", response=response)
-
-
-def last_piece(state: ChoiceState, choice: dict[str, Any]) -> tuple[str, str, list]:
-    """What only the whole choice shows: a forced call (or its text, when cut short)."""
-    if state.reader is not None or state.tools is None:
-        return "", "", []
-    calls = choice["message"].get("tool_calls") or []
-    return "", "" if calls else choice["message"].get("content") or "", calls
-
-
-def streamed_piece(state: ChoiceState, message: dict[str, Any]) -> tuple[str, str, list]:
-    """What one replica message adds to a choice (after ``state.add``): thinking, answer text
-    and whole calls. A forced call is read whole at the end (``finish``)."""
-    if state.reader is not None:
-        read = state._read
-        return read.reasoning, read.content, [c.openai() for c in read.calls]
-    if state.tools is not None:  # forced: the call is whole only at the end
-        return "", "", []
-    return "", message["text"], []

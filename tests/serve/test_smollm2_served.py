@@ -202,3 +202,43 @@ def test_an_agent_loop_through_the_responses_api(client: openai.OpenAI) -> None:
         ("get_weather", {"city": "Paris"})
     ]
     assert out.status == "completed"
+
+
+def test_anthropics_client_gets_answers_and_tool_uses(client: openai.OpenAI) -> None:
+    """``/v1/messages`` through Anthropic's own client: the greedy answer the chat route
+    gives, streamed alike; the tool loop's call as a ``tool_use`` block; a token count."""
+    anthropic = pytest.importorskip("anthropic")
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    args = {"model": "smollm2-135m-instruct", "max_tokens": 32, "temperature": 0}
+    chat = client.chat.completions.create(**{**args, "messages": QUESTION})
+    out = claude.messages.create(**args, messages=QUESTION)
+    assert out.content[0].text == chat.choices[0].message.content
+    assert out.stop_reason == "end_turn" and out.usage.output_tokens > 0
+    with claude.messages.stream(**args, messages=QUESTION) as stream:
+        assert "".join(stream.text_stream) == out.content[0].text
+        assert stream.get_final_message().stop_reason == "end_turn"
+
+    turns: list[dict] = []
+    for message in _earlier_turns():
+        if message.get("tool_calls"):
+            (call,) = message["tool_calls"]
+            use = {"type": "tool_use", "id": call["id"], "name": "get_weather",
+                   "input": json.loads(call["function"]["arguments"])}  # fmt: skip
+            turns.append({"role": "assistant", "content": [use]})
+        elif message["role"] == "tool":
+            result = {"type": "tool_result", "tool_use_id": message["tool_call_id"],
+                      "content": message["content"]}  # fmt: skip
+            turns.append({"role": "user", "content": [result]})
+        else:
+            turns.append({"role": message["role"], "content": message["content"]})
+    turns.append({"role": "user", "content": "What is the weather in Paris?"})
+    tool = WEATHER_TOOL["function"]
+    tools = [{"name": tool["name"], "description": tool["description"],
+              "input_schema": tool["parameters"]}]  # fmt: skip
+    called = claude.messages.create(**{**args, "max_tokens": 40}, messages=turns, tools=tools)
+    uses = [b for b in called.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Paris"})]
+    assert called.stop_reason == "tool_use"
+    counted = claude.messages.count_tokens(model=args["model"], messages=turns, tools=tools)
+    assert counted.input_tokens == called.usage.input_tokens + called.usage.cache_read_input_tokens
