@@ -210,8 +210,11 @@ def test_anthropics_client_gets_answers_and_tool_uses(client: openai.OpenAI) -> 
     anthropic = pytest.importorskip("anthropic")
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
     claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    args = {"model": "smollm2-135m-instruct", "max_tokens": 32, "temperature": 0}
-    chat = client.chat.completions.create(**{**args, "messages": QUESTION})
+    # (temperature as a plain body field: this client's create() no longer names it)
+    args = {"model": "smollm2-135m-instruct", "max_tokens": 32, "extra_body": {"temperature": 0}}
+    chat = client.chat.completions.create(
+        model=args["model"], max_tokens=32, temperature=0, messages=QUESTION
+    )
     out = claude.messages.create(**args, messages=QUESTION)
     assert out.content[0].text == chat.choices[0].message.content
     assert out.stop_reason == "end_turn" and out.usage.output_tokens > 0
