@@ -8,7 +8,11 @@ Input: one JSON object per line, ``{"id": ..., "prompt": ...}`` (a completion) o
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, penalties, ``logit_bias``,
 ``n``, ``ignore_eos``, ``logprobs``/``top_logprobs``, ``response_format``, ``tools`` with a
 forced ``tool_choice``, ...). ``id`` is a non-empty string or an integer. Blank lines are
-skipped.
+skipped. A line may instead be in OpenAI's Batch API file format (vLLM's ``run_batch`` reads
+it too): ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body": {...}}``; its record is then ``{"id": "batch_req_...", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error": null}``, ``body`` being the whole response
+object the HTTP route would answer (or its error), and resuming keys on ``custom_id``.
 
 Output: one line per input line, in completion order (not input order):
 
@@ -64,8 +68,10 @@ from deployments.batch_records import (
     Item,
     Record,
     bad_line_record,
+    batch_api_record,
     count_pending,
     error_record,
+    outcome,
     read_done,
     read_lines,
     result_record,
@@ -78,7 +84,7 @@ from deployments.batch_session import (
     handle_generate,
     open_app,
 )
-from deployments.choices import ChoiceState, OutputOptions
+from deployments.choices import ChoiceState, OutputOptions, full_body
 from deployments.preset import Preset
 from deployments.protocol import OpenAIError
 from deployments.responses import ResponseFormat
@@ -153,15 +159,20 @@ async def generate_record(
     request: GenerationRequest,
     generate: Generate,
     options: OutputOptions | None = None,
+    model: str = "batch",
 ) -> Record:
-    """All ``n`` choices of one line, from one call (one replica runs them together)."""
-    fmt = ResponseFormat.new(item.chat, "batch")
+    """All ``n`` choices of one line, from one call (one replica runs them together);
+    ``model``: the id a Batch API record's response names."""
+    fmt = ResponseFormat.new(item.chat, model, request.request_id)
     try:
         states = await _collect_when_admitted(item, request, generate, fmt, options)
     except Exception as e:  # recorded as retryable; the job goes on
         logger.warning("id %r (line %d) failed: %r", item.id, item.line, e)
         message = f"{type(e).__name__}: {e}"
-        return error_record(item.id, item.line, OpenAIError(message, type_=SERVER_ERROR))
+        error = OpenAIError(message, status=500, type_=SERVER_ERROR)
+        return error_record(item.id, item.line, error, item.batch_api)
+    if item.batch_api:  # the whole response object, as the HTTP route answers
+        return batch_api_record(item.id, 200, full_body(fmt, states), fmt.id)
     extras = [s.choice() for s in states]
     return result_record(item.id, [s.answer for s in states], [s.final for s in states], extras)
 
@@ -214,12 +225,8 @@ class Runner:
         # repair_tail), and another process can follow the file while the job runs.
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.out.flush()
-        if "error" not in record:
-            self.summary.ok += 1
-        elif record["error"]["type"] == SERVER_ERROR:
-            self.summary.failed += 1
-        else:
-            self.summary.invalid += 1
+        kind = outcome(record)
+        setattr(self.summary, kind, getattr(self.summary, kind) + 1)
         self.bar.update(1)
 
     def classify(self, item: Item | BadLine | None, done: Done) -> Item | BadLine | None:
@@ -232,18 +239,20 @@ class Runner:
             return item
         first = self.seen.setdefault(item.id, item.line)
         if first != item.line:  # a second record would make the id ambiguous
-            return BadLine(item.line, None, f"duplicate id {item.id!r} (first on line {first})")
+            message = f"duplicate id {item.id!r} (first on line {first})"
+            return BadLine(item.line, None, message, batch_api=item.batch_api)
         return item
 
     async def submit(self, item: Item) -> None:
         try:
             request, options = self.validator.prepare(item)
         except OpenAIError as e:
-            self.write(error_record(item.id, item.line, e))
+            self.write(error_record(item.id, item.line, e, item.batch_api))
             return
         except Exception as e:  # a body no check foresaw: still only this line's problem
             logger.warning("id %r (line %d) is not a valid request", item.id, item.line, exc_info=e)
-            self.write(error_record(item.id, item.line, OpenAIError(f"invalid request: {e}")))
+            error = OpenAIError(f"invalid request: {e}")
+            self.write(error_record(item.id, item.line, error, item.batch_api))
             return
         await self.slots.acquire()  # bounded: the input is read only as fast as it runs
         task = asyncio.create_task(self.work(item, request, options))
@@ -251,7 +260,8 @@ class Runner:
         task.add_done_callback(self.finished)
 
     async def work(self, item: Item, request: GenerationRequest, options: OutputOptions) -> None:
-        self.write(await generate_record(item, request, self.generate, options))
+        model = self.validator.builder.model_id
+        self.write(await generate_record(item, request, self.generate, options, model))
 
     def finished(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)

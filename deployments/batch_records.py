@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +29,14 @@ Record = dict[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """A parsed input line: an OpenAI-style body still to be validated."""
+    """A parsed input line: an OpenAI-style body still to be validated. ``batch_api``: the
+    line is in OpenAI's Batch API file format (its record is too)."""
 
     line: int
     id: Id
     body: dict[str, Any]
     chat: bool
+    batch_api: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,12 @@ class BadLine:
     id: Id | None
     message: str
     param: str | None = None
+    batch_api: bool = False
+
+
+# OpenAI's Batch API file format: {"custom_id", "method": "POST", "url", "body"} per line.
+BATCH_API_URLS = {"/v1/chat/completions": True, "/v1/completions": False}
+BATCH_API_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 
 def usable_id(value: Any) -> bool:
@@ -62,6 +71,8 @@ def parse_line(text: str, line: int) -> Item | BadLine | None:
         return BadLine(line, None, f"line {line} is not valid JSON: {e}")
     if not isinstance(obj, dict):
         return BadLine(line, None, f"line {line} must be a JSON object")
+    if "custom_id" in obj:
+        return _batch_api_line(obj, line)
     if not usable_id(obj.get("id")):
         message = f"line {line}: 'id' must be a non-empty string or an integer"
         return BadLine(line, None, message, "id")
@@ -73,13 +84,59 @@ def parse_line(text: str, line: int) -> Item | BadLine | None:
     return Item(line, obj["id"], body, chat=has_messages)
 
 
-def error_record(id_: Id | None, line: int, error: OpenAIError) -> Record:
+def _batch_api_line(obj: dict[str, Any], line: int) -> Item | BadLine:
+    """A line in OpenAI's Batch API format (what vLLM's ``run_batch`` reads too)."""
+    custom_id = obj.get("custom_id")
+    known = custom_id if isinstance(custom_id, str) and custom_id else None
+
+    def bad(message: str, param: str) -> BadLine:
+        return BadLine(line, known, f"line {line}: {message}", param, batch_api=True)
+
+    if known is None:
+        return bad("'custom_id' must be a non-empty string", "custom_id")
+    extra = sorted(set(obj) - BATCH_API_KEYS)
+    if extra:
+        return bad(f"unknown key {extra[0][:40]!r}", extra[0][:40])
+    if obj.get("method", "POST") != "POST":
+        return bad("'method' must be POST", "method")
+    if obj.get("url") not in BATCH_API_URLS:
+        return bad(f"'url' must be one of {sorted(BATCH_API_URLS)}", "url")
+    if not isinstance(obj.get("body"), dict):
+        return bad("'body' must be an object", "body")
+    return Item(line, known, obj["body"], BATCH_API_URLS[obj["url"]], batch_api=True)
+
+
+def error_record(id_: Id | None, line: int, error: OpenAIError, batch_api: bool = False) -> Record:
+    if batch_api:
+        record = batch_api_record(id_, error.status, error.body(), None)
+        return record if id_ is not None else {**record, "line": line}
     body = {"message": error.message, "type": error.type, "param": error.param, "code": error.code}
     return {"id": id_, "line": line, "error": body}
 
 
+def batch_api_record(
+    custom_id: Id | None, status: int, body: dict[str, Any], request_id: str | None
+) -> Record:
+    """A record of OpenAI's Batch API output format: the HTTP response the line would have
+    had (its status and body: the whole completion object, or an error)."""
+    response = {"status_code": status, "request_id": request_id, "body": body}
+    record_id = f"batch_req_{uuid.uuid4().hex}"
+    return {"id": record_id, "custom_id": custom_id, "response": response, "error": None}
+
+
 def bad_line_record(bad: BadLine) -> Record:
-    return error_record(bad.id, bad.line, OpenAIError(bad.message, param=bad.param))
+    return error_record(bad.id, bad.line, OpenAIError(bad.message, param=bad.param), bad.batch_api)
+
+
+def outcome(record: Record) -> str:
+    """``ok``, ``failed`` (on the server: retried by the next run) or ``invalid``."""
+    if "custom_id" in record:
+        status = record["response"]["status_code"]
+        return "ok" if status == 200 else "failed" if status >= 500 else "invalid"
+    error = record.get("error")
+    if not isinstance(error, dict):
+        return "ok"
+    return "failed" if error.get("type") == SERVER_ERROR else "invalid"
 
 
 def result_record(
@@ -121,11 +178,13 @@ class Done:
     lines: set[int] = field(default_factory=set)
 
     def add(self, record: Record) -> None:
-        error = record.get("error")
-        if isinstance(error, dict) and error.get("type") == SERVER_ERROR:
+        if "custom_id" in record and not isinstance(record.get("response"), dict):
+            return  # not a record of ours
+        if outcome(record) == "failed":
             return  # retried on the next run
-        if usable_id(record.get("id")):
-            self.ids.add(record["id"])
+        key = record.get("custom_id") if "custom_id" in record else record.get("id")
+        if usable_id(key):
+            self.ids.add(key)
         elif isinstance(record.get("line"), int):
             self.lines.add(record["line"])
 

@@ -225,6 +225,53 @@ def test_server_errors_are_recorded_and_retried(tmp_path: Path, validator: Valid
     assert "text" in read_records(out)["bad"]
 
 
+BATCH_API_INPUT = [
+    {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}},
+    {"custom_id": "text-1", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": PROMPT, "max_tokens": 2, "n": 2}},
+    {"custom_id": "hot", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 5}},
+    {"custom_id": "boom", "url": "/v1/completions",
+     "body": {"prompt": PROMPT, "max_tokens": 2, "stop": ["boom"]}},
+    {"custom_id": "embed", "url": "/v1/embeddings", "body": {"input": "x"}},
+    {"custom_id": "", "url": "/v1/completions", "body": {"prompt": "x"}},
+    {"custom_id": "chat-1", "url": "/v1/completions", "body": {"prompt": "x"}},
+    {"id": "ours", "prompt": PROMPT, "max_tokens": 2},  # the job's own format, in one file
+]  # fmt: skip
+
+
+def test_openai_batch_api_lines_get_batch_api_records(tmp_path: Path, validator: Validator) -> None:
+    """OpenAI's Batch API file format (vLLM's run_batch reads it too): the record holds the
+    HTTP response the line would have had, and resuming keys on ``custom_id``."""
+    openai = pytest.importorskip("openai")
+    src, out = write_lines(tmp_path / "in.jsonl", BATCH_API_INPUT), tmp_path / "out.jsonl"
+    summary = run(src, out, validator, FakeServer(fail_on="boom"))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    by_id = {r.get("custom_id", r.get("id")): r for r in records}
+    chat = by_id["chat-1"]
+    assert chat["id"].startswith("batch_req_") and chat["error"] is None
+    assert chat["response"]["status_code"] == 200
+    body = openai.types.chat.ChatCompletion.model_validate(chat["response"]["body"])
+    assert body.choices[0].message.content == "Hello world" and body.model == "demo"
+    assert chat["response"]["request_id"] == body.id
+    text = openai.types.Completion.model_validate(by_id["text-1"]["response"]["body"])
+    assert [c.text for c in text.choices] == ["Hello world"] * 2
+    assert text.usage.completion_tokens == 4
+    hot = by_id["hot"]["response"]
+    assert hot["status_code"] == 400 and hot["body"]["error"]["param"] == "temperature"
+    assert by_id["boom"]["response"]["status_code"] == 500
+    assert by_id["embed"]["response"]["body"]["error"]["param"] == "url"
+    nameless = [r for r in records if r.get("custom_id") is None and "line" in r]
+    assert [r["response"]["body"]["error"]["param"] for r in nameless] == ["custom_id", None]
+    assert "duplicate id 'chat-1'" in nameless[1]["response"]["body"]["error"]["message"]
+    assert by_id["ours"]["text"] == "Hello world"
+    assert (summary.ok, summary.invalid, summary.failed) == (3, 4, 1)
+    again = run(src, out, validator, FakeServer())  # only the server failure is run again
+    assert (again.skipped, again.ok, again.failed) == (7, 1, 0)
+    retried = [json.loads(line) for line in out.read_text().splitlines()][-1]
+    assert retried["custom_id"] == "boom" and retried["response"]["status_code"] == 200
+
+
 def test_main_without_pending_work_needs_no_cluster(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
