@@ -131,8 +131,7 @@ def _assistant(content: Any, i: int) -> dict[str, Any]:
     for block in _blocks(content, i):
         kind = block.get("type")
         if kind == "text":
-            _block_keys(block, {"type", "text", "cache_control", "citations"}, "messages")
-            texts.append(text_value(block.get("text"), "messages", f"messages[{i}] text"))
+            texts.append(_text([block], "messages"))
         elif kind == "tool_use":
             _block_keys(block, {"type", "id", "name", "input", "cache_control"}, "messages")
             calls.append(_call(block, i))
@@ -166,8 +165,7 @@ def _user(content: Any, i: int) -> list[dict[str, Any]]:
     for block in _blocks(content, i):
         kind = block.get("type")
         if kind == "text":
-            _block_keys(block, {"type", "text", "cache_control", "citations"}, "messages")
-            texts.append(text_value(block.get("text"), "messages", f"messages[{i}] text"))
+            texts.append(_text([block], "messages"))
         elif kind == "tool_result":
             _block_keys(block, {"type", "tool_use_id", "content", "is_error", "cache_control"},
                         "messages")  # fmt: skip

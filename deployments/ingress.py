@@ -521,11 +521,8 @@ class Ingress:
         events = ResponseEvents(shape)
         yield events.start()
         try:
-            async for _, message in messages:
-                state.add(message)
-                text = events.piece(*state.streamed(message))
-                if text:
-                    yield text
+            async for text in _streamed_pieces(events, messages, state):
+                yield text
         except Exception as e:
             yield events.failed(_failure(e, shape.id))
             return
@@ -602,11 +599,8 @@ class Ingress:
         events = anthropic_api.MessageEvents(message_id, self.model_id)
         yield events.start(prompt_tokens)
         try:
-            async for _, message in messages:
-                state.add(message)
-                text = events.piece(*state.streamed(message))
-                if text:
-                    yield text
+            async for text in _streamed_pieces(events, messages, state):
+                yield text
         except Exception as e:
             yield events.failed(anthropic_api.error_body(_failure(e, message_id)))
             return
@@ -694,6 +688,19 @@ class Ingress:
             text_value(model, "model", "'model'")
         if model not in (None, self.model_id):
             raise _model_not_found(model)
+
+
+async def _streamed_pieces(
+    events: ResponseEvents | anthropic_api.MessageEvents,
+    messages: AsyncIterator[tuple[int, dict[str, Any]]],
+    state: ChoiceState,
+) -> AsyncIterator[str]:
+    """The events of each replica message, for the Responses and Messages streams."""
+    async for _, message in messages:
+        state.add(message)
+        text = events.piece(*state.streamed(message))
+        if text:
+            yield text
 
 
 def _anthropic_error(e: OpenAIError) -> Response:
