@@ -25,7 +25,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,11 +268,29 @@ class PromptBuilder:
         reasoning = self.reasoning(fields, generation)
         return OutputOptions(tokens=tokens, tools=tools, echo=echo, reasoning=reasoning)
 
+    def _thinking_first(self, fields: RequestFields, ids: list[int]) -> RequestFields:
+        """With a reasoning parser, a chat's ``response_format`` or guided constraint holds
+        for the answer after the model's thinking (``ConstraintSpec.thinking``); a forced
+        tool call is constrained from the first token."""
+        spec = fields.constraint
+        if (
+            self.reasoning_parser is None
+            or spec is None
+            or fields.constraint_source == "tool_choice"
+        ):
+            return fields
+        thinking = "open" if self._opens_thinking(ids) else "optional"
+        return dataclasses.replace(fields, constraint=dataclasses.replace(spec, thinking=thinking))
+
+    def _opens_thinking(self, ids: Sequence[int]) -> bool:
+        return opens_thinking(self.tokenizer.decode(list(ids[-PROMPT_TAIL_TOKENS:]), True))
+
     def reasoning(
         self, fields: RequestFields, generation: GenerationRequest | None
     ) -> Reasoning | None:
-        """How the output's thinking is read (``serving.reasoning_parser``): only an
-        unconstrained output can think; a chat prompt may have opened the block already."""
+        """How the output's thinking is read (``serving.reasoning_parser``): an output
+        constrained from its first token cannot think; a chat prompt may have opened the
+        block already."""
         if self.reasoning_parser is None:
             if not fields.include_reasoning:
                 message = (
@@ -281,10 +299,12 @@ class PromptBuilder:
                 )
                 raise OpenAIError(message, param="include_reasoning")
             return None
-        if generation is None or generation.constraint is not None:
+        if generation is None:
             return None
-        tail = self.tokenizer.decode(list(generation.prompt_ids[-PROMPT_TAIL_TOKENS:]), True)
-        return Reasoning(opens_thinking(tail), fields.include_reasoning)
+        constraint = generation.constraint
+        if constraint is not None and constraint.thinking is None:  # no room to think
+            return None
+        return Reasoning(self._opens_thinking(generation.prompt_ids), fields.include_reasoning)
 
     def requests(self, body: dict[str, Any], chat: bool) -> list[Prepared]:
         """One request per prompt: a completion's ``prompt`` may be a list of prompts (strings
@@ -331,6 +351,8 @@ class PromptBuilder:
         # a CFG job's two rows both grow by max_tokens: the longer prompt sets the room
         longest = max(len(ids), len(negative or ()))
         max_new = self.max_new_tokens(fields.max_tokens, longest, chat)
+        if chat:
+            fields = self._thinking_first(fields, ids)
         root = salt_root(fields.cache_salt)
         # the router's page hashes: the positive prompt's, over its rows' content
         hashes = prefix_hashes(ids, self.page_size, parent=root, embeddings=embeddings)

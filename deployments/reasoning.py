@@ -12,8 +12,9 @@ decide. A prompt that closed the block (Qwen3 with ``enable_thinking`` false ren
 one) leaves the output all answer. Thinking cut by ``max_tokens`` stays thinking, with no
 answer. Whitespace between the block and the answer goes.
 
-Only unconstrained outputs are read this way: a grammar (``response_format``, a forced tool
-call) shapes the output from its first token, so there is no thinking to split.
+A chat's ``response_format`` or guided constraint then holds for the answer after the
+thinking (``ConstraintSpec.thinking``: the grammar lets the thinking run free up to
+``</think>``); a forced tool call is constrained from its first token, so it does not think.
 """
 
 from __future__ import annotations

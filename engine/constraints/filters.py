@@ -15,6 +15,7 @@ or from a request's ``ConstraintSpec`` with ``Filter.from_spec(spec)``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -42,6 +43,9 @@ class Filter:
         """The filter enforcing a request's ``ConstraintSpec``."""
         if not isinstance(spec, ConstraintSpec):
             raise ValueError(f"from_spec takes a ConstraintSpec, got {spec!r}")
+        if spec.thinking is not None:
+            inner = Filter.from_spec(dataclasses.replace(spec, thinking=None))
+            return AfterThinkingFilter(inner, opened=spec.thinking == "open")
         if spec.kind == "json_object":
             return JSONObjectFilter()
         if spec.kind == "json_schema":
@@ -147,6 +151,47 @@ class GrammarFilter(Filter):
 
     def grammar(self) -> str:
         return llguidance.LLMatcher.grammar_from_lark(self.lark)
+
+
+@dataclass(frozen=True)
+class AfterThinkingFilter(Filter):
+    """``inner`` holds for the output after a reasoning model's ``<think> ... </think>`` block:
+    the thinking itself is free text up to the closing tag. ``opened``: the prompt opened the
+    block (the output starts inside it); else a block may come first, or none. Whitespace
+    between the block and the answer is allowed (models write a blank line there)."""
+
+    inner: Filter
+    opened: bool = False
+    kind: ClassVar[str] = "after_thinking"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Filter) or isinstance(self.inner, AfterThinkingFilter):
+            raise ValueError(f"an after-thinking filter wraps one plain filter, got {self.inner!r}")
+
+    def grammar(self) -> str:
+        head = (
+            "start: think_text gap answer\n"
+            if self.opened
+            else 'start: (think gap)? answer\nthink: "<think>" think_text\n'
+        )
+        outer = head + THINK_RULES
+        return json.dumps({"grammars": [{"lark_grammar": outer}, _named_answer(self.inner)]})
+
+
+# the thinking runs to the closing tag (llguidance's ``stop``: it is consumed); ``answer``
+# refers to the inner grammar by name
+THINK_RULES = 'think_text[stop="</think>"]: /(.|\\n)*/\ngap: /[ \\t\\r\\n]*/\nanswer: @answer\n'
+
+
+def _named_answer(inner: Filter) -> dict[str, Any]:
+    """``inner``'s grammar as one named entry of a grammar list: the JSON grammar list the
+    ``grammar_from_*`` builders return, or plain Lark text."""
+    text = inner.grammar()
+    try:
+        (entry,) = json.loads(text)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        entry = {"lark_grammar": text}
+    return {**entry, "name": "answer"}
 
 
 def check_filters(filters: Any) -> tuple[Filter, ...]:

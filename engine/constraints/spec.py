@@ -13,6 +13,7 @@ from typing import Literal
 
 ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "lark"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "lark")
+THINKING = (None, "optional", "open")
 MAX_SPEC_CHARS = 256 * 1024  # a schema or grammar larger than this is refused
 
 
@@ -21,12 +22,15 @@ class ConstraintSpec:
     """``kind``: ``json_object`` (any JSON object; ``value`` is None), ``json_schema`` (``value``
     is the schema as JSON text), ``regex`` (the pattern), ``choice`` (``choices``: the allowed
     outputs), ``lark`` (a Lark grammar, llguidance's dialect). ``strict``: for JSON schemas, refuse
-    schema features the grammar cannot enforce instead of loosening them."""
+    schema features the grammar cannot enforce instead of loosening them. ``thinking``: the
+    output may first think, ``<think> ... </think>`` (``"optional"``), or starts inside such a
+    block its prompt opened (``"open"``); the constraint holds for what follows the block."""
 
     kind: ConstraintKind
     value: str | None = None
     choices: tuple[str, ...] = ()
     strict: bool = True
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -57,8 +61,13 @@ class ConstraintSpec:
                 raise ValueError(f"the json_schema constraint is not valid JSON: {e}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema must be an object or a boolean")
+        self._check_options()
+
+    def _check_options(self) -> None:
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be a bool, got {self.strict!r}")
+        if self.thinking not in THINKING:
+            raise ValueError(f"thinking must be one of {THINKING}, got {self.thinking!r}")
 
     @classmethod
     def json_schema(cls, schema: dict | bool, strict: bool = True) -> ConstraintSpec:

@@ -339,3 +339,36 @@ def test_no_mask_row_is_ever_empty(tiny):
     bias = engine.launch([broken, fine, None]).result()
     assert bool((bias[0] == 0).any()) and bool((bias[2] == 0).all())
     assert 0 < int((bias[1] == 0).sum()) < bias.shape[1]
+
+
+# -- a reasoning model's answer after its thinking --------------------------------------------
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_constraint_after_thinking_holds_for_the_answer_only(tiny, opened):
+    """``ConstraintSpec.thinking``: the thinking is free text up to ``</think>`` (which the
+    grammar consumes), whitespace may follow, then the constraint holds; an answer that breaks
+    it is refused token by token, as without thinking."""
+    from engine.constraints.filters import AfterThinkingFilter, Filter
+
+    masks = tiny.generator().mask_engine()
+    spec = ConstraintSpec("regex", "[0-9]{3}", thinking="open" if opened else "optional")
+    (filt,) = [Filter.from_spec(spec)]
+    assert isinstance(filt, AfterThinkingFilter) and filt.opened == opened
+    masks.validate([filt])
+    start = "" if opened else "<think>"
+
+    def consumed(text: str) -> tuple[int, int, bool]:
+        constraint = masks.constraint([filt], prefer_eos=False)
+        ids = tiny.tokenizer.encode(text)[0].tolist()
+        return constraint.try_consume(ids), len(ids), constraint.is_accepting()
+
+    for text in (f"{start}Let me count </think>\n\n123", f"{start}a</think>456"):
+        taken, total, accepting = consumed(text)
+        assert taken == total and accepting, text
+    taken, total, _ = consumed(f"{start}hm</think> 12x")
+    assert taken < total  # the answer breaks the regex
+    taken, total, accepting = consumed("789")  # no thinking at all
+    assert (taken == total and accepting) != opened  # only when the prompt opened none
+    with pytest.raises(ValueError, match="thinking"):
+        ConstraintSpec("regex", "a", thinking="yes")

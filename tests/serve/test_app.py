@@ -461,6 +461,58 @@ def test_hostile_requests_get_clean_4xx(
     _assert_clean_error(*_send(f"{base_url}/v1/{route}", "POST", data, content_type), status)
 
 
+ASK = [{"role": "user", "content": "x"}]
+HOSTILE_ELSEWHERE: list[tuple[str, bytes | dict, int]] = [
+    # (path, body, status): the Responses and Messages APIs, /tokenize and /detokenize
+    ("/v1/responses", b"", 400),
+    ("/v1/responses", b"[]", 400),
+    ("/v1/responses", {"input": "x", "store": True}, 400),
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "nope",
+                                  "output": "x"}]}, 400),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text",
+                                                              "text": "\ud800"}]}]}, 400),
+    ("/v1/responses", {"input": [{"type": "reasoning", "summary": [5]}]}, 400),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "a b"}]}, 400),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 2**100}, 400),
+    ("/v1/responses", {"input": "x" * 3_000_000}, 400),
+    ("/v1/responses", {"input": "x", "model": "other"}, 404),
+    ("/v1/messages", b"{", 400),
+    ("/v1/messages", {"messages": ASK}, 400),
+    ("/v1/messages", {"max_tokens": 5, "messages": "x"}, 400),
+    ("/v1/messages", {"max_tokens": 2**70, "messages": ASK}, 400),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "y"}]}]}, 400),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}]}, 400),
+    ("/v1/messages", {"max_tokens": 5, "messages": ASK, "system": [{"type": "image"}]}, 400),
+    ("/v1/messages", {"max_tokens": 5, "messages": ASK, "model": "other"}, 404),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "system", "content": "x"}]}, 400),
+    ("/tokenize", {"prompt": ["a"]}, 400),
+    ("/tokenize", {"messages": "x"}, 400),
+    ("/tokenize", {"prompt": "x" * 5_000_000}, 413),
+    ("/detokenize", {"tokens": [[1]]}, 400),
+    ("/detokenize", {"tokens": list(range(100_000))}, 400),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status"), HOSTILE_ELSEWHERE)
+def test_hostile_requests_to_the_other_apis_get_clean_4xx(
+    base_url: str, path: str, body: Any, status: int
+) -> None:
+    """Each API answers in its own error shape (Anthropic's for /v1/messages), without
+    internals, and the server keeps serving."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, raw = _send(base_url + path, "POST", data, "application/json")
+    if not path.startswith("/v1/messages"):
+        _assert_clean_error(got, raw, status)
+        return
+    assert got == status, raw[:300]
+    shown = json.loads(raw)
+    assert shown["type"] == "error" and set(shown["error"]) == {"type", "message"}
+    assert not any(marker in shown["error"]["message"] for marker in INTERNALS), shown
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status"),
     [

@@ -177,8 +177,33 @@ def test_the_prompt_decides_whether_the_output_starts_thinking(thinking) -> None
     assert text.endswith("<think></think>")
     hidden = thinking.prepared({"messages": USER, "include_reasoning": False}, chat=True)
     assert hidden.options.reasoning == Reasoning(opened=True, shown=False)
-    constrained = {"messages": USER, "response_format": {"type": "json_object"}}
-    assert thinking.prepared(constrained, chat=True).options.reasoning is None
+
+
+def test_a_constrained_answer_comes_after_the_thinking(thinking) -> None:
+    """With a reasoning parser, ``response_format`` (or a guided field) holds for the answer
+    after the thinking (``ConstraintSpec.thinking``); a forced tool call is constrained from
+    its first token and does not think; completions are never split."""
+    body = {"messages": USER, "response_format": {"type": "json_object"}}
+    prepared = thinking.prepared(body, chat=True)
+    assert prepared.generation.constraint.thinking == "open"  # the template opened the block
+    assert prepared.options.reasoning == Reasoning(opened=True)
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    assert thinking.prepared(off, chat=True).generation.constraint.thinking == "optional"
+    text = {"prompt": "x", "guided_regex": "[0-9]+"}
+    assert thinking.prepared(text, chat=False).generation.constraint.thinking is None
+    thinking.call_syntax = CALL_SYNTAXES["hermes"]
+    try:
+        forced = {"messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+        prepared = thinking.prepared(forced, chat=True)
+        assert prepared.generation.constraint.thinking is None
+        assert prepared.options.reasoning is None
+    finally:
+        thinking.call_syntax = None
+    pieces = ["Cold, I", " think.</think>\n", '{"temp"', ": -3}"]
+    choice, deltas = respond(pieces, "end_filter", reasoning=Reasoning(True))
+    assert choice["message"]["reasoning_content"] == "Cold, I think."
+    assert choice["message"]["content"] == '{"temp": -3}'
+    assert joined(deltas, "content") == '{"temp": -3}'
 
 
 @pytest.mark.parametrize(
