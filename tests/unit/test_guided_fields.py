@@ -62,6 +62,7 @@ def test_a_gbnf_grammar_is_converted_to_lark() -> None:
         ({"guided_grammar": "root ::= ("}, "guided_grammar", "invalid 'guided_grammar'"),
         ({"guided_json": "{not json"}, "guided_json", "invalid 'guided_json'"),
         ({"guided_json": [1]}, "guided_json", "must be an object"),
+        ({"guided_json": "[" * 100_000}, "guided_json", "nested deeper"),
         ({"guided_choice": []}, "guided_choice", "1 to 1024"),
         ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
         ({"guided_regex": 5}, "guided_regex", "must be a string"),
