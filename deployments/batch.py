@@ -137,6 +137,8 @@ class Validator:
                 code="model_not_found",
             )
         fields, request = self.builder.request(item.body, item.chat)
+        if fields.stream:  # a record is written whole, never streamed
+            raise OpenAIError("a batch line cannot stream: 'stream' must be false", param="stream")
         return request, self.builder.output_options(fields, request, item.body)
 
 

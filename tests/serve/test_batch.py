@@ -236,6 +236,7 @@ BATCH_API_INPUT = [
     {"custom_id": "embed", "url": "/v1/embeddings", "body": {"input": "x"}},
     {"custom_id": "", "url": "/v1/completions", "body": {"prompt": "x"}},
     {"custom_id": "chat-1", "url": "/v1/completions", "body": {"prompt": "x"}},
+    {"custom_id": "streamed", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
     {"id": "ours", "prompt": PROMPT, "max_tokens": 2},  # the job's own format, in one file
 ]  # fmt: skip
 
@@ -261,13 +262,14 @@ def test_openai_batch_api_lines_get_batch_api_records(tmp_path: Path, validator:
     assert hot["status_code"] == 400 and hot["body"]["error"]["param"] == "temperature"
     assert by_id["boom"]["response"]["status_code"] == 500
     assert by_id["embed"]["response"]["body"]["error"]["param"] == "url"
+    assert by_id["streamed"]["response"]["body"]["error"]["param"] == "stream"
     nameless = [r for r in records if r.get("custom_id") is None and "line" in r]
     assert [r["response"]["body"]["error"]["param"] for r in nameless] == ["custom_id", None]
     assert "duplicate id 'chat-1'" in nameless[1]["response"]["body"]["error"]["message"]
     assert by_id["ours"]["text"] == "Hello world"
-    assert (summary.ok, summary.invalid, summary.failed) == (3, 4, 1)
+    assert (summary.ok, summary.invalid, summary.failed) == (3, 5, 1)
     again = run(src, out, validator, FakeServer())  # only the server failure is run again
-    assert (again.skipped, again.ok, again.failed) == (7, 1, 0)
+    assert (again.skipped, again.ok, again.failed) == (8, 1, 0)
     retried = [json.loads(line) for line in out.read_text().splitlines()][-1]
     assert retried["custom_id"] == "boom" and retried["response"]["status_code"] == 200
 
