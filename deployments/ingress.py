@@ -726,12 +726,7 @@ async def _streamed_pieces(
 
 
 def _anthropic_error(e: OpenAIError) -> Response:
-    headers = e.response().headers.get("Retry-After")
-    return JSONResponse(
-        anthropic_api.error_body(e),
-        status_code=e.status,
-        headers={"Retry-After": headers} if headers else None,
-    )
+    return e.response(anthropic_api.error_body(e))
 
 
 def _model_not_found(model: str) -> OpenAIError:

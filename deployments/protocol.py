@@ -134,11 +134,13 @@ class OpenAIError(Exception):
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error}
 
-    def response(self) -> JSONResponse:
+    def response(self, body: dict[str, Any] | None = None) -> JSONResponse:
+        """The error as an HTTP response: OpenAI's body, or ``body`` (another API's shape)."""
         headers = None
         if self.retry_after_s is not None:
             headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        shown = self.body() if body is None else body
+        return JSONResponse(shown, status_code=self.status, headers=headers)
 
 
 def server_error(exc: BaseException, request_id: str | None = None) -> OpenAIError:

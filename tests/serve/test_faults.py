@@ -170,6 +170,39 @@ def test_a_batched_completion_that_hangs_up_stops_every_prompt(base_url: str) ->
     assert_idle(wait_idle(base_url, timeout_s=10))
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": "The sea and the sky", "max_output_tokens": 900}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "The sea and the sky"}],
+                          "max_tokens": 900}),
+    ],
+    ids=["responses", "messages"],
+)  # fmt: skip
+def test_the_other_apis_streams_cancel_when_the_client_hangs_up(
+    base_url: str, path: str, body: dict[str, Any]
+) -> None:
+    """The Responses and Messages streams run over the chat path's handle: three streams of
+    900 greedy tokens (the demo model writes no end token in them: seconds of work each on
+    these caches) whose client leaves after the first text event leave the replicas idle
+    within 10 s."""
+
+    def hang_up() -> None:
+        request = urllib.request.Request(
+            base_url + path,
+            data=json.dumps({**body, "stream": True, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for raw in response:
+                if b"_delta" in raw:  # the first text: the request runs; leave
+                    break
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        list(pool.map(lambda _: hang_up(), range(3)))
+    assert_idle(wait_idle(base_url, timeout_s=10))
+
+
 def test_a_cache_far_too_small_completes_everything_by_preempting(base_url: str) -> None:
     before = sum(r["preemptions"] for r in replica_stats(base_url))
     # Each request grows to ~320 tokens; 16 of them want ~5k tokens of cache, of 2 x 1024.
