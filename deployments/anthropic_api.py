@@ -24,7 +24,7 @@ import json
 import uuid
 from typing import Any
 
-from deployments.protocol import OpenAIError, _short, text_value
+from deployments.protocol import OpenAIError, _short, bounded_json, text_value
 
 PASSED = frozenset({"model", "temperature", "top_p", "top_k", "stream"})
 HANDLED = frozenset(
@@ -243,7 +243,7 @@ def content_blocks(choice: dict[str, Any]) -> list[dict[str, Any]]:
 def tool_use(call: dict[str, Any]) -> dict[str, Any]:
     arguments = call["function"]["arguments"]
     try:
-        value = json.loads(arguments)
+        value = bounded_json(arguments)
     except ValueError:  # a forced call cut short: no object to give
         value = {}
     return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": value}

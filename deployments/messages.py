@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.protocol import MAX_JSON_DEPTH, OpenAIError, _nesting_depth, _short, text_value
+from deployments.protocol import OpenAIError, _short, bounded_json, text_value
 from deployments.structured import NAME
 from deployments.tool_parsers import CallSyntax
 
@@ -209,10 +209,8 @@ def _with_calls(
 def _arguments_value(arguments: str) -> Any:
     """The arguments as a JSON value when they parse (a call cut by ``max_tokens`` does not:
     then the text as it is)."""
-    if _nesting_depth(arguments.encode()) > MAX_JSON_DEPTH:  # as for the body: no deep parse
-        return arguments
     try:
-        return json.loads(arguments)
+        return bounded_json(arguments)
     except ValueError:
         return arguments
 

@@ -560,6 +560,23 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def too_deep(text: str) -> bool:
+    """Whether JSON ``text`` nests deeper than a request body may (``MAX_JSON_DEPTH``)."""
+    return _nesting_depth(text.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH
+
+
+def bounded_json(text: str) -> Any:
+    """``json.loads`` under the body's depth limit (ValueError beyond it, or for text that is
+    not JSON): JSON inside a body or a model's output must not exhaust the parser's recursion
+    either."""
+    if too_deep(text):
+        raise ValueError(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:  # (guarded above; kept so no parse can end the request badly)
+        raise ValueError("the JSON nests too deeply") from None
+
+
 def _nesting_depth(raw: bytes) -> int:
     """The JSON nesting depth of ``raw``, counted on the brackets outside strings (vectorised:
     a 4 MB body takes milliseconds)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deployments.tool_parsers import held_prefix
+from deployments.tool_parsers import HeldSpace, held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("think",)
@@ -51,7 +51,7 @@ class ThinkReader:
         self.state = "start"  # the output may (re)open a block; then "thinking" or "answer"
         self.pending = ""
         self.lead = True  # leading whitespace of the thinking, or of an answer after it, goes
-        self.space = ""  # whitespace ending the thinking so far
+        self.space = HeldSpace()  # whitespace ending the thinking so far
 
     def feed(self, text: str) -> Split:
         self.pending += text
@@ -76,7 +76,8 @@ class ThinkReader:
                     self.pending = self.pending[cut:]
                     break
                 self.pending = self.pending[end + len(CLOSE) :]
-                self.state, self.lead, self.space = "answer", True, ""
+                self.state, self.lead = "answer", True
+                self.space.text = ""  # (whitespace ending the thinking goes with the tag)
                 continue
             content.append(self._answer(self.pending))
             self.pending = ""
@@ -96,10 +97,7 @@ class ThinkReader:
             if not text:
                 return ""
             self.lead = False
-        text = self.space + text
-        shown = text.rstrip()
-        self.space = text[len(shown) :]
-        return shown
+        return self.space.take(text)
 
     def _answer(self, text: str) -> str:
         if self.lead:

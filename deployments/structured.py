@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.protocol import MAX_JSON_DEPTH, OpenAIError, _nesting_depth, _short
+from deployments.protocol import OpenAIError, _short, bounded_json
 from deployments.tool_parsers import CallSyntax
 from engine.constraints.spec import ConstraintSpec
 
@@ -153,7 +153,7 @@ def _guided_spec(key: str, value: Any, param: str) -> ConstraintSpec:
                 raise ValueError("'json_object' must be true")
             return ConstraintSpec("json_object")
         if key == "json":
-            schema = _schema_text(value) if isinstance(value, str) else value
+            schema = bounded_json(value) if isinstance(value, str) else value
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema must be an object, or its JSON text")
             return ConstraintSpec.json_schema(schema, strict=True)
@@ -168,14 +168,6 @@ def _guided_spec(key: str, value: Any, param: str) -> ConstraintSpec:
         return ConstraintSpec("regex", value)
     except ValueError as e:  # (json.JSONDecodeError is one)
         raise OpenAIError(f"invalid '{param}': {e}", param=param.split(".")[0]) from None
-
-
-def _schema_text(text: str) -> Any:
-    """A schema sent as JSON text, parsed with the body's own depth limit (a deeper one would
-    exhaust the parser's recursion)."""
-    if _nesting_depth(text.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH:
-        raise ValueError(f"the schema is nested deeper than {MAX_JSON_DEPTH} levels")
-    return json.loads(text)
 
 
 def _as_lark(grammar: str) -> str:

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.protocol import MAX_JSON_DEPTH, _nesting_depth
+from deployments.protocol import bounded_json, too_deep
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +88,10 @@ def read_call(
 
 
 def _loads(text: str) -> Any:
-    """``json.loads`` that answers None for anything that is not JSON (or nests deeper than a
-    request body may: no deep recursion on model output either)."""
-    if _nesting_depth(text.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH:
-        return None
+    """The JSON value of ``text`` under the body's depth limit; None for anything else."""
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
+        return bounded_json(text)
+    except ValueError:
         return None
 
 
@@ -104,6 +101,21 @@ def held_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+class HeldSpace:
+    """Whitespace ending the text given out so far, held until more text follows it: it may
+    only separate what comes next (a call, the end of a thinking block) from what came before."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def take(self, text: str) -> str:
+        """``text`` after the held whitespace, less its own trailing whitespace (now held)."""
+        text = self.text + text
+        shown = text.rstrip()
+        self.text = text[len(shown) :]
+        return shown
 
 
 class CallReader:
@@ -130,7 +142,7 @@ class HermesReader(CallReader):
         self.pending = ""  # text not yet read
         self.in_call = False
         self.made_calls = False
-        self.space = ""  # whitespace ending the content given out so far
+        self.space = HeldSpace()  # whitespace ending the content given out so far
         self.after_call = False  # a call just ended: the next text's leading space goes
 
     def feed(self, text: str) -> Parsed:
@@ -166,8 +178,8 @@ class HermesReader(CallReader):
         else:
             self._text(self.pending, content)
         if not self.made_calls:  # no calls: the text is the model's, whitespace and all
-            content.append(self.space)
-        self.pending = self.space = ""
+            content.append(self.space.text)
+        self.pending, self.space.text = "", ""
         return Parsed("".join(content), tuple(calls))
 
     def _text(self, text: str, out: list[str]) -> None:
@@ -176,9 +188,7 @@ class HermesReader(CallReader):
             if not text:
                 return
             self.after_call = False
-        text = self.space + text
-        shown = text.rstrip()
-        self.space = text[len(shown) :]
+        shown = self.space.take(text)
         if shown:
             out.append(shown)
 
@@ -223,7 +233,7 @@ class Llama3JsonReader(CallReader):
 
     def _calls(self, text: str) -> list[ParsedCall] | None:
         text = text.strip().removeprefix(self.PYTHON_TAG).strip()
-        if _nesting_depth(text.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH:
+        if too_deep(text):
             return None
         decoder = json.JSONDecoder()
         calls: list[ParsedCall] = []
@@ -260,7 +270,7 @@ class MistralReader(CallReader):
         self.tool_names = tool_names
         self.pending = ""
         self.calling = False
-        self.space = ""  # whitespace ending the content so far (dropped before calls)
+        self.space = HeldSpace()  # whitespace ending the content so far (dropped before calls)
 
     def feed(self, text: str) -> Parsed:
         self.pending += text
@@ -268,7 +278,7 @@ class MistralReader(CallReader):
             return Parsed()
         mark = self.pending.find(self.MARK)
         cut = mark if mark >= 0 else len(self.pending) - held_prefix(self.pending, self.MARK)
-        content = self._content(self.pending[:cut])
+        content = self.space.take(self.pending[:cut])
         self.pending = self.pending[cut:]
         if mark >= 0:
             self.calling, self.pending = True, self.pending[len(self.MARK) :]
@@ -280,13 +290,7 @@ class MistralReader(CallReader):
         if calls:
             return Parsed("", tuple(calls))
         marker = self.MARK if self.calling else ""
-        return Parsed(self.space + marker + text)
-
-    def _content(self, text: str) -> str:
-        text = self.space + text
-        shown = text.rstrip()
-        self.space = text[len(shown) :]
-        return shown
+        return Parsed(self.space.text + marker + text)
 
     def _calls(self, text: str) -> list[ParsedCall] | None:
         text = text.strip()
