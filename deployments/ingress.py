@@ -202,13 +202,14 @@ class PromptBuilder:
         return (embedding_from_body(value, self.config.hidden_size, self.run_dtype),)
 
     def negative_prompt(
-        self, body: dict[str, Any], chat: bool, embeds: ChatEmbeds
+        self, body: dict[str, Any], fields: RequestFields, chat: bool, embeds: ChatEmbeds
     ) -> tuple[list[int], tuple[MMEmbedding, ...]]:
         """CFG's negative prompt (``negative_messages`` or ``negative_prompt``), encoded as
-        the positive one is, and the containers of its ``input_embeds`` parts."""
+        the positive one is (with its ``fields``' template variables), and the containers of
+        its ``input_embeds`` parts."""
         param = NEGATIVE_FIELD[chat]
         if chat:
-            kwargs = body.get("chat_template_kwargs") or {}  # (checked with the positive one)
+            kwargs = fields.template_kwargs
             return self.chat_prompt(body.get(param), None, param, embeds, kwargs)
         return self.completion_ids(body, param), ()
 
@@ -302,9 +303,11 @@ class PromptBuilder:
         if generation is None:
             return None
         constraint = generation.constraint
-        if constraint is not None and constraint.thinking is None:  # no room to think
+        if constraint is None:
+            return Reasoning(self._opens_thinking(generation.prompt_ids), fields.include_reasoning)
+        if constraint.thinking is None:  # constrained from its first token: no room to think
             return None
-        return Reasoning(self._opens_thinking(generation.prompt_ids), fields.include_reasoning)
+        return Reasoning(constraint.thinking == "open", fields.include_reasoning)  # (decided)
 
     def requests(self, body: dict[str, Any], chat: bool) -> list[Prepared]:
         """One request per prompt: a completion's ``prompt`` may be a list of prompts (strings
@@ -346,7 +349,7 @@ class PromptBuilder:
             raise OpenAIError(message, param="token_healing")
         negative: list[int] | None = None
         if fields.settings.cfg_scale is not None:  # classifier-free guidance (guidance.py)
-            negative, more = self.negative_prompt(body, chat, embeds)
+            negative, more = self.negative_prompt(body, fields, chat, embeds)
             embeddings += more
         # a CFG job's two rows both grow by max_tokens: the longer prompt sets the room
         longest = max(len(ids), len(negative or ()))
@@ -376,8 +379,7 @@ class Prepared:
 
 def _is_special_text(tokenizer: Tokenizer, text: str) -> bool:
     """Whether ``text`` is one special token of ``tokenizer`` (skipped when decoding)."""
-    ids = tokenizer.encode(text, encode_special_tokens=True)[0].tolist()
-    return len(ids) == 1 and ids[0] in tokenizer.special_ids
+    return tokenizer.token_to_id(text) in tokenizer.special_ids
 
 
 def _longest_token_bytes(tokenizer: Tokenizer) -> int:
