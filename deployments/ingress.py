@@ -500,25 +500,26 @@ class Ingress:
         except OpenAIError as e:
             return e.response()
         shape = ResponseShape(wanted, self.model_id)
-        fmt = ResponseFormat.new(True, self.model_id, prepared.generation.request_id)
-        state = ChoiceState(0, fmt, prepared.options)
-        messages = self._messages([prepared.generation], 1)
-        if wanted.stream:
-            try:
-                first = await anext(messages, None)
-            except Exception as e:
-                return _failure(e, shape.id).response()
-            events = self._response_events(_prepended(first, messages), state, fmt, shape)
-            return StreamingResponse(events, media_type="text/event-stream")
+        fmt, state, messages = self._one_choice(prepared)
         try:
-            async for _, message in messages:
-                state.add(message)
+            if wanted.stream:
+                events = self._response_events(await _started(messages), state, fmt, shape)
+                return StreamingResponse(events, media_type="text/event-stream")
+            await _added(messages, [state])
         except Exception as e:
             return _failure(e, shape.id).response()
         choice = full_body(fmt, [state])["choices"][0]
         output = output_items(choice, wanted.logprobs)
         usage = await asyncio.to_thread(self._usage, state, choice)
         return JSONResponse(shape.response(output, status_of(choice), usage))
+
+    def _one_choice(
+        self, prepared: Prepared
+    ) -> tuple[ResponseFormat, ChoiceState, AsyncIterator[tuple[int, dict[str, Any]]]]:
+        """A one-choice chat request's shapes, its choice and the replica's messages (the
+        Responses and Messages APIs: neither has ``n``)."""
+        fmt = ResponseFormat.new(True, self.model_id, prepared.generation.request_id)
+        return fmt, ChoiceState(0, fmt, prepared.options), self._messages([prepared.generation], 1)
 
     def _prepare_responses(self, raw: bytes) -> tuple[ResponsesRequest, Prepared]:
         body = parse_body(raw)
@@ -564,22 +565,14 @@ class Ingress:
         except OpenAIError as e:
             return _anthropic_error(e)
         message_id = anthropic_api.new_id("msg")
-        fmt = ResponseFormat.new(True, self.model_id, prepared.generation.request_id)
-        state = ChoiceState(0, fmt, prepared.options)
-        messages = self._messages([prepared.generation], 1)
-        if chat.get("stream"):
-            try:
-                first = await anext(messages, None)
-            except Exception as e:
-                return _anthropic_error(_failure(e, message_id))
-            prompt_tokens = len(prepared.generation.prompt_ids)
-            events = self._anthropic_events(
-                _prepended(first, messages), state, fmt, message_id, prompt_tokens
-            )
-            return StreamingResponse(events, media_type="text/event-stream")
+        fmt, state, messages = self._one_choice(prepared)
         try:
-            async for _, message in messages:
-                state.add(message)
+            if chat.get("stream"):
+                prompt_tokens = len(prepared.generation.prompt_ids)
+                started = await _started(messages)
+                events = self._anthropic_events(started, state, fmt, message_id, prompt_tokens)
+                return StreamingResponse(events, media_type="text/event-stream")
+            await _added(messages, [state])
         except Exception as e:
             return _anthropic_error(_failure(e, message_id))
         choice = full_body(fmt, [state])["choices"][0]
@@ -678,13 +671,11 @@ class Ingress:
         ]
         messages = self._messages([each.generation for each in prepared], fields.n)
         if fields.stream:
-            # the first message before the headers: a request the replicas' queues refuse
-            # (or one that fails at once) gets its status, not a 200 and an error event
             try:
-                first = await anext(messages, None)
+                started = await _started(messages)
             except Exception as e:
                 return _failure(e, fmt.id).response()
-            events = _events(_prepended(first, messages), choices, fmt, fields.include_usage)
+            events = _events(started, choices, fmt, fields.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         return await _collect(messages, choices, fmt)
 
@@ -853,11 +844,25 @@ async def _collect(
     fmt: ResponseFormat,
 ) -> Response:
     try:
-        async for index, message in messages:
-            choices[index].add(message)
+        await _added(messages, choices)
     except Exception as e:
         return _failure(e, fmt.id).response()
     return JSONResponse(full_body(fmt, choices))
+
+
+async def _added(
+    messages: AsyncIterator[tuple[int, dict[str, Any]]], choices: list[ChoiceState]
+) -> None:
+    """Every message added to its choice (raising what the stream raises)."""
+    async for index, message in messages:
+        choices[index].add(message)
+
+
+async def _started(messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``messages`` with the first already received: the first message comes before a
+    stream's headers, so a request the replicas' queues refuse (or one that fails at once)
+    gets its status, not a 200 and an error event."""
+    return _prepended(await anext(messages, None), messages)
 
 
 async def _events(
